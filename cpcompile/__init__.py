@@ -1,0 +1,30 @@
+"""cpcompile: context parallelism for packed-sequence (THD) attention.
+
+Layouts (:func:`pad_for_cp`, :func:`partition_indices`), the data-loader side
+(:func:`shard_batch`, :func:`unshard`), and the ops a model calls
+(:func:`packed_attention`) or that CP runs (:func:`cp_attention`).
+"""
+
+from .batch import ShardedBatch, shard_batch, unshard
+from .ops import cp_attention, packed_attention
+from .partition import all_partition_indices, pad_for_cp, partition_indices
+from .plan import AttentionPlan, make_plan
+from .strategy import Strategy, StrategySpec, current_spec, current_strategy, strategy
+
+__all__ = [
+    "AttentionPlan",
+    "ShardedBatch",
+    "Strategy",
+    "StrategySpec",
+    "all_partition_indices",
+    "cp_attention",
+    "current_spec",
+    "current_strategy",
+    "make_plan",
+    "packed_attention",
+    "pad_for_cp",
+    "partition_indices",
+    "shard_batch",
+    "strategy",
+    "unshard",
+]

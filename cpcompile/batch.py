@@ -1,0 +1,110 @@
+"""Data-loader side: pad a packed batch for CP and keep one rank's tokens.
+
+The loader and the model must agree on the layout; ``shard_batch`` reads the same
+active strategy as the compiled attention unless one is passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .distributed import all_gather_rows, resolve_group
+from .partition import all_partition_indices, pad_for_cp, partition_indices
+from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+
+DEFAULT_PAD_VALUES = {"labels": -100}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedBatch:
+    """One rank's part of a packed batch.
+
+    - ``tensors``: each input padded and reordered, ``[T_padded / cp_size, ...]``.
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, global (whole pack).
+    - ``indices``: ``[T_padded / cp_size]`` int64 physical positions of the local rows.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    indices: torch.Tensor
+    spec: StrategySpec
+    cp_size: int
+    rank: int
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.spec.strategy
+
+
+def physical_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """``[T_real]`` int64: where each real token sits in the padded buffer."""
+    cu = cu_seqlens.long()
+    tokens = torch.arange(int(cu[-1]), device=cu.device)
+    doc = torch.searchsorted(cu, tokens, right=True) - 1
+    return tokens - cu[doc] + cu_seqlens_padded.long()[doc]
+
+
+def shard_batch(
+    tensors: dict[str, torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    pad_values: dict[str, float | int] | None = None,
+) -> ShardedBatch:
+    """Pad each tensor for the strategy and keep rank ``rank``'s rows.
+
+    Args:
+        tensors: name -> ``[T, ...]`` with ``T = cu_seqlens[-1]`` (input_ids, labels, ...).
+        cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
+        pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
+    """
+    check_cp(cp_size, rank)
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    if not isinstance(tensors, dict) or not tensors:
+        raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
+    spec = resolve_strategy(strategy)
+    fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
+    unknown = set(pad_values or {}) - set(tensors)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that are not in tensors: {sorted(unknown)}")
+    num_real = int(cu_seqlens[-1]) if data_checks_enabled(cu_seqlens) else None
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"tensors[{name!r}] must be a tensor with tokens in dim 0, got {t!r}")
+        if num_real is not None and t.shape[0] != num_real:
+            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
+
+    cu_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    num_padded = int(cu_padded[-1])
+    indices = partition_indices(cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded)
+    where = physical_positions(cu_seqlens, cu_padded)
+    local = {}
+    for name, t in tensors.items():
+        full = t.new_full((num_padded, *t.shape[1:]), fills.get(name, 0))
+        full[where] = t
+        local[name] = full[indices]
+    return ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
+
+
+def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.Tensor:
+    """All-gather rank-local rows ``[T_padded / cp, ...]`` into physical order ``[T_padded, ...]``.
+
+    Not differentiable; for evaluation, logging and tests.
+    """
+    pg = resolve_group(group)
+    if pg.size() != sharded.cp_size:
+        raise ValueError(f"group has {pg.size()} ranks, the batch was sharded for cp_size={sharded.cp_size}")
+    if local.shape[0] != sharded.indices.shape[0]:
+        raise ValueError(f"local has {local.shape[0]} rows, this rank holds {sharded.indices.shape[0]}")
+    layout = all_partition_indices(
+        sharded.cu_seqlens_padded, cp_size=sharded.cp_size, strategy=sharded.spec,
+        num_tokens=sharded.cp_size * local.shape[0],
+    ).to(local.device)
+    gathered = all_gather_rows(local, pg)
+    return torch.empty_like(gathered).index_copy_(0, layout.reshape(-1), gathered)

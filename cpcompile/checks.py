@@ -1,0 +1,97 @@
+"""Argument checks shared by the layouts, the data loader side and the ops.
+
+Every check raises before any communication or autograd and names the argument,
+the value and what is accepted. Shape and dtype checks always run. Checks that read
+tensor data run on CPU tensors; on CUDA they would force a host sync on every
+call, so there they run only when ``CPCOMPILE_VALIDATE=1`` (a debug switch), and
+never on fake tensors while tracing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+
+def data_checks_enabled(t: torch.Tensor) -> bool:
+    """Whether checks may read the values of ``t`` (no tracing, no forced host sync)."""
+    if is_fake(t) or torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    return t.device.type == "cpu" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_cp(cp_size: object, rank: object | None = None) -> None:
+    check_int("cp_size", cp_size, minimum=1)
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp_size):
+        raise ValueError(f"rank must be an int in [0, {cp_size}), got {rank!r}")
+
+
+def check_cu_seqlens(name: str, cu: object) -> None:
+    """``cu``: ``[B + 1]`` int32, starting at 0, non-decreasing, with at least one token."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries ([B + 1]), got shape {tuple(cu.shape)}")
+    if not data_checks_enabled(cu):
+        return
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {cu.tolist()}")
+    if int(cu[-1]) <= 0:
+        raise ValueError(f"{name} must describe at least one token, got {cu.tolist()}")
+
+
+def check_padded(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:
+    """``cu_seqlens_padded`` must describe the same documents, each at least as long."""
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+    if cu_seqlens.shape != cu_seqlens_padded.shape:
+        raise ValueError(
+            f"cu_seqlens_padded must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
+            f"got {tuple(cu_seqlens_padded.shape)}"
+        )
+    if not (data_checks_enabled(cu_seqlens) and data_checks_enabled(cu_seqlens_padded)):
+        return
+    real = cu_seqlens[1:] - cu_seqlens[:-1]
+    padded = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
+    if bool((padded < real).any()):
+        raise ValueError(
+            "cu_seqlens_padded gives a document fewer tokens than cu_seqlens: "
+            f"padded lengths {padded.tolist()}, real lengths {real.tolist()}"
+        )
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` with ``Hq % Hkv == 0``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in tokens (dim 0) and head_dim (dim 2)"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for grouped-query attention"
+        )
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device:
+        raise ValueError(
+            f"q, k, v must share dtype and device, got {q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}"
+        )

@@ -1,0 +1,315 @@
+"""Attention ops: ``packed_attention`` (one device) and ``cp_attention`` (CP-sharded).
+
+Both run the same piece kernel (``kernels``) over an :class:`AttentionPlan`:
+single-device attention is the plan of one rank that holds everything.
+``cp_attention`` all-gathers K/V (one collective for both), puts them in physical
+order, runs one kernel call over the rank's pieces, and in backward re-gathers
+K/V (nothing of size ``T`` is kept between passes), keeps dQ local and
+reduce-scatters dK/dV to their owners.
+
+Each op: ``custom_op`` -> ``register_fake`` -> ``register_autograd``, whose backward
+is again a custom op. Groups travel by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import distributed as cpdist
+from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enabled
+from ..plan import AttentionPlan, make_plan
+from ..strategy import Strategy, StrategyLike, resolve_strategy
+from . import kernels
+
+COMMS = ("all_gather",)
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _check_fake_qkv(q, k, v) -> None:
+    torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
+    torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
+    torch._check(q.shape[2] == k.shape[2], lambda: f"head_dim of q {q.shape} and k {k.shape} differ")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+
+
+def _out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _single_device_plan(q, cu_seqlens, cu_seqlens_padded) -> AttentionPlan:
+    padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    return make_plan(cu_seqlens, padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=q.shape[0])
+
+
+# --- packed_attention --------------------------------------------------------------
+
+
+@torch.library.custom_op("cpcompile::packed_attention", mutates_args=())
+def _packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int | None,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
+    kernel = kernels.select(q)
+    return kernel.forward(
+        q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal),
+        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+    )
+
+
+@_packed_attention.register_fake
+def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale):
+    _check_fake_qkv(q, k, v)
+    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
+    return _out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=())
+def _packed_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int | None,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
+    return kernels.select(q).backward(
+        dout, q, k, v, out, lse, plan.cu_q, plan.k_start, plan.k_len(causal),
+        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+    )
+
+
+@_packed_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _packed_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_padded)
+    ctx.args = (max_seqlen, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _packed_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens, cu_seqlens_padded = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cpcompile.packed_attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, *ctx.args
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_packed_attention.register_autograd(_packed_backward, setup_context=_packed_setup)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Single-device attention over packed documents (THD).
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA).
+        cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 physical offsets when documents carry
+            padding at their ends (default: none, ``T = cu_seqlens[-1]``).
+        max_seqlen: longest document, a launch bound for GPU kernels (optional).
+        causal: causal within each document. scale: default ``D ** -0.5``.
+    Returns:
+        ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
+    """
+    check_qkv(q, k, v)
+    if cu_seqlens_padded is None:
+        _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
+    else:
+        check_padded(cu_seqlens, cu_seqlens_padded)
+        _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
+    return torch.ops.cpcompile.packed_attention(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)[0]
+
+
+def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
+    check_cu_seqlens(name, cu)
+    if isinstance(expected, int) and data_checks_enabled(cu) and int(cu[-1]) != expected:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})")
+
+
+# --- cp_attention ------------------------------------------------------------------
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, gather_index: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local k, v ``[T_local, Hkv, D]`` -> global k, v ``[T, Hkv, D]`` in physical order."""
+    kv = torch.cat([k, v], dim=1)  # [T_local, 2 Hkv, D]: one collective for both
+    kv = cpdist.all_gather_rows(kv, group).index_select(0, gather_index)  # [T, 2 Hkv, D]
+    return kv.split(k.shape[1], dim=1)
+
+
+@torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
+def _cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = cpdist.resolve_group(group_name)
+    k_all, v_all = _gather_kv(k, v, gather_index, group)
+    return kernels.select(q).forward(
+        q, k_all, v_all, cu_q, k_start, k_len, causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen
+    )
+
+
+@_cp_attention.register_fake
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen):
+    _check_fake_qkv(q, k, v)
+    cp = cpdist.resolve_group(group_name).size()
+    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
+    torch._check(
+        gather_index.shape[0] == q.shape[0] * cp,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp}",
+    )
+    return _out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=())
+def _cp_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = cpdist.resolve_group(group_name)
+    k_all, v_all = _gather_kv(k, v, gather_index, group)  # re-gathered, not saved
+    dq, dk_all, dv_all = kernels.select(q).backward(
+        dout, q, k_all, v_all, out, lse, cu_q, k_start, k_len,
+        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+    )
+    # Partial dK/dV of every physical key, back in all-gather order, summed in fp32
+    # over ranks and scattered to each key's owner.
+    dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv, D]
+    dkv = torch.empty_like(dkv).index_copy_(0, gather_index, dkv)
+    dkv = cpdist.reduce_scatter_rows(dkv, group).to(k.dtype)  # [T_local, 2 Hkv, D]
+    dk, dv = dkv.split(k.shape[1], dim=1)
+    return dq, dk.contiguous(), dv.contiguous()
+
+
+@_cp_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _cp_setup(ctx, inputs, output):
+    q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, gather_index, cu_q, k_start, k_len)
+    ctx.args = (group_name, causal, scale, max_seqlen)
+    ctx.mark_non_differentiable(lse)
+
+
+def _cp_backward(ctx, dout, _dlse):
+    dq, dk, dv = torch.ops.cpcompile.cp_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    group=None,
+    strategy: StrategyLike = None,
+    comm: str = "all_gather",
+    causal: bool = True,
+    scale: float | None = None,
+    max_seqlen: int | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Context-parallel attention over packed documents; call it on every rank of ``group``.
+
+    Args:
+        q: ``[T_local, Hq, D]``; k, v: ``[T_local, Hkv, D]``: this rank's tokens in
+            layout order (as :func:`cpcompile.shard_batch` produces them).
+        cu_seqlens: ``[B + 1]`` int32 *global* cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
+            :func:`cpcompile.pad_for_cp` of ``cu_seqlens``).
+        group: the CP process group, its name, or ``None`` (default group).
+        strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`).
+        comm: ``"all_gather"``.
+        max_seqlen: longest document, a launch bound for GPU kernels (optional).
+        plan: a prebuilt :func:`cpcompile.make_plan` for this rank, to share across layers.
+    Returns:
+        ``[T_local, Hq, D]`` in layout order; padding rows are 0.
+    """
+    check_qkv(q, k, v)
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    pg = cpdist.resolve_group(group)
+    cp, rank = pg.size(), pg.rank()
+    error = None
+    try:
+        if plan is None:
+            plan = make_plan(
+                cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank,
+                strategy=resolve_strategy(strategy), num_tokens=q.shape[0] * cp,
+            )
+        elif plan.gather_index.shape[0] != q.shape[0] * cp:
+            raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp_size {cp}")
+    except (ValueError, TypeError) as e:
+        error = e
+    if data_checks_enabled(q) and data_checks_enabled(cu_seqlens):
+        # Before the first collective, so that no rank is left waiting in it.
+        cu = cu_seqlens.long()
+        cpdist.agree_before_collectives(
+            pg, error, local_tokens=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
+            cu_seqlens_checksum=int((cu * torch.arange(1, cu.shape[0] + 1)).sum()),
+        )
+    elif error is not None:
+        raise error
+    out, _ = torch.ops.cpcompile.cp_attention(
+        q, k, v, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal),
+        pg.group_name, causal, scale, max_seqlen,
+    )
+    return out

@@ -1,0 +1,59 @@
+"""torch's built-in flash varlen kernel (CUDA, fp16/bf16) with the piece contract.
+
+Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) and
+``seqused_k`` its length, so no key is copied. The backward kernel has no
+``seqused_k``, and two pieces whose key ranges overlap would race on dK/dV; so it
+runs one call over a key buffer in which each piece gets its own copy of its keys,
+and the copies' gradients are summed back with ``index_add_``. That buffer holds
+``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
+for small stripes; reading its size is this module's one host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[Tq]`` bool: rows whose piece sees at least one key."""
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
+
+
+def _bounds(q, k, max_seqlen):
+    # Real pieces never exceed the longest document; padding rows beyond max_q are
+    # skipped by the kernel and zeroed below.
+    if max_seqlen is None:
+        return q.shape[0], k.shape[0]
+    return min(q.shape[0], max_seqlen), min(k.shape[0], max_seqlen)
+
+
+def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
+    max_q, max_k = _bounds(q, k, max_seqlen)
+    cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scale, seqused_k=k_len,
+    )
+    live = _live_rows(cu_q, k_len, q.shape[0])
+    out = out.masked_fill(~live[:, None, None], 0)
+    lse = lse.masked_fill(~live[None, :], float("-inf"))
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
+    max_q, max_k = _bounds(q, k, max_seqlen)
+    cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
+    total = int(cu_kc[-1])  # host sync: the size of the per-piece key copies
+    slots = torch.arange(total, device=q.device)
+    piece = torch.searchsorted(cu_kc, slots.to(torch.int32), right=True) - 1
+    src = k_start.long()[piece] + slots - cu_kc.long()[piece]  # [total] key row copied into each slot
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    dq, dkc, dvc = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q, k[src], v[src], out, lse,
+        cu_q, cu_kc, max_q, max_k, 0.0, causal, rng, rng.new_empty(0), scale=scale,
+    )
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc.float())
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc.float())
+    live = _live_rows(cu_q, k_len, q.shape[0])
+    return dq.masked_fill(~live[:, None, None], 0), dk.to(k.dtype), dv.to(v.dtype)

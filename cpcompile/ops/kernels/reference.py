@@ -1,0 +1,104 @@
+"""Reference kernel: exact piece attention on any device, float32 accumulation.
+
+The kernel contract shared by every backend. Queries are cut into pieces by
+``cu_q``; piece p reads keys ``[k_start[p], k_start[p] + k_len[p])`` of the full
+key buffer. Causal pieces are aligned bottom-right (row i of a piece of length
+``n`` sees the first ``k_len - n + 1 + i`` of its keys). A row that sees no key
+outputs 0 with ``lse = -inf`` and gets zero gradient. ``backward`` returns the
+exact sum of every piece's dK/dV, even where key ranges of pieces overlap.
+
+Rows are processed in blocks against the key window they need, with a dense mask:
+simple and exact, meant for CPU tests and small runs, not for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ROW_BLOCK = 256
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_bounds(cu_q, k_start, k_len, causal: bool, num_rows: int):
+    """Per query row: first visible key and one past the last, ``[Tq]`` int64 each."""
+    cu = cu_q.long()
+    q_len = cu[1:] - cu[:-1]
+    rows = torch.arange(num_rows, device=cu.device)
+    piece = torch.searchsorted(cu, rows, right=True) - 1  # [Tq]
+    lo = k_start.long()[piece]
+    n = k_len.long()[piece]
+    if causal:
+        n = (n - q_len[piece] + 1 + rows - cu[piece]).clamp(min=0) * (n > 0)
+    return lo, lo + n
+
+
+def _blocks(lo: torch.Tensor, hi: torch.Tensor):
+    """Row blocks ``(r0, r1, k0, k1)`` with the key window their rows read."""
+    for r0 in range(0, lo.shape[0], _ROW_BLOCK):
+        r1 = min(r0 + _ROW_BLOCK, lo.shape[0])
+        live = hi[r0:r1] > lo[r0:r1]
+        if not bool(live.any()):
+            continue
+        k0 = int(lo[r0:r1][live].min())
+        k1 = int(hi[r0:r1][live].max())
+        yield r0, r1, k0, k1
+
+
+def _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc):
+    """Masked scores ``[Hkv, G, rows, keys]`` and the mask ``[rows, keys]``."""
+    hkv = k.shape[1]
+    qb = q[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
+    kb = k[k0:k1].to(acc)  # [keys, Hkv, D]
+    s = torch.einsum("rhgd,khd->hgrk", qb, kb) * scale
+    keys = torch.arange(k0, k1, device=q.device)
+    mask = (keys[None, :] >= lo[r0:r1, None]) & (keys[None, :] < hi[r0:r1, None])
+    return s.masked_fill(~mask, float("-inf")), mask
+
+
+def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
+    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32.
+
+    ``max_seqlen`` (a launch bound for GPU kernels) is not needed here.
+    """
+    acc = _acc_dtype(q.dtype)
+    tq, hq, d = q.shape
+    out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    lo, hi = _row_bounds(cu_q, k_start, k_len, causal, tq)
+    for r0, r1, k0, k1 in _blocks(lo, hi):
+        s, mask = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
+        m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(acc).min)  # rows with no key stay finite
+        p = torch.exp(s - m)
+        total = p.sum(-1, keepdim=True)
+        o = torch.einsum("hgrk,khd->rhgd", p / total.clamp(min=torch.finfo(acc).tiny), v[k0:k1].to(acc))
+        out[r0:r1] = o.flatten(1, 2)
+        lse[:, r0:r1] = (m + torch.log(total)).squeeze(-1).flatten(0, 1).float()
+    return out.to(q.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]`` in the input dtype."""
+    acc = _acc_dtype(q.dtype)
+    tq, hq, _ = q.shape
+    hkv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    lo, hi = _row_bounds(cu_q, k_start, k_len, causal, tq)
+    # delta_i = sum_d dO_i O_i: the softmax Jacobian's row term, [Hkv, G, Tq, 1]
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).t().unflatten(0, (hkv, -1)).unsqueeze(-1)
+    # Rows without keys have lse = -inf; any finite stand-in keeps exp(-inf - lse) = 0.
+    lse_g = lse.to(acc).clamp(min=torch.finfo(acc).min).unflatten(0, (hkv, -1)).unsqueeze(-1)  # [Hkv, G, Tq, 1]
+    for r0, r1, k0, k1 in _blocks(lo, hi):
+        s, _ = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
+        p = torch.exp(s - lse_g[:, :, r0:r1])  # masked entries are exp(-inf) = 0
+        do = dout[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
+        dv[k0:k1] += torch.einsum("hgrk,rhgd->khd", p, do)
+        dp = torch.einsum("rhgd,khd->hgrk", do, v[k0:k1].to(acc))
+        ds = p * (dp - delta[:, :, r0:r1]) * scale
+        dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
+        dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,151 @@
+"""Layout math: which physical tokens each CP rank holds, in which order.
+
+Pure tensor functions of ``cu_seqlens_padded``, ``cp_size`` and ``rank``: they never
+touch ``torch.distributed``, loop over documents in Python, or read tensor values
+on the host (pass ``num_tokens`` when the tensors live on CUDA), so they run inside
+CUDA graphs and under ``torch.compile``.
+
+Layouts (``T`` = padded token count, ``T_local = T / cp``):
+
+- dual_chunk_swap: each document is cut into ``2 * cp`` equal chunks; rank ``r``
+  holds chunks ``r`` and ``2 * cp - 1 - r`` of every document, documents in order
+  (TransformerEngine's ``thd_get_partitioned_indices``).
+- no_load_balance: rank ``r`` holds ``[r * T_local, (r + 1) * T_local)``.
+- striped: rank ``r`` holds token ``t`` where ``(t // stripe) % cp == r``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+
+
+def padding_multiple(spec: StrategySpec, cp_size: int) -> tuple[int, bool]:
+    """``(m, per_document)``: lengths must be multiples of ``m``, per document or in total."""
+    if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
+        return 2 * cp_size, True
+    if spec.strategy is Strategy.STRIPED:
+        return cp_size * spec.stripe_size, False
+    return cp_size, False
+
+
+def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike = None) -> torch.Tensor:
+    """The least padding the strategy needs, at the end of documents.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths.
+    Returns:
+        ``cu_seqlens_padded``: ``[B + 1]`` int32 physical offsets. dual_chunk_swap pads
+        every document to a multiple of ``2 * cp``; the others pad only the total
+        (to a multiple of ``cp``, or ``cp * stripe_size``), at the end of the last document.
+    """
+    check_cp(cp_size)
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    spec = resolve_strategy(strategy)
+    m, per_document = padding_multiple(spec, cp_size)
+    cu = cu_seqlens.long()
+    if per_document:
+        lengths = cu[1:] - cu[:-1]
+        padded = (lengths + m - 1) // m * m
+        return torch.cat([cu[:1], padded.cumsum(0)]).to(torch.int32)
+    pad = (-cu[-1:]) % m  # [1], kept as a tensor: no host read
+    return torch.cat([cu[:-1], cu[-1:] + pad]).to(torch.int32)
+
+
+def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int, num_tokens: int | None) -> None:
+    """Raise if ``cu_seqlens_padded`` (or ``num_tokens``) cannot be split by ``spec``."""
+    check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+    m, per_document = padding_multiple(spec, cp_size)
+    if isinstance(num_tokens, int) and num_tokens % m:
+        raise ValueError(
+            f"{spec.strategy.value} with cp_size={cp_size} needs a token count that is a multiple of {m}, "
+            f"got {num_tokens}"
+        )
+    if not data_checks_enabled(cu_seqlens_padded):
+        return
+    total = int(cu_seqlens_padded[-1])
+    if isinstance(num_tokens, int) and total != num_tokens:
+        raise ValueError(
+            f"cu_seqlens_padded[-1] = {total} does not match the token count {num_tokens} "
+            "(for attention: local tokens x cp_size)"
+        )
+    lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
+    if per_document and bool((lengths % m != 0).any()):
+        raise ValueError(
+            f"cu_seqlens_padded is not usable by {spec.strategy.value} with cp_size={cp_size}: every document "
+            f"must be padded to a multiple of {m}, got lengths {lengths.tolist()} (use pad_for_cp)"
+        )
+    if total % m:
+        raise ValueError(
+            f"cu_seqlens_padded is not usable by {spec.strategy.value} with cp_size={cp_size}: the total "
+            f"{total} must be a multiple of {m} (use pad_for_cp)"
+        )
+
+
+def _indices(cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.Tensor, t_local) -> torch.Tensor:
+    """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64."""
+    j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
+    if spec.strategy is Strategy.NO_LOAD_BALANCE:
+        return ranks * t_local + j
+    if spec.strategy is Strategy.STRIPED:
+        s = spec.stripe_size
+        return ((j // s) * cp + ranks) * s + j % s
+    # dual_chunk_swap: doc d occupies local positions [cu[d] / cp, cu[d + 1] / cp).
+    cu = cu_padded.long()
+    cu_local = cu // cp
+    doc = torch.searchsorted(cu_local, j, right=True) - 1  # right: empty documents are skipped
+    pos = j - cu_local[doc]  # position inside the rank's part of the document
+    chunk = (cu[doc + 1] - cu[doc]) // (2 * cp)
+    shift = torch.where(pos < chunk, ranks, 2 * cp - 2 - ranks) * chunk
+    return pos + cu[doc] + shift
+
+
+def _num_tokens(cu_seqlens_padded: torch.Tensor, num_tokens):
+    # Reading the total is a host sync on CUDA; callers that know it (ops) pass it.
+    return int(cu_seqlens_padded[-1]) if num_tokens is None else num_tokens
+
+
+def partition_indices(
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    cp_size: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """The physical positions rank ``rank`` holds, in its storage order.
+
+    Args:
+        cu_seqlens_padded: ``[B + 1]`` int32 physical document offsets (see :func:`pad_for_cp`).
+        num_tokens: ``T = cu_seqlens_padded[-1]`` if known; given, no value is read on the host.
+    Returns:
+        ``[T / cp_size]`` int64.
+    """
+    check_cp(cp_size, rank)
+    spec = resolve_strategy(strategy)
+    check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
+    t = _num_tokens(cu_seqlens_padded, num_tokens)
+    ranks = torch.tensor([[rank]], device=cu_seqlens_padded.device)
+    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size)[0]
+
+
+def all_partition_indices(
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """Every rank's :func:`partition_indices` at once: ``[cp_size, T / cp_size]`` int64.
+
+    Row-major it is the physical position of each row of an all-gather of the
+    ranks' local buffers.
+    """
+    check_cp(cp_size)
+    spec = resolve_strategy(strategy)
+    check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
+    t = _num_tokens(cu_seqlens_padded, num_tokens)
+    ranks = torch.arange(cp_size, device=cu_seqlens_padded.device)[:, None]
+    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size)

@@ -1,0 +1,1 @@
+"""Graph passes of the ``torch.compile`` backend (attention sharding, TP overlap)."""

@@ -1,0 +1,112 @@
+"""Per-step attention plan: a rank's local queries cut into pieces, and their keys.
+
+A *piece* is a maximal run of local tokens whose physical positions are consecutive,
+inside one document, and all real or all padding. A real piece covering positions
+``[a, b)`` of a document that starts at ``s`` attends, bottom-right aligned, to keys
+``[s, b)`` when causal and to the document's real tokens when not; a padding piece
+sees no keys (zero output, zero gradient). One varlen kernel call over all pieces
+then computes the rank's attention, for every strategy.
+
+The plan depends only on ``(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy)``:
+build it once per step and share it across layers. Sizes are static given the
+shapes (unused piece slots are empty), so nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .checks import check_cp, check_padded
+from .partition import all_partition_indices, pad_for_cp
+from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+
+
+class AttentionPlan(NamedTuple):
+    """What one rank needs to run CP attention (``P`` = piece slots, ``T`` = padded tokens).
+
+    - ``gather_index``: ``[T]`` int64, row of the all-gathered K/V holding physical position p.
+    - ``cu_q``: ``[P + 1]`` int32, local query offsets of the pieces (trailing slots empty).
+    - ``k_start``: ``[P]`` int32, physical position of each piece's first key (its document start).
+    - ``k_len_causal``: ``[P]`` int32, keys a piece sees when causal (0 for padding pieces).
+    - ``k_len_full``: ``[P]`` int32, keys a piece sees when not causal (its document's real length).
+    """
+
+    gather_index: torch.Tensor
+    cu_q: torch.Tensor
+    k_start: torch.Tensor
+    k_len_causal: torch.Tensor
+    k_len_full: torch.Tensor
+
+    def k_len(self, causal: bool) -> torch.Tensor:
+        return self.k_len_causal if causal else self.k_len_full
+
+
+def max_pieces(spec: StrategySpec, num_docs: int, t_local):
+    """Static upper bound on a rank's pieces (each piece has at least one token).
+
+    A rank's layout is a set of runs of consecutive positions; document starts and
+    real/padding boundaries cut them further (each cuts at most one run).
+    """
+    if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
+        bound = 3 * num_docs  # two chunks per document, one of them cut by its padding
+    elif spec.strategy is Strategy.STRIPED:
+        bound = t_local // spec.stripe_size + 2 * num_docs
+    else:
+        bound = 2 * num_docs  # one run, cut by document starts and padding
+    return torch.sym_min(t_local, bound)
+
+
+def make_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """Build rank ``rank``'s :class:`AttentionPlan`.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 global cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets; ``None``: :func:`pad_for_cp`.
+        num_tokens: padded total ``T`` (``T_local * cp_size``) if known, so no value is read on the host.
+    """
+    check_cp(cp_size, rank)
+    spec = resolve_strategy(strategy)
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    check_padded(cu_seqlens, cu_seqlens_padded)
+    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    t_local = layout.shape[1]
+    device = layout.device
+
+    flat = layout.reshape(-1)  # [T] physical position of each all-gathered row
+    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=device))
+
+    idx = layout[rank]  # [T_local]
+    cu_p = cu_seqlens_padded.long()
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    doc = torch.searchsorted(cu_p, idx, right=True) - 1  # [T_local]
+    pos = idx - cu_p[doc]  # position inside the document
+    real = pos < real_len[doc]
+    new_piece = torch.ones(t_local, dtype=torch.bool, device=device)
+    new_piece[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1]) | (real[1:] != real[:-1])
+
+    num_pieces = max_pieces(spec, cu_seqlens.shape[0] - 1, t_local)
+    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_local).squeeze(1)  # [P]
+    cu_q = torch.cat([starts, starts.new_full((1,), t_local)])  # [P + 1]
+    q_len = cu_q[1:] - cu_q[:-1]
+    first = starts.clamp(max=t_local - 1)  # empty trailing slots read a valid row, then get no keys
+    live = (q_len > 0) & real[first]
+    k_len_causal = torch.where(live, pos[first] + q_len, 0)
+    k_len_full = torch.where(live, real_len[doc[first]], 0)
+    return AttentionPlan(
+        gather_index=gather_index,
+        cu_q=cu_q.to(torch.int32),
+        k_start=cu_p[doc[first]].to(torch.int32),
+        k_len_causal=k_len_causal.to(torch.int32),
+        k_len_full=k_len_full.to(torch.int32),
+    )

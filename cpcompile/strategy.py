@@ -1,0 +1,116 @@
+"""Load-balancing strategies and the active-strategy context.
+
+The strategy decides which physical tokens each CP rank holds. Data loaders
+(``shard_batch``) and attention (``cp_attention``, the compiler pass) must agree on
+it, so both read the same active value from :func:`strategy` unless one is passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Iterator
+
+
+class Strategy(str, enum.Enum):
+    """How a packed buffer is split over CP ranks (values are the accepted strings)."""
+
+    DUAL_CHUNK_SWAP = "dual_chunk_swap"
+    NO_LOAD_BALANCE = "no_load_balance"
+    STRIPED = "striped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpec:
+    """A strategy with its parameters: what a layout function needs to know.
+
+    ``stripe_size`` only matters for :attr:`Strategy.STRIPED` (tokens per stripe).
+    """
+
+    strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
+    stripe_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stripe_size, int) or isinstance(self.stripe_size, bool) or self.stripe_size < 1:
+            raise ValueError(f"stripe_size must be a positive int, got {self.stripe_size!r}")
+        if self.strategy is not Strategy.STRIPED and self.stripe_size != 1:
+            raise ValueError(
+                f"stripe_size={self.stripe_size} only applies to strategy 'striped', "
+                f"not {self.strategy.value!r}"
+            )
+
+
+StrategyLike = Strategy | str | StrategySpec | None
+
+_ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
+_active: list[StrategySpec] = [StrategySpec()]
+
+
+def _to_enum(value: Strategy | str) -> Strategy:
+    if isinstance(value, Strategy):
+        return value
+    if isinstance(value, str):
+        try:
+            return Strategy(value.lower())
+        except ValueError:
+            raise ValueError(f"strategy must be one of {_ACCEPTED}, got {value!r}") from None
+    raise TypeError(f"strategy must be a Strategy, a str or None, got {type(value).__name__}")
+
+
+def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None = None) -> StrategySpec:
+    """Turn any accepted strategy argument into a :class:`StrategySpec`.
+
+    ``None`` means the active spec. A plain strategy that names the active one
+    keeps the active stripe size, so ``shard_batch(..., strategy="striped")`` inside
+    ``with strategy("striped", stripe_size=128)`` cannot disagree with attention.
+    """
+    if isinstance(strategy, StrategySpec):
+        if stripe_size is not None and stripe_size != strategy.stripe_size:
+            raise ValueError(
+                f"stripe_size={stripe_size} conflicts with the spec's stripe_size={strategy.stripe_size}"
+            )
+        return strategy
+    if strategy is None:
+        spec = _active[-1]
+    else:
+        kind = _to_enum(strategy)
+        active = _active[-1]
+        spec = active if active.strategy is kind else StrategySpec(kind)
+    if stripe_size is not None and stripe_size != spec.stripe_size:
+        spec = StrategySpec(spec.strategy, stripe_size)
+    return spec
+
+
+def current_strategy() -> Strategy:
+    """The strategy in force (``dual_chunk_swap`` outside any :func:`strategy` block)."""
+    return _active[-1].strategy
+
+
+def current_spec() -> StrategySpec:
+    """The strategy in force with its parameters."""
+    return _active[-1]
+
+
+@contextlib.contextmanager
+def strategy(value: Strategy | str | StrategySpec, *, stripe_size: int | None = None) -> Iterator[StrategySpec]:
+    """Make ``value`` the active strategy inside the ``with`` block.
+
+    Example::
+
+        with cpcompile.strategy("striped", stripe_size=128):
+            batch = cpcompile.shard_batch(...)   # striped layout
+            loss = compiled_model(batch)         # striped attention
+    """
+    if isinstance(value, StrategySpec):
+        spec = resolve_strategy(value, stripe_size=stripe_size)
+    else:
+        spec = StrategySpec(_to_enum(value), 1 if stripe_size is None else stripe_size)
+    _active.append(spec)
+    try:
+        yield spec
+    finally:
+        _active.pop()

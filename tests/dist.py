@@ -1,0 +1,48 @@
+"""Run a function on real gloo ranks (``torch.multiprocessing`` spawn) and report failures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    # A bounded timeout: a collective that never completes fails the test instead of hanging CI.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    # Exiting with a live gloo group intermittently aborts the process in torch 2.13
+    # ("terminate called without an active exception"); so: all done, then tear down.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; fail with rank tracebacks."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        try:
+            mp.start_processes(_worker, args=(world_size, init_file, fn, args, errors), nprocs=world_size,
+                               start_method="spawn")
+        except mp.ProcessRaisedException:
+            pass
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+    if failures:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))

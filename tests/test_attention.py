@@ -1,0 +1,105 @@
+"""Tiers 1-2: packed_attention against float64 per-document attention; opcheck on both ops;
+argument errors before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.library import opcheck
+
+import cpcompile
+from tests.reference import attention_fp64, relative_error
+
+
+def _case(lengths, hq=4, hkv=2, d=8, padded_lengths=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_p = None if padded_lengths is None else torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()],
+                                                            dtype=torch.int32)
+    n = sum(padded_lengths or lengths)
+    return cu, cu_p, *(torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv, hq))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3), (4, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_attention_matches_fp64(causal, heads, padded):
+    lengths = [1, 17, 6, 30]
+    cu, cu_p, q, k, v, dout = _case(lengths, *heads, padded_lengths=[4, 20, 6, 33] if padded else None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cpcompile.packed_attention(*leaves, cu, cu_seqlens_padded=cu_p, causal=causal, scale=0.3)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = attention_fp64(*ref_leaves, cu, causal=causal, cu_seqlens_padded=cu_p, scale=0.3)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    assert relative_error(out, ref) < 1e-5
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < 1e-5
+    if padded:  # padding rows: zero output and zero gradient
+        pad = torch.ones(q.shape[0], dtype=torch.bool)
+        pad[cpcompile.batch.physical_positions(cu, cu_p)] = False
+        assert out[pad].abs().max() == 0 and grads[0][pad].abs().max() == 0 and grads[1][pad].abs().max() == 0
+
+
+def test_opcheck_packed_attention():
+    cu, cu_p, q, k, v, _ = _case([3, 9, 4], padded_lengths=[4, 10, 6])
+    for causal in (True, False):
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu, cu_p, 10, causal, None)
+        opcheck(torch.ops.cpcompile.packed_attention.default, args)
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A real one-process gloo group: cp_attention's collectives run, and are identities."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_opcheck_cp_attention(single_rank_group):
+    cu, _, q, k, v, _ = _case([3, 9, 4])
+    plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    for causal in (True, False):
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), plan.gather_index, plan.cu_q,
+                plan.k_start, plan.k_len(causal), single_rank_group.group_name, causal, None, 9)
+        opcheck(torch.ops.cpcompile.cp_attention.default, args)
+
+
+def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
+    cu, _, q, k, v, _ = _case([3, 9, 4])
+    want = cpcompile.packed_attention(q, k, v, cu)
+    got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
+    assert torch.allclose(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+        (lambda a: {**a, "k": a["k"][:5]}, ValueError, "k and v must have the same shape"),
+        (lambda a: {**a, "q": a["q"][0]}, ValueError, r"q must be \[tokens, heads, head_dim\]"),
+        (lambda a: {**a, "cu_seqlens": a["cu_seqlens"].long()}, ValueError, "cu_seqlens must have dtype torch.int32"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 9, 3, 16], dtype=torch.int32)}, ValueError,
+         "cu_seqlens must be non-decreasing"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 15], dtype=torch.int32)}, ValueError,
+         r"cu_seqlens\[-1\] = 15 must equal the number of tokens in q \(16\)"),
+        (lambda a: {**a, "q": a["q"].int()}, ValueError, "q must be a floating-point tensor"),
+    ],
+)
+def test_packed_attention_rejects_bad_arguments(mutate, error, message):
+    cu, _, q, k, v, _ = _case([3, 9, 4])
+    args = mutate({"q": q, "k": k, "v": v, "cu_seqlens": cu})
+    with pytest.raises(error, match=message):
+        cpcompile.packed_attention(args["q"], args["k"], args["v"], args["cu_seqlens"])
+
+
+def test_cp_attention_rejects_bad_arguments(single_rank_group):
+    cu, _, q, k, v, _ = _case([3, 9, 4])
+    with pytest.raises(ValueError, match="comm must be one of"):
+        cpcompile.cp_attention(q, k, v, cu, comm="p2p")
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        cpcompile.cp_attention(q, k, v, cu, strategy="zigzag")
+    padded = torch.tensor([0, 4, 14, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_padded gives a document fewer tokens"):
+        cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded, strategy="no_load_balance")

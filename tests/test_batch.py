@@ -1,0 +1,58 @@
+"""Tier 1: shard_batch against a brute-force pad-then-select (unshard runs in the gloo tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpcompile
+
+
+def _brute_force(t: torch.Tensor, lengths, padded_lengths, fill, held):
+    rows, start = [], 0
+    for n, p in zip(lengths, padded_lengths):
+        rows += list(t[start : start + n]) + [torch.full_like(t[0], fill)] * (p - n)
+        start += n
+    return torch.stack([rows[i] for i in held])
+
+
+@pytest.mark.parametrize("strategy", ["dual_chunk_swap", "no_load_balance", "striped"])
+def test_shard_batch_pads_then_selects(strategy):
+    lengths = [5, 1, 9]
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    ids = torch.arange(100, 115)
+    emb = torch.randn(15, 3)
+    for rank in range(3):
+        b = cpcompile.shard_batch({"input_ids": ids, "labels": ids, "emb": emb}, cu, cp_size=3, rank=rank,
+                                  strategy=strategy, pad_values={"input_ids": 7})
+        padded = b.cu_seqlens_padded.diff().tolist()
+        held = b.indices.tolist()
+        assert b.cu_seqlens is cu and b.strategy.value == strategy and (b.cp_size, b.rank) == (3, rank)
+        assert torch.equal(b.tensors["input_ids"], _brute_force(ids, lengths, padded, 7, held))
+        assert torch.equal(b.tensors["labels"], _brute_force(ids, lengths, padded, -100, held))
+        assert torch.equal(b.tensors["emb"], _brute_force(emb, lengths, padded, 0.0, held))
+        assert torch.equal(b.indices, cpcompile.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank,
+                                                                  strategy=strategy))
+
+
+def test_shard_batch_follows_the_active_strategy():
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with cpcompile.strategy("striped", stripe_size=2):
+        b = cpcompile.shard_batch({"x": torch.arange(10)}, cu, cp_size=2, rank=1)
+    assert b.spec == cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, 2)
+    assert b.tensors["x"].tolist() == [2, 3, 6, 7, 0, 0]  # 10 tokens padded to 12: stripes 1, 3, 5
+
+
+@pytest.mark.parametrize(
+    "tensors, kwargs, message",
+    [
+        ({"x": torch.zeros(9)}, {}, r"tensors\['x'\] has 9 tokens in dim 0, cu_seqlens\[-1\] is 10"),
+        ({}, {}, "tensors must be a non-empty dict"),
+        ({"x": torch.zeros(10)}, {"pad_values": {"y": 0}}, r"pad_values names tensors that are not in tensors: \['y'\]"),
+        ({"x": torch.zeros(10)}, {"rank": 5}, r"rank must be an int in \[0, 2\), got 5"),
+    ],
+)
+def test_bad_batches(tensors, kwargs, message):
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        cpcompile.shard_batch(tensors, cu, **{"cp_size": 2, "rank": 0, **kwargs})

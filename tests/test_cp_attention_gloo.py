@@ -1,0 +1,105 @@
+"""Tier 4: cp_attention on real gloo processes against a float64 single-device reference.
+
+One spawn per world size runs every strategy, causal and not, GQA and MHA: process
+start-up is the expensive part, so cases share it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpcompile
+from tests.dist import run_ranks
+from tests.reference import attention_fp64, relative_error
+
+TOLERANCE = 1e-4
+SPECS = [
+    cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
+    cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
+    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED),
+    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=4),
+]
+
+
+def _doc_lengths(cp: int, seed: int) -> list[int]:
+    """1-token documents, documents shorter than cp, and one long enough to span every rank."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 5 * cp + 3] + torch.randint(1, 3 * cp, (3,), generator=g).tolist() + [1]
+    return lengths
+
+
+def _global_case(lengths, hq, hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k, v, dout = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv, hq))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return cu, q, k, v, dout
+
+
+def _check_rank(rank: int, world: int) -> None:
+    for case, (spec, causal, (hq, hkv)) in enumerate(
+        (s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2))
+    ):
+        if hq == hkv and not causal:
+            continue  # MHA once per strategy is enough; GQA covers both masks
+        cu, q, k, v, dout = _global_case(_doc_lengths(world, case), hq, hkv, 8, seed=case)
+        sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec)
+        # float64 reference on the padded physical buffer, sharded by the same layout
+        phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
+        n = int(sharded.cu_seqlens_padded[-1])
+        full = {name: t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double().requires_grad_()
+                for name, t in (("q", q), ("k", k), ("v", v))}
+        ref = attention_fp64(full["q"], full["k"], full["v"], cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
+        dout_full = dout.new_zeros((n, *dout.shape[1:])).index_copy_(0, phys, dout).double()
+        ref_grads = torch.autograd.grad(ref, list(full.values()), dout_full)
+
+        local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
+        out = cpcompile.cp_attention(
+            local["q"], local["k"], local["v"], cu, cu_seqlens_padded=sharded.cu_seqlens_padded,
+            strategy=spec, causal=causal,
+        )
+        grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
+        idx = sharded.indices
+        assert relative_error(out, ref[idx]) < TOLERANCE, f"out {label}"
+        for name, got, want in zip("qkv", grads, ref_grads):
+            assert relative_error(got, want[idx]) < TOLERANCE, f"d{name} {label}"
+        # unshard puts every rank's rows back in physical order
+        assert torch.equal(cpcompile.unshard(out.detach(), sharded), _gathered_reference(out.detach(), sharded))
+
+
+def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
+    """Physical-order buffer built from all ranks' rows with plain all_gather (independent of unshard)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(sharded.cp_size)]
+    dist.all_gather(parts, local)
+    out = torch.empty((local.shape[0] * sharded.cp_size, *local.shape[1:]), dtype=local.dtype)
+    for r, part in enumerate(parts):
+        idx = cpcompile.partition_indices(sharded.cu_seqlens_padded, cp_size=sharded.cp_size, rank=r, strategy=sharded.spec)
+        out[idx] = part
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_attention_matches_fp64_reference(world):
+    run_ranks(_check_rank, world)
+
+
+def _ranks_disagree(rank: int, world: int) -> None:
+    q = torch.randn(8, 2, 4)
+    # Same token count, different documents: each rank alone is consistent.
+    cu = torch.tensor([0, 16] if rank == 0 else [0, 5, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="disagree on cu_seqlens_checksum"):
+        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
+    # One rank holds a wrong token count: it names it, the other is told, none hangs.
+    q = torch.randn(8 + 2 * rank, 2, 4)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    message = "does not match the token count 20" if rank else "another rank .* rejected its arguments"
+    with pytest.raises(ValueError, match=message):
+        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
+
+
+def test_ranks_that_disagree_fail_fast():
+    run_ranks(_ranks_disagree, 2)

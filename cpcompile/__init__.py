@@ -5,6 +5,7 @@ Layouts (:func:`pad_for_cp`, :func:`partition_indices`), the data-loader side
 (:func:`packed_attention`) or that CP runs (:func:`cp_attention`).
 """
 
+from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
 from .ops import cp_attention, packed_attention
 from .partition import all_partition_indices, pad_for_cp, partition_indices
@@ -17,6 +18,7 @@ __all__ = [
     "Strategy",
     "StrategySpec",
     "all_partition_indices",
+    "backend",
     "cp_attention",
     "current_spec",
     "current_strategy",

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 def data_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks may read the values of ``t`` (no tracing, no forced host sync)."""
-    if is_fake(t) or torch.compiler.is_compiling() or t.device.type == "meta":
+    if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta":
         return False
     return t.device.type == "cpu" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
 

@@ -48,6 +48,7 @@ StrategyLike = Strategy | str | StrategySpec | None
 
 _ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
 _active: list[StrategySpec] = [StrategySpec()]
+guard_key = repr(_active[-1])  # see _sync_guard_key
 
 
 def _to_enum(value: Strategy | str) -> Strategy:
@@ -110,7 +111,16 @@ def strategy(value: Strategy | str | StrategySpec, *, stripe_size: int | None = 
     else:
         spec = StrategySpec(_to_enum(value), 1 if stripe_size is None else stripe_size)
     _active.append(spec)
+    _sync_guard_key()
     try:
         yield spec
     finally:
         _active.pop()
+        _sync_guard_key()
+
+
+def _sync_guard_key() -> None:
+    # The compiler guards compiled graphs on this string (cpcompile.backend), so a
+    # graph compiled under one spec is never reused under another.
+    global guard_key
+    guard_key = repr(_active[-1])

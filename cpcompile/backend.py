@@ -1,0 +1,77 @@
+"""The ``torch.compile`` backend: shard packed attention, then hand off to ``inner``.
+
+``backend(group=..., inner=...)`` rewrites the Dynamo graph before AOT autograd, so
+the inner compiler sees ``cp_plan``/``cp_attention`` ops with symbolic token counts
+and traces their backward ops. The strategy is the one active while compiling
+(``cpcompile.strategy``). The model code need not mention it (torch's
+``varlen_attn`` does not), so the backend adds a Dynamo guard on it: another
+strategy compiles, or picks, its own graph, never the old one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .distributed import resolve_group
+from .passes.shard_attention import shard_attention_pass
+from .strategy import current_spec
+
+Backend = Callable[[torch.fx.GraphModule, list], Callable]
+
+
+def _inner_backend(inner: str | Backend) -> Backend:
+    if callable(inner):
+        return inner
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    if isinstance(inner, str):
+        from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+        if inner in list_backends(exclude_tags=()):
+            return lookup_backend(inner)
+    raise ValueError(f"inner must be 'inductor', 'aot_eager', another registered backend name or a callable, got {inner!r}")
+
+
+def _guard_on_strategy() -> None:
+    """Make the graph being compiled valid only while the current strategy is active."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource
+
+    # sys.modules[...]: the package re-exports a function named ``strategy``
+    module = DictGetItemSource(AttrSource(ImportSource("sys"), "modules"), "cpcompile.strategy")
+    install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
+
+
+def backend(*, group=None, inner: str | Backend = "inductor") -> Backend:
+    """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
+
+    Args:
+        group: the CP process group, its name, or ``None`` for the default group
+            (resolved when a graph is compiled).
+        inner: the compiler that gets the rewritten graph: ``"inductor"``,
+            ``"aot_eager"``, another registered backend name, or a callable
+            ``(gm, example_inputs) -> callable``.
+
+    Example::
+
+        model = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
+    """
+    compile_inner = _inner_backend(inner)
+
+    def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        pg = resolve_group(group)
+        if pg.size() > 1:
+            _guard_on_strategy()
+            shard_attention_pass(gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=current_spec())
+        return compile_inner(gm, example_inputs)
+
+    return cpcompile_backend
+
+
+def default_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``torch.compile(backend="cpcompile")``: the default process group, inductor."""
+    return backend()(gm, example_inputs)

@@ -1,0 +1,53 @@
+"""``cp_plan``: the per-step attention plan as an op, so compiled graphs build it once.
+
+The compiler inserts one ``cp_plan`` per distinct ``cu_seqlens`` input and feeds every
+``cp_attention`` from it. Its fake gives the plan's sizes symbolically (``T`` from
+the local token count, piece slots from the document count), and states the
+divisibility the layout relies on as ``torch._check``s, which become run-time
+asserts where the shape environment cannot prove them. Values are checked in the
+real implementation, at run time, before any communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..partition import padding_multiple
+from ..plan import make_plan, max_pieces
+from ..strategy import Strategy, StrategySpec
+
+
+def _spec(strategy: str, stripe_size: int) -> StrategySpec:
+    return StrategySpec(Strategy(strategy), stripe_size)
+
+
+@torch.library.custom_op("cpcompile::cp_plan", mutates_args=())
+def cp_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.make_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+    k_len_causal, k_len_full [P])`` for ``T = num_tokens`` padded tokens."""
+    plan = make_plan(
+        cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank,
+        strategy=_spec(strategy, stripe_size), num_tokens=num_tokens,
+    )
+    return tuple(plan)
+
+
+@cp_plan.register_fake
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size):
+    spec = _spec(strategy, stripe_size)
+    multiple, _ = padding_multiple(spec, cp_size)
+    torch._check(
+        num_tokens % multiple == 0,
+        lambda: f"{strategy} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
+    )
+    pieces = max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size)
+    index = cu_seqlens.new_empty(num_tokens, dtype=torch.int64)
+    return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))

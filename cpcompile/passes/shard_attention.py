@@ -1,0 +1,177 @@
+"""Rewrite packed attention calls in a Dynamo graph into context-parallel attention.
+
+Recognized calls (``find_packed_attention``): ``cpcompile::packed_attention`` and
+``torch_attn::_varlen_attn`` (what ``torch.nn.attention.varlen.varlen_attn`` emits;
+its schema differs between torch 2.11 and 2.13, so arguments are read by name).
+Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by one
+``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
+built once per step and shared by every layer. Variants the CP op cannot compute
+exactly (sliding windows, different query and key offsets, per-sequence key
+lengths, paged keys, a used RNG state) are left alone, with one warning each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import warnings
+
+import torch
+import torch.fx as fx
+
+from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
+from ..plan import AttentionPlan
+from ..strategy import StrategySpec
+
+log = logging.getLogger(__name__)
+
+_PACKED = "cpcompile::packed_attention"
+_VARLEN = "torch_attn::_varlen_attn"
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    """One packed attention call that can run as CP attention."""
+
+    node: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    cu_seqlens: fx.Node
+    cu_seqlens_padded: fx.Node | None
+    max_seqlen: object  # int, SymInt node or None: a launch bound, never specialized
+    causal: bool
+    scale: float | None
+
+
+@dataclasses.dataclass
+class Unsupported:
+    """A recognized call left as it is, and why."""
+
+    node: fx.Node
+    reason: str
+
+
+def _overload(target) -> torch._ops.OpOverload | None:
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.default
+    return target if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _bound_args(node: fx.Node, op: torch._ops.OpOverload) -> dict[str, object]:
+    """The call's arguments by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _used_outputs(node: fx.Node) -> set[int] | None:
+    """Indices of the tuple outputs that are read; None if the tuple escapes whole."""
+    used = set()
+    for user in node.users:
+        if user.target is not operator.getitem:
+            return None
+        used.add(user.args[1])
+    return used
+
+
+def _match_varlen(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
+    window = tuple(a.get("window_size") or (-1, -1))
+    causal = bool(a.get("is_causal", False)) or window == (-1, 0)
+    used = _used_outputs(node)
+    if window not in ((-1, -1), (-1, 0)):
+        return Unsupported(node, f"sliding window {window} is not supported under CP")
+    if a["cu_seq_q"] is not a["cu_seq_k"]:
+        return Unsupported(node, "cu_seq_q and cu_seq_k differ (cross attention); CP needs one set of documents")
+    for name in ("seqused_k", "block_table"):
+        if a.get(name) is not None:
+            return Unsupported(node, f"{name} is not supported under CP")
+    if used is None or 2 in used:
+        return Unsupported(node, "its RNG state output is used")
+    return AttentionMatch(node, a["query"], a["key"], a["value"], a["cu_seq_q"], None, a["max_q"], causal, a["scale"])
+
+
+def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
+    """Packed attention calls of ``gm`` in graph order: the rewritable ones and the rest."""
+    matches: list[AttentionMatch] = []
+    skipped: list[Unsupported] = []
+    for node in gm.graph.nodes:
+        op = _overload(node.target) if node.op == "call_function" else None
+        name = op.name() if op is not None else None
+        if name == _PACKED:
+            a = _bound_args(node, op)
+            matches.append(AttentionMatch(
+                node, a["q"], a["k"], a["v"], a["cu_seqlens"], a["cu_seqlens_padded"], a["max_seqlen"],
+                a["causal"], a["scale"],
+            ))
+        elif name == _VARLEN:
+            found = _match_varlen(node, _bound_args(node, op))
+            (matches if isinstance(found, AttentionMatch) else skipped).append(found)
+    return matches, skipped
+
+
+def _fake_value(node: fx.Node) -> None:
+    """Fill ``meta['example_value']`` of an inserted node, as Dynamo does for its own nodes."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
+    node.meta["example_value"] = node.target(*args, **kwargs)
+
+
+def rewrite_packed_attention(
+    gm: fx.GraphModule,
+    matches: list[AttentionMatch],
+    *,
+    group_name: str,
+    cp_size: int,
+    rank: int,
+    spec: StrategySpec,
+) -> None:
+    """Replace each match with ``cp_attention``, one shared ``cp_plan`` per ``cu_seqlens``."""
+    graph = gm.graph
+
+    def insert(target, args, name=None, origin=None):
+        node = graph.create_node("call_function", target, args, name=name)
+        node.meta["stack_trace"] = origin.meta.get("stack_trace") if origin is not None else None
+        _fake_value(node)
+        return node
+
+    plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
+    for m in matches:
+        with graph.inserting_before(m.node):
+            key = (m.cu_seqlens, m.cu_seqlens_padded)
+            if key not in plans:
+                # T = local tokens x cp: symbolic, so one graph serves every batch size
+                local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
+                tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
+                plan = insert(torch.ops.cpcompile.cp_plan.default, (
+                    m.cu_seqlens, m.cu_seqlens_padded, tokens, cp_size, rank, spec.strategy.value, spec.stripe_size,
+                ), "cp_plan", m.node)
+                plans[key] = [insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)]
+            gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
+            cp = insert(torch.ops.cpcompile.cp_attention.default, (
+                m.q, m.k, m.v, gather_index, cu_q, k_start, k_len_causal if m.causal else k_len_full,
+                group_name, m.causal, m.scale, m.max_seqlen,
+            ), "cp_attention", m.node)
+        m.node.replace_all_uses_with(cp)
+        graph.erase_node(m.node)
+
+
+def shard_attention_pass(gm: fx.GraphModule, *, group_name: str, cp_size: int, rank: int, spec: StrategySpec) -> int:
+    """Shard every recognized packed attention call of ``gm`` over the CP group; returns how many."""
+    matches, skipped = find_packed_attention(gm)
+    for s in skipped:
+        warnings.warn(f"cpcompile left {s.node.format_node()} as single-device attention: {s.reason}", stacklevel=2)
+    if not matches:
+        log.info("shard_attention_pass: no packed attention call to shard")
+        return 0
+    rewrite_packed_attention(gm, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return len(matches)

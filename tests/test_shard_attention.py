@@ -1,0 +1,257 @@
+"""Tier 3: the attention pass on a fake process group (shapes and graphs only).
+
+Snapshots pin the Dynamo graph before and after ``shard_attention_pass`` for each
+recognized call, the AOT forward and backward graphs the inner compiler gets, and
+what each strategy changes. Refresh with ``EXPECTTEST_ACCEPT=1``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import expecttest
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import normalize_gm
+from torch.nn.attention.varlen import varlen_attn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import cpcompile
+from cpcompile.passes.shard_attention import find_packed_attention, shard_attention_pass
+
+
+def packed_model(q, k, v, cu_seqlens, max_seqlen):
+    return cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen)
+
+
+def varlen_model(q, k, v, cu_seqlens, max_seqlen):
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+
+
+def two_layers(q, k, v, cu_seqlens, max_seqlen):
+    """Two attention calls on one ``cu_seqlens``: they must share one plan."""
+    o = packed_model(q, k, v, cu_seqlens, max_seqlen)
+    return varlen_attn(o, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, enable_gqa=True)
+
+
+def _inputs(strategy=None):
+    """One rank's q, k, v for two documents (5 and 15 tokens) over cp=2, laid out for ``strategy``."""
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    tokens = int(cpcompile.pad_for_cp(cu, cp_size=2, strategy=strategy)[-1]) // 2
+    q = torch.randn(tokens, 4, 8, requires_grad=True)
+    k, v = (torch.randn(tokens, 2, 8, requires_grad=True) for _ in range(2))
+    return q, k, v, cu, 15
+
+
+def _readable(gm: torch.fx.GraphModule) -> str:
+    return normalize_gm(gm.print_readable(print_output=False))
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """The Dynamo graph of ``fn`` (dynamic shapes, one graph), not run: the inputs are one
+    rank's, which single-device attention cannot take (and varlen_attn has no CPU kernel)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        # every model here returns attention output, shaped like q (the first 3-D input)
+        return lambda *a: (torch.zeros_like(next(t for t in a if isinstance(t, torch.Tensor) and t.dim() == 3)),)
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, dynamic=True, fullgraph=True)(*args)
+    return graphs[0]
+
+
+class ShardAttentionGraphs(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+        cls.group = dist.group.WORLD.group_name
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def shard(self, fn, spec=cpcompile.StrategySpec()):
+        gm = dynamo_graph(fn, *_inputs())
+        count = shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
+        return gm, count
+
+    def test_packed_attention_before_and_after(self):
+        gm = dynamo_graph(packed_model, *_inputs())
+        self.assertExpectedInline(_readable(gm), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_cu_seqlens_ = L_cu_seqlens_
+        l_max_seqlen_ = L_max_seqlen_
+
+        eq: "Sym(True)" = s85 == s85;  s85 = None
+        eq_1: "Sym(True)" = s25 == s25;  s25 = None
+        and_: "Sym(True)" = eq & eq_1;  eq = eq_1 = None
+        eq_2: "Sym(True)" = s0 == s0;  s0 = None
+        and__1: "Sym(True)" = and_ & eq_2;  and_ = eq_2 = None
+        not_ = _operator_not_(and__1);  and__1 = not_ = None
+
+        packed_attention = torch.ops.cpcompile.packed_attention(l_q_, l_k_, l_v_, l_cu_seqlens_, None, l_max_seqlen_, True, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
+        getitem_28: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
+        return (getitem_28,)
+""")
+        shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
+        self.assertExpectedInline(_readable(gm), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_cu_seqlens_ = L_cu_seqlens_
+        l_max_seqlen_ = L_max_seqlen_
+
+        local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
+        cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
+
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1);  l_cu_seqlens_ = cp_tokens = None
+
+        gather_index: "i64[2*s85]" = cp_plan[0]
+        cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
+        k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
+        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = None
+        getitem_28: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
+        return (getitem_28,)
+""")
+
+    def test_varlen_attn_before_and_after(self):
+        gm = dynamo_graph(varlen_model, *_inputs())
+        self.assertExpectedInline(_readable(gm), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_cu_seqlens_ = L_cu_seqlens_
+        l_max_seqlen_ = L_max_seqlen_
+
+        _varlen_attn = torch.ops.torch_attn._varlen_attn(l_q_, l_k_, l_v_, l_cu_seqlens_, l_cu_seqlens_, l_max_seqlen_, l_max_seqlen_, True, None, [-1, 0], True, None, None, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
+        out: "f32[s85, s34, s0]" = _varlen_attn[0];  _varlen_attn = None
+        return (out,)
+""")
+        shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
+        self.assertExpectedInline(_readable(gm), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_cu_seqlens_ = L_cu_seqlens_
+        l_max_seqlen_ = L_max_seqlen_
+
+        local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
+        cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
+
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1);  l_cu_seqlens_ = cp_tokens = None
+
+        gather_index: "i64[2*s85]" = cp_plan[0]
+        cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
+        k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
+        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = None
+        out: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
+        return (out,)
+""")
+
+    def test_each_strategy_gets_its_plan(self):
+        plans = []
+        for spec in (
+            cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
+            cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=4),
+        ):
+            gm, _ = self.shard(packed_model, spec)
+            (plan,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_plan.default)
+            plans.append(f"{plan.format_node()} -> {plan.meta['example_value'][1].shape}")
+        self.assertExpectedInline("\n".join(plans), """\
+%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
+%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""")
+
+    def test_layers_share_one_plan(self):
+        gm, count = self.shard(two_layers)
+        self.assertEqual(count, 2)
+        self.assertEqual(len(gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_plan.default)), 1)
+
+    def test_aot_forward_and_backward_graphs(self):
+        graphs = {}
+
+        def capture(name):
+            def compiler(gm, example_inputs):
+                graphs[name] = _readable(gm)
+                return gm.forward
+
+            return compiler
+
+        inner = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+        torch._dynamo.reset()
+        compiled = torch.compile(packed_model, backend=cpcompile.backend(inner=inner), dynamic=True, fullgraph=True)
+        compiled(*_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
+        self.assertExpectedInline(graphs["forward"], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
+        mul: "Sym(2*s85)" = primals_1 * 2
+
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1);  primals_9 = mul = None
+        getitem: "i64[2*s85]" = cp_plan[0]
+        getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
+        getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
+        getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10)
+        getitem_5: "f32[s85, s34, s0]" = cp_attention[0]
+        getitem_6: "f32[s34, s85]" = cp_attention[1];  cp_attention = None
+        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_5)
+        return (getitem_5, primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, getitem_6, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8)
+""")
+        self.assertExpectedInline(graphs["backward"], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_6: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
+        detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
+        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = None
+        getitem_7: "f32[s85, s34, s0]" = cp_attention_backward[0]
+        getitem_8: "f32[s85, s25, s0]" = cp_attention_backward[1]
+        getitem_9: "f32[s85, s25, s0]" = cp_attention_backward[2];  cp_attention_backward = None
+        return (None, None, None, getitem_7, None, getitem_8, getitem_9, None, None, None)
+""")
+
+    def test_unsupported_variants_are_left_alone_with_a_warning(self):
+        def window(q, k, v, cu, m):
+            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), enable_gqa=True)
+
+        def cross(q, k, v, cu, m):
+            return varlen_attn(q, k, v, cu, cu.clone(), m, m, enable_gqa=True)
+
+        for fn, reason in ((window, "sliding window"), (cross, "cu_seq_q and cu_seq_k differ")):
+            gm = dynamo_graph(fn, *_inputs())
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.assertEqual(shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1,
+                                                      spec=cpcompile.StrategySpec()), 0)
+            self.assertEqual(len(caught), 1)
+            self.assertIn(reason, str(caught[0].message))
+            self.assertEqual(len(find_packed_attention(gm)[1]), 1)  # still there, untouched
+
+    def test_strategy_switch_recompiles_and_returns_to_cached_graph(self):
+        seen = []
+
+        def capture(gm, example_inputs):
+            (plan,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_plan.default)
+            seen.append(plan.args[5])
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture), dynamic=True)
+        for name in ("dual_chunk_swap", "striped", "dual_chunk_swap", "no_load_balance"):
+            with cpcompile.strategy(name):
+                compiled(*_inputs(name))
+        self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])

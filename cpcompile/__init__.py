@@ -7,7 +7,7 @@ Layouts (:func:`pad_for_cp`, :func:`partition_indices`), the data-loader side
 
 from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
-from .ops import cp_attention, packed_attention
+from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .plan import AttentionPlan, make_plan
 from .strategy import Strategy, StrategySpec, current_spec, current_strategy, strategy
@@ -17,11 +17,13 @@ __all__ = [
     "ShardedBatch",
     "Strategy",
     "StrategySpec",
+    "ag_gemm",
     "all_partition_indices",
     "backend",
     "cp_attention",
     "current_spec",
     "current_strategy",
+    "gemm_rs",
     "make_plan",
     "packed_attention",
     "pad_for_cp",

@@ -1,5 +1,6 @@
 """Custom ops (namespace ``cpcompile``) and their kernels."""
 
 from .attention import cp_attention, packed_attention
+from .overlap import ag_gemm, gemm_rs
 
-__all__ = ["cp_attention", "packed_attention"]
+__all__ = ["ag_gemm", "cp_attention", "gemm_rs", "packed_attention"]

@@ -1,12 +1,14 @@
 """cpcompile: context parallelism for packed-sequence (THD) attention.
 
-Layouts (:func:`pad_for_cp`, :func:`partition_indices`), the data-loader side
+Layouts (:func:`pad_for_cp`, :func:`partition_indices`), the cost model that
+balances them (:func:`predict_rank_costs`, :func:`choose_strategy`), the data-loader side
 (:func:`shard_batch`, :func:`unshard`), and the ops a model calls
 (:func:`packed_attention`) or that CP runs (:func:`cp_attention`).
 """
 
 from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
+from .cost import CostModel, choose_strategy, predict_rank_costs
 from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .plan import AttentionPlan, make_plan
@@ -14,12 +16,14 @@ from .strategy import Strategy, StrategySpec, current_spec, current_strategy, st
 
 __all__ = [
     "AttentionPlan",
+    "CostModel",
     "ShardedBatch",
     "Strategy",
     "StrategySpec",
     "ag_gemm",
     "all_partition_indices",
     "backend",
+    "choose_strategy",
     "cp_attention",
     "current_spec",
     "current_strategy",
@@ -28,6 +32,7 @@ __all__ = [
     "packed_attention",
     "pad_for_cp",
     "partition_indices",
+    "predict_rank_costs",
     "shard_batch",
     "strategy",
     "unshard",

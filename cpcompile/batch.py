@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .cost import resolve_auto
 from .distributed import all_gather_rows, resolve_group
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
@@ -63,12 +64,15 @@ def shard_batch(
         tensors: name -> ``[T, ...]`` with ``T = cu_seqlens[-1]`` (input_ids, labels, ...).
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
         pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
+        strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.choose_strategy`)
+            and ``ShardedBatch.spec`` holds the strategy it picked.
     """
     check_cp(cp_size, rank)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
-    spec = resolve_strategy(strategy)
+    # auto: the strategy picked for this batch, recorded in the result for attention to use
+    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
     fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
     unknown = set(pad_values or {}) - set(tensors)
     if unknown:

@@ -3,7 +3,8 @@
 Pure tensor functions of ``cu_seqlens_padded``, ``cp_size`` and ``rank``: they never
 touch ``torch.distributed``, loop over documents in Python, or read tensor values
 on the host (pass ``num_tokens`` when the tensors live on CUDA), so they run inside
-CUDA graphs and under ``torch.compile``.
+CUDA graphs and under ``torch.compile``. The one exception is balanced, whose cut
+points are chosen from the document lengths on the host (see ``balanced.py``).
 
 Layouts (``T`` = padded token count, ``T_local = T / cp``):
 
@@ -12,23 +13,43 @@ Layouts (``T`` = padded token count, ``T_local = T / cp``):
   (TransformerEngine's ``thd_get_partitioned_indices``).
 - no_load_balance: rank ``r`` holds ``[r * T_local, (r + 1) * T_local)``.
 - striped: rank ``r`` holds token ``t`` where ``(t // stripe) % cp == r``.
+- balanced: ``T_local`` tokens per rank, cut so that every rank has the same causal
+  work (:func:`cpcompile.balanced.balanced_layout`); padding only to a multiple of cp.
+
+auto is not a layout: it is resolved per batch to one of these from ``cu_seqlens``
+(:func:`cpcompile.choose_strategy`), so these functions reject it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .balanced import balanced_layout_op
 from .checks import check_cp, check_cu_seqlens, data_checks_enabled
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
 def padding_multiple(spec: StrategySpec, cp_size: int) -> tuple[int, bool]:
-    """``(m, per_document)``: lengths must be multiples of ``m``, per document or in total."""
+    """``(m, per_document)``: lengths must be multiples of ``m``, per document or in total.
+
+    For auto: what every strategy it may pick guarantees (the total, a multiple of cp).
+    """
     if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
         return 2 * cp_size, True
     if spec.strategy is Strategy.STRIPED:
         return cp_size * spec.stripe_size, False
     return cp_size, False
+
+
+def layout_spec(strategy: StrategyLike) -> StrategySpec:
+    """The spec of a strategy that has a layout: auto is rejected (it is resolved per batch)."""
+    spec = resolve_strategy(strategy)
+    if spec.strategy is Strategy.AUTO:
+        raise ValueError(
+            "strategy 'auto' has no layout of its own: it is picked per batch from cu_seqlens; pass the "
+            "concrete spec of cpcompile.choose_strategy(cu_seqlens, cp_size=...) or ShardedBatch.spec"
+        )
+    return spec
 
 
 def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike = None) -> torch.Tensor:
@@ -40,10 +61,11 @@ def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike
         ``cu_seqlens_padded``: ``[B + 1]`` int32 physical offsets. dual_chunk_swap pads
         every document to a multiple of ``2 * cp``; the others pad only the total
         (to a multiple of ``cp``, or ``cp * stripe_size``), at the end of the last document.
+        ``auto`` is rejected: resolve it first (:func:`cpcompile.choose_strategy`).
     """
     check_cp(cp_size)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
-    spec = resolve_strategy(strategy)
+    spec = layout_spec(strategy)
     m, per_document = padding_multiple(spec, cp_size)
     cu = cu_seqlens.long()
     if per_document:
@@ -86,6 +108,8 @@ def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: i
 
 def _indices(cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.Tensor, t_local) -> torch.Tensor:
     """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64."""
+    if spec.strategy is Strategy.BALANCED:
+        return balanced_layout_op(cu_padded, cp, t_local * cp)[ranks[:, 0]]
     j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
     if spec.strategy is Strategy.NO_LOAD_BALANCE:
         return ranks * t_local + j
@@ -124,7 +148,7 @@ def partition_indices(
         ``[T / cp_size]`` int64.
     """
     check_cp(cp_size, rank)
-    spec = resolve_strategy(strategy)
+    spec = layout_spec(strategy)
     check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
     ranks = torch.tensor([[rank]], device=cu_seqlens_padded.device)
@@ -144,8 +168,34 @@ def all_partition_indices(
     ranks' local buffers.
     """
     check_cp(cp_size)
-    spec = resolve_strategy(strategy)
+    spec = layout_spec(strategy)
     check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
     ranks = torch.arange(cp_size, device=cu_seqlens_padded.device)[:, None]
     return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size)
+
+
+def piece_marks(
+    layout: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a layout's pieces start: maximal runs of consecutive physical positions
+    inside one document, all real or all padding (DESIGN.md section 3).
+
+    Args:
+        layout: ``[..., n]`` int64 physical positions in storage order; each row is one rank.
+        cu_seqlens, cu_seqlens_padded: ``[B + 1]`` int32, real and physical offsets.
+    Returns:
+        ``(doc, pos, real, start)``, each ``[..., n]``: each token's document (int64),
+        its position in the document (int64), whether it is real, and whether a piece
+        starts at it (bool).
+    """
+    cu_p = cu_seqlens_padded.long()
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    doc = torch.searchsorted(cu_p, layout, right=True) - 1  # right: empty documents are skipped
+    pos = layout - cu_p[doc]
+    real = pos < real_len[doc]
+    start = torch.ones_like(layout, dtype=torch.bool)
+    start[..., 1:] = (
+        (layout[..., 1:] != layout[..., :-1] + 1) | (doc[..., 1:] != doc[..., :-1]) | (real[..., 1:] != real[..., :-1])
+    )
+    return doc, pos, real, start

@@ -9,17 +9,20 @@ then computes the rank's attention, for every strategy.
 
 The plan depends only on ``(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy)``:
 build it once per step and share it across layers. Sizes are static given the
-shapes (unused piece slots are empty), so nothing is read on the host.
+shapes (unused piece slots are empty), so nothing is read on the host, except by
+balanced (its cuts are chosen on the host) and auto (resolved from ``cu_seqlens``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from .checks import check_cp, check_padded
-from .partition import all_partition_indices, pad_for_cp
+from .cost import auto_candidates, resolve_auto
+from .partition import all_partition_indices, pad_for_cp, piece_marks
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -53,6 +56,13 @@ def max_pieces(spec: StrategySpec, num_docs: int, t_local):
         bound = 3 * num_docs  # two chunks per document, one of them cut by its padding
     elif spec.strategy is Strategy.STRIPED:
         bound = t_local // spec.stripe_size + 2 * num_docs
+    elif spec.strategy is Strategy.BALANCED:
+        # a head and a tail run per document (four runs for the one document that can lie
+        # in both of a rank's ranges), each document's padding cutting one of them
+        bound = 3 * num_docs + 2
+    elif spec.strategy is Strategy.AUTO:
+        # slots for whichever strategy auto picks, so the plan's sizes do not depend on values
+        return functools.reduce(torch.sym_max, (max_pieces(c, num_docs, t_local) for c in auto_candidates()))
     else:
         bound = 2 * num_docs  # one run, cut by document starts and padding
     return torch.sym_min(t_local, bound)
@@ -73,9 +83,13 @@ def make_plan(
         cu_seqlens: ``[B + 1]`` int32 global cumulative real lengths.
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets; ``None``: :func:`pad_for_cp`.
         num_tokens: padded total ``T`` (``T_local * cp_size``) if known, so no value is read on the host.
+        strategy: ``auto`` is resolved here from ``cu_seqlens`` (:func:`cpcompile.choose_strategy`, the
+            same answer on every rank), which takes ~15 ms per 100K tokens: pass the ``ShardedBatch.spec``
+            the data loader resolved instead.
     """
     check_cp(cp_size, rank)
-    spec = resolve_strategy(strategy)
+    requested = resolve_strategy(strategy)
+    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)
@@ -86,16 +100,11 @@ def make_plan(
     flat = layout.reshape(-1)  # [T] physical position of each all-gathered row
     gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=device))
 
-    idx = layout[rank]  # [T_local]
-    cu_p = cu_seqlens_padded.long()
+    doc, pos, real, new_piece = piece_marks(layout[rank], cu_seqlens, cu_seqlens_padded)  # [T_local] each
     real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
-    doc = torch.searchsorted(cu_p, idx, right=True) - 1  # [T_local]
-    pos = idx - cu_p[doc]  # position inside the document
-    real = pos < real_len[doc]
-    new_piece = torch.ones(t_local, dtype=torch.bool, device=device)
-    new_piece[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1]) | (real[1:] != real[:-1])
+    cu_p = cu_seqlens_padded.long()
 
-    num_pieces = max_pieces(spec, cu_seqlens.shape[0] - 1, t_local)
+    num_pieces = max_pieces(requested, cu_seqlens.shape[0] - 1, t_local)
     starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_local).squeeze(1)  # [P]
     cu_q = torch.cat([starts, starts.new_full((1,), t_local)])  # [P + 1]
     q_len = cu_q[1:] - cu_q[:-1]

@@ -19,6 +19,10 @@ class Strategy(str, enum.Enum):
     DUAL_CHUNK_SWAP = "dual_chunk_swap"
     NO_LOAD_BALANCE = "no_load_balance"
     STRIPED = "striped"
+    #: equal tokens and equal causal work per rank, cut at few places (``cpcompile.balanced``)
+    BALANCED = "balanced"
+    #: per batch, the strategy with the lowest predicted step cost (``cpcompile.cost.choose_strategy``)
+    AUTO = "auto"
 
     def __str__(self) -> str:
         return self.value

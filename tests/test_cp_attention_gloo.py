@@ -19,6 +19,9 @@ SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
     cpcompile.StrategySpec(cpcompile.Strategy.STRIPED),
     cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=4),
+    cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
+    # shard_batch resolves auto and records the pick; cp_attention resolves it again, alike on every rank
+    cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
 ]
 
 

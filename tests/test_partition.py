@@ -16,6 +16,7 @@ SPECS = [
     StrategySpec(Strategy.NO_LOAD_BALANCE),
     StrategySpec(Strategy.STRIPED),
     StrategySpec(Strategy.STRIPED, stripe_size=3),
+    StrategySpec(Strategy.BALANCED),
 ]
 
 

@@ -1,0 +1,200 @@
+"""Cost model of a rank's CP step, per-rank predictions, and the ``auto`` rule.
+
+Design constraint: integer arithmetic on the host only, so every rank computes the
+same numbers from the same ``cu_seqlens`` and ``auto`` picks the same strategy on
+every rank (no floating-point reduction order that could differ between machines).
+On CUDA tensors the inputs are copied to the CPU first (a host sync).
+
+Model, in units of one query-key pair of attention (its forward and backward):
+
+    cost_r = tiles_r * block_q * block_k + token_cost * tokens_r + key_cost * key_rows_r
+
+- ``tiles_r``: kernel tiles rank ``r``'s attention visits. A flash kernel runs each
+  piece in blocks of ``block_q`` query rows; block ``b`` of a causal piece whose
+  first row sits ``o`` tokens into its document visits
+  ``ceil((o + last row of the block + 1) / block_k)`` key blocks, a non-causal one
+  ``ceil(document length / block_k)``. So a piece shorter than a tile costs a whole
+  tile, and a short piece deep in a long document costs a whole row of tiles.
+- ``tokens_r``: rows the rank holds, padding included (projections and MLP scale
+  with them). ``token_cost`` defaults to one 128x128 tile, about a Llama-3-8B-like
+  layer on an H200: a token's projections and MLP (2 x 218M FLOP at ~600 TFLOP/s)
+  take as long as ~15K pairs of attention (4 x 32 heads x 128 FLOP at ~330 TFLOP/s).
+- ``key_rows_r``: the sum of the rank's pieces' key counts: rows of K/V that
+  torch's flash backward copies, one copy per piece, and whose dK/dV it adds back
+  (``ops/kernels/flash.py``: its backward kernel has no ``seqused_k``). About
+  ``T`` for dual_chunk_swap, far more for short stripes. ``key_cost`` defaults to
+  32: ~20 KB moved per row (8 KV heads x 128, bf16 copies, fp32 sums) at ~3 TB/s
+  against ~0.2 ns for a pair's forward and backward.
+- ``pairs_r`` (reported beside the cost): exact causal work, the sum over the
+  rank's query tokens of the keys they see (DESIGN.md section 8).
+
+``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
+and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
+no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .checks import check_cp, check_cu_seqlens, check_int
+from .partition import all_partition_indices, pad_for_cp, piece_marks
+from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Constants of the step cost model (see the module docstring); all in attention pairs."""
+
+    block_q: int = 128
+    block_k: int = 128
+    token_cost: int = 128 * 128
+    key_cost: int = 32
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("block_q", self.block_q, minimum=1)
+        check_int("block_k", self.block_k, minimum=1)
+        check_int("token_cost", self.token_cost, minimum=0)
+        check_int("key_cost", self.key_cost, minimum=0)
+        if self.block_q % self.block_k:
+            raise ValueError(f"block_q ({self.block_q}) must be a multiple of block_k ({self.block_k})")
+
+
+class RankCosts(NamedTuple):
+    """Per-rank predictions, each ``[cp]`` int64."""
+
+    tokens: torch.Tensor  # rows held, padding included
+    pieces: torch.Tensor  # kernel sequences (DESIGN.md section 3), padding pieces included
+    short_cuts: torch.Tensor  # pieces shorter than block_q that are only part of their document
+    pairs: torch.Tensor  # exact attention work
+    tiles: torch.Tensor  # kernel tiles visited
+    key_rows: torch.Tensor  # keys of all pieces, summed (rows the backward copies)
+    cost: torch.Tensor  # tiles * block_q * block_k + token_cost * tokens + key_cost * key_rows
+
+    @property
+    def step(self) -> int:
+        """Predicted step cost: the slowest rank's."""
+        return int(self.cost.max())
+
+
+def _host(name: str, t: torch.Tensor) -> torch.Tensor:
+    if is_fake(t) or torch.compiler.is_compiling():
+        raise ValueError(
+            f"{name} values are needed to predict costs or resolve strategy 'auto', and they are not "
+            "available while tracing: resolve 'auto' in the data loader (shard_batch records the choice in "
+            "ShardedBatch.spec) and run the model under `with cpcompile.strategy(batch.spec)`"
+        )
+    return t.detach().cpu()  # a host sync on CUDA
+
+
+def _tiles(q_len: torch.Tensor, offset: torch.Tensor, doc_len: torch.Tensor, model: CostModel) -> torch.Tensor:
+    """Key tiles a piece of ``q_len`` rows visits, its first row ``offset`` tokens into its document."""
+    m, n = model.block_q, model.block_k
+    if not model.causal:
+        return (q_len + m - 1) // m * ((doc_len + n - 1) // n)
+    full, rest = q_len // m, q_len % m
+    # full block b ends at row (b + 1) m: ceil((o + (b + 1) m) / n) = ceil(o / n) + (b + 1) m / n
+    tiles = full * ((offset + n - 1) // n) + (m // n) * full * (full + 1) // 2
+    return tiles + (rest > 0) * ((offset + q_len + n - 1) // n)
+
+
+def predict_rank_costs(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    model: CostModel | None = None,
+) -> RankCosts:
+    """Predict every rank's step cost for a packed batch under ``strategy``.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        strategy: any strategy (``auto`` is resolved first); default the active one.
+        cu_seqlens_padded: ``[B + 1]`` int32 physical offsets; default :func:`pad_for_cp`.
+        model: the cost constants (default :class:`CostModel`).
+    """
+    check_cp(cp_size)
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    model = CostModel() if model is None else model
+    cu = _host("cu_seqlens", cu_seqlens)
+    spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size, model=model)
+    padded = pad_for_cp(cu, cp_size=cp_size, strategy=spec) if cu_seqlens_padded is None else _host(
+        "cu_seqlens_padded", cu_seqlens_padded
+    )
+    layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec)  # [cp, T_local]
+    t_local = layout.shape[1]
+    doc, pos, real, start = piece_marks(layout, cu, padded)
+    rank, row = start.nonzero(as_tuple=True)  # [P] each: the pieces, rank-major
+    first = rank * t_local + row
+    q_len = torch.diff(first, append=first.new_full((1,), cp_size * t_local))
+    live = real.reshape(-1)[first]
+    offset = pos.reshape(-1)[first]
+    doc_len = (cu[1:] - cu[:-1]).long()[doc.reshape(-1)[first]]
+    pairs = q_len * offset + q_len * (q_len + 1) // 2 if model.causal else q_len * doc_len
+    keys = offset + q_len if model.causal else doc_len
+    tiles = _tiles(q_len, offset, doc_len, model)
+    short = live & (q_len < model.block_q) & (q_len < doc_len)
+
+    def per_rank(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(cp_size, dtype=torch.long).index_add_(0, rank, x.long())
+
+    tiles_r = per_rank(torch.where(live, tiles, 0))
+    key_rows = per_rank(torch.where(live, keys, 0))
+    tokens = torch.full((cp_size,), t_local, dtype=torch.long)
+    return RankCosts(
+        tokens=tokens,
+        pieces=per_rank(torch.ones_like(rank)),
+        short_cuts=per_rank(short),
+        pairs=per_rank(torch.where(live, pairs, 0)),
+        tiles=tiles_r,
+        key_rows=key_rows,
+        cost=tiles_r * (model.block_q * model.block_k) + model.token_cost * tokens + model.key_cost * key_rows,
+    )
+
+
+def auto_candidates(model: CostModel | None = None) -> tuple[StrategySpec, ...]:
+    """The strategies ``auto`` chooses from, in tie-breaking order."""
+    model = CostModel() if model is None else model
+    return (
+        StrategySpec(Strategy.NO_LOAD_BALANCE),
+        StrategySpec(Strategy.DUAL_CHUNK_SWAP),
+        StrategySpec(Strategy.STRIPED, stripe_size=model.block_q),
+        StrategySpec(Strategy.BALANCED),
+    )
+
+
+def choose_strategy(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    model: CostModel | None = None,
+    candidates: tuple[StrategySpec, ...] | None = None,
+) -> StrategySpec:
+    """The ``auto`` rule: the candidate with the lowest predicted step; ties go to the earlier one.
+
+    A pure function of ``(cu_seqlens, cp_size, model)``: every rank gets the same answer.
+    """
+    check_cp(cp_size)
+    model = CostModel() if model is None else model
+    candidates = auto_candidates(model) if candidates is None else tuple(candidates)
+    if not candidates or any(
+        not isinstance(c, StrategySpec) or c.strategy is Strategy.AUTO for c in candidates
+    ):
+        raise ValueError(f"candidates must be a non-empty sequence of concrete StrategySpecs, got {candidates!r}")
+    steps = [predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=c, model=model).step for c in candidates]
+    return candidates[steps.index(min(steps))]
+
+
+def resolve_auto(
+    spec: StrategySpec, cu_seqlens: torch.Tensor, *, cp_size: int, model: CostModel | None = None
+) -> StrategySpec:
+    """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks."""
+    if spec.strategy is not Strategy.AUTO:
+        return spec
+    return choose_strategy(cu_seqlens, cp_size=cp_size, model=model)

@@ -25,7 +25,7 @@ def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None,
         vd = v[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         s = qd @ kd.transpose(-1, -2) * scale
         if causal:
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         out[a : a + n] = (s.softmax(-1) @ vd).transpose(0, 1)
     return out
 

@@ -39,7 +39,9 @@ from cpcompile import Strategy, StrategySpec
 from cpcompile.balanced import balanced_layout
 from cpcompile.cost import choose_strategy, predict_rank_costs
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import REPO, write_section  # noqa: E402
+
 SECTION = "## Balance (benchmarks/balance.py)"
 STRATEGIES = {
     "dual_chunk_swap": StrategySpec(Strategy.DUAL_CHUNK_SWAP),
@@ -143,13 +145,21 @@ def sweep(doclens: Path, packs_per_config: int) -> list[dict]:
             for cp in CP_SIZES:
                 rows = [measure(p, cp) for p in packs]
                 # the worst pack for every measure; for the step ratio, the pack least favourable to balanced
-                worst = {name: {k: (min if k == "step" else max)(r[name][k] for r in rows) for k in rows[0][name]}
-                         for name in STRATEGIES}
+                worst = {
+                    name: {k: (min if k == "step" else max)(r[name][k] for r in rows) for k in rows[0][name]}
+                    for name in STRATEGIES
+                }
                 picks = sorted({_label(r["auto"]) for r in rows})
-                results.append({
-                    "mix": mix, "tokens": total, "cp": cp, "docs": statistics.mean(len(p) for p in packs),
-                    "worst": worst, "auto": "/".join(picks),
-                })
+                results.append(
+                    {
+                        "mix": mix,
+                        "tokens": total,
+                        "cp": cp,
+                        "docs": statistics.mean(len(p) for p in packs),
+                        "worst": worst,
+                        "auto": "/".join(picks),
+                    }
+                )
                 print(_balance_row(results[-1]), flush=True)
     return results
 
@@ -224,8 +234,11 @@ def _kernel_row(r: dict) -> str:
 
 
 def targets(results: list[dict]) -> list[str]:
-    lines = ["| mix | tokens | cp | balanced: work max/mean (target) | padding (< cp) | short cuts/rank (<= 2) "
-             "| dual_chunk_swap: work | padding | short cuts/rank | no_load_balance: work | met |", "|---" * 11 + "|"]
+    lines = [
+        "| mix | tokens | cp | balanced: work max/mean (target) | padding (< cp) | short cuts/rank (<= 2) "
+        "| dual_chunk_swap: work | padding | short cuts/rank | no_load_balance: work | met |",
+        "|---" * 11 + "|",
+    ]
     for r in results:
         if r["mix"] not in ("prolong", "magi") or r["tokens"] < 131072 or r["cp"] not in TARGETS:
             continue
@@ -303,32 +316,27 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section of ``path`` (or append it), keeping the other sections."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + ("" if end < 0 else old[end:])
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--doclens", type=Path, default=REPO.parent / "shared" / "data" / "doclens",
-                        help="folder with prolong.json and magi_cdf.csv (mixes whose file is missing are skipped)")
+    parser.add_argument(
+        "--doclens",
+        type=Path,
+        default=REPO.parent / "shared" / "data" / "doclens",
+        help="folder with prolong.json and magi_cdf.csv (mixes whose file is missing are skipped)",
+    )
     parser.add_argument("--packs", type=int, default=3, help="packs per mix, size and cp (the worst is reported)")
     parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
     args = parser.parse_args()
     print(BALANCE_HEADER)
     results = sweep(args.doclens, args.packs)
     timing = time_balanced()
-    print("\n".join(["", KERNEL_HEADER, *(_kernel_row(r) for r in results), "", *targets(results), "",
-                     *timing_lines(timing)]))
+    print(
+        "\n".join(
+            ["", KERNEL_HEADER, *(_kernel_row(r) for r in results), "", *targets(results), "", *timing_lines(timing)]
+        )
+    )
     if args.output != "-":
-        write_section(Path(args.output), report(results, timing, args.packs))
+        write_section(Path(args.output), SECTION, report(results, timing, args.packs))
         print(f"wrote {args.output}")
 
 

@@ -88,8 +88,9 @@ def _torch_fused(x: torch.Tensor, w: torch.Tensor, group_name: str):
 
 def _bench_rank(rank: int, tp: int, init_file: str, args, rows: list) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=tp,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=tp, device_id=torch.device("cuda", rank)
+    )
     group = dist.group.WORLD
     capacity = max(args.tokens)
     gen = torch.Generator(device="cuda").manual_seed(rank)
@@ -100,8 +101,10 @@ def _bench_rank(rank: int, tp: int, init_file: str, args, rows: list) -> None:
             w = torch.randn(n, args.k, device="cuda", dtype=torch.bfloat16, generator=gen) / args.k**0.5
             gathered = all_gather_rows(x, group)
             want = gathered @ w.t()
-            err = max(((fn().float() - want.float()).abs().max() / want.float().abs().max()).item()
-                      for fn in (_ag_gemm(x, w, group, capacity, comm) for comm in ("symm_mem", "p2p")))
+            err = max(
+                ((fn().float() - want.float()).abs().max() / want.float().abs().max()).item()
+                for fn in (_ag_gemm(x, w, group, capacity, comm) for comm in ("symm_mem", "p2p"))
+            )
             fused, why = _torch_fused(x, w, group.group_name)
             if why:
                 notes.add(why)
@@ -120,8 +123,18 @@ def _cell(ms: float | None, bound: float) -> str:
 
 def _table(rows, tp: int, k: int) -> str:
     head = f"tp={tp}, K={k}, bf16; ms (ratio to bound = max(comm, gemm))"
-    cols = ["t", "N_local", "comm", "gemm", "bound", "sequential", "ag_gemm", "ag_gemm p2p", "torch fused",
-            "ag_gemm err"]
+    cols = [
+        "t",
+        "N_local",
+        "comm",
+        "gemm",
+        "bound",
+        "sequential",
+        "ag_gemm",
+        "ag_gemm p2p",
+        "torch fused",
+        "ag_gemm err",
+    ]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for t, n, err, ms in rows:
         bound = max(ms["comm"], ms["gemm"])
@@ -148,8 +161,9 @@ def main() -> None:
         return
     rows = mp.get_context("spawn").Manager().list()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_bench_rank, args=(tp, os.path.join(tmp, "init"), args, rows), nprocs=tp,
-                           start_method="spawn")
+        mp.start_processes(
+            _bench_rank, args=(tp, os.path.join(tmp, "init"), args, rows), nprocs=tp, start_method="spawn"
+        )
     *rows, notes = list(rows)
     table = _table(rows, tp, args.k)
     print(table)
@@ -157,8 +171,10 @@ def main() -> None:
         print(f"torch fused n/a: {note}")
     if args.output:
         with open(args.output, "a") as f:
-            f.write(f"\n## TP overlap ({torch.cuda.get_device_name(0)} x{tp}, torch {torch.__version__}, "
-                    f"{datetime.date.today()})\n\n`python {' '.join(sys.argv)}`\n\n{table}\n")
+            f.write(
+                f"\n## TP overlap ({torch.cuda.get_device_name(0)} x{tp}, torch {torch.__version__}, "
+                f"{datetime.date.today()})\n\n`python {' '.join(sys.argv)}`\n\n{table}\n"
+            )
 
 
 if __name__ == "__main__":

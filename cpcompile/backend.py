@@ -1,8 +1,8 @@
-"""The ``torch.compile`` backend: shard packed attention, then hand off to ``inner``.
+"""The ``torch.compile`` backend: shard packed attention, overlap TP matmuls, then ``inner``.
 
 ``backend(group=..., inner=...)`` rewrites the Dynamo graph before AOT autograd, so
-the inner compiler sees ``cp_plan``/``cp_attention`` ops with symbolic token counts
-and traces their backward ops. The strategy is the one active while compiling
+the inner compiler sees ``cp_plan``/``cp_attention`` (and ``ag_gemm``/``gemm_rs``) ops
+with symbolic token counts and traces their backward ops. The strategy is the one active while compiling
 (``cpcompile.strategy``). The model code need not mention it (torch's
 ``varlen_attn`` does not), so the backend adds a Dynamo guard on it: another
 strategy compiles, or picks, its own graph, never the old one.
@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .distributed import resolve_group
+from .passes.overlap_matmul import overlap_matmul_pass
 from .passes.shard_attention import shard_attention_pass
 from .strategy import current_spec
 
@@ -33,7 +34,9 @@ def _inner_backend(inner: str | Backend) -> Backend:
 
         if inner in list_backends(exclude_tags=()):
             return lookup_backend(inner)
-    raise ValueError(f"inner must be 'inductor', 'aot_eager', another registered backend name or a callable, got {inner!r}")
+    raise ValueError(
+        f"inner must be 'inductor', 'aot_eager', another registered backend name or a callable, got {inner!r}"
+    )
 
 
 def _guard_on_strategy() -> None:
@@ -46,7 +49,9 @@ def _guard_on_strategy() -> None:
     install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
-def backend(*, group=None, inner: str | Backend = "inductor") -> Backend:
+def backend(
+    *, group=None, inner: str | Backend = "inductor", overlap_tp: bool = True, tp_capacity_tokens: int | None = None
+) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
     Args:
@@ -55,6 +60,11 @@ def backend(*, group=None, inner: str | Backend = "inductor") -> Backend:
         inner: the compiler that gets the rewritten graph: ``"inductor"``,
             ``"aot_eager"``, another registered backend name, or a callable
             ``(gm, example_inputs) -> callable``.
+        overlap_tp: rewrite functional-collective all-gather -> matmul and
+            matmul -> reduce-scatter (tensor/sequence parallel layers) into the
+            overlapped ``ag_gemm`` / ``gemm_rs``; their groups come from the graph.
+        tp_capacity_tokens: the most tokens per TP rank, so overlap buffers are
+            allocated once (``None``: they grow to the largest call seen).
 
     Example::
 
@@ -67,6 +77,8 @@ def backend(*, group=None, inner: str | Backend = "inductor") -> Backend:
         if pg.size() > 1:
             _guard_on_strategy()
             shard_attention_pass(gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=current_spec())
+        if overlap_tp:
+            overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens)
         return compile_inner(gm, example_inputs)
 
     return cpcompile_backend

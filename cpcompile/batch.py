@@ -107,7 +107,9 @@ def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.
     if local.shape[0] != sharded.indices.shape[0]:
         raise ValueError(f"local has {local.shape[0]} rows, this rank holds {sharded.indices.shape[0]}")
     layout = all_partition_indices(
-        sharded.cu_seqlens_padded, cp_size=sharded.cp_size, strategy=sharded.spec,
+        sharded.cu_seqlens_padded,
+        cp_size=sharded.cp_size,
+        strategy=sharded.spec,
         num_tokens=sharded.cp_size * local.shape[0],
     ).to(local.device)
     gathered = all_gather_rows(local, pg)

@@ -124,8 +124,10 @@ def predict_rank_costs(
     model = CostModel() if model is None else model
     cu = _host("cu_seqlens", cu_seqlens)
     spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size, model=model)
-    padded = pad_for_cp(cu, cp_size=cp_size, strategy=spec) if cu_seqlens_padded is None else _host(
-        "cu_seqlens_padded", cu_seqlens_padded
+    padded = (
+        pad_for_cp(cu, cp_size=cp_size, strategy=spec)
+        if cu_seqlens_padded is None
+        else _host("cu_seqlens_padded", cu_seqlens_padded)
     )
     layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec)  # [cp, T_local]
     t_local = layout.shape[1]
@@ -183,9 +185,7 @@ def choose_strategy(
     check_cp(cp_size)
     model = CostModel() if model is None else model
     candidates = auto_candidates(model) if candidates is None else tuple(candidates)
-    if not candidates or any(
-        not isinstance(c, StrategySpec) or c.strategy is Strategy.AUTO for c in candidates
-    ):
+    if not candidates or any(not isinstance(c, StrategySpec) or c.strategy is Strategy.AUTO for c in candidates):
         raise ValueError(f"candidates must be a non-empty sequence of concrete StrategySpecs, got {candidates!r}")
     steps = [predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=c, model=model).step for c in candidates]
     return candidates[steps.index(min(steps))]

@@ -68,6 +68,22 @@ def max_pieces(spec: StrategySpec, num_docs: int, t_local):
     return torch.sym_min(t_local, bound)
 
 
+def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
+    """Upper bound on a real piece's query rows, given the longest document ``max_seqlen``.
+
+    A launch bound for GPU kernels, whose grids are sized by it: the document length
+    overstates dual_chunk_swap's and striped's pieces by ``cp`` and more. Works on ints,
+    SymInts and ``fx.Proxy`` (arithmetic only). Padding pieces may be longer; they see
+    no keys and are zeroed, so kernels may skip their rows.
+    """
+    if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
+        # chunks of ceil(L / 2cp) rows; rank cp-1 holds the two middle ones, adjacent
+        return (max_seqlen + 2 * cp_size - 1) // (2 * cp_size) * 2
+    if spec.strategy is Strategy.STRIPED and cp_size > 1:
+        return spec.stripe_size  # a rank's stripes are never adjacent
+    return max_seqlen
+
+
 def make_plan(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,

@@ -43,8 +43,7 @@ class StrategySpec:
             raise ValueError(f"stripe_size must be a positive int, got {self.stripe_size!r}")
         if self.strategy is not Strategy.STRIPED and self.stripe_size != 1:
             raise ValueError(
-                f"stripe_size={self.stripe_size} only applies to strategy 'striped', "
-                f"not {self.strategy.value!r}"
+                f"stripe_size={self.stripe_size} only applies to strategy 'striped', not {self.strategy.value!r}"
             )
 
 
@@ -75,9 +74,7 @@ def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None =
     """
     if isinstance(strategy, StrategySpec):
         if stripe_size is not None and stripe_size != strategy.stripe_size:
-            raise ValueError(
-                f"stripe_size={stripe_size} conflicts with the spec's stripe_size={strategy.stripe_size}"
-            )
+            raise ValueError(f"stripe_size={stripe_size} conflicts with the spec's stripe_size={strategy.stripe_size}")
         return strategy
     if strategy is None:
         spec = _active[-1]

@@ -8,6 +8,7 @@ into context-parallel attention. Also: synthetic packs from a document-length mi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 from torch.nn.attention.varlen import varlen_attn
 
 import cpcompile
+
+# torch 2.11's varlen_attn takes GQA inputs as they are; 2.12 added an explicit switch.
+VARLEN_GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 
 # ProLong long-context mix (shared/data/doclens/README.md): median 1,914 tokens, mean
 # 3,052; a log-normal with these two moments stands in when no length file is given.
@@ -45,8 +49,7 @@ class Attention(nn.Module):
         """x ``[T, dim]`` -> ``[T, dim]``, causal within each document."""
         q, k, v = self.qkv(x).unflatten(1, (-1, self.head_dim)).split([self.heads, self.kv_heads, self.kv_heads], 1)
         if self.use_varlen:
-            o = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
-                            enable_gqa=True)
+            o = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA)
         else:
             o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen)
         return self.out(o.flatten(1))  # [T, Hq, D] -> [T, dim]
@@ -104,7 +107,7 @@ def sample_lengths(num_tokens: int, generator: torch.Generator, lengths: list[in
 
 
 def synthetic_pack(doc_lengths: list[int], vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Documents that count in steps (t_i = start + i * step mod vocab): learnable in context.
+    """Documents that repeat a random pattern of 2-8 tokens: learnable by attending back.
 
     Returns ``cu_seqlens [B + 1]`` int32 and ``input_ids, labels, position_ids [T]`` int64;
     labels are the next token of the same document (-100 on each document's last token).
@@ -113,8 +116,8 @@ def synthetic_pack(doc_lengths: list[int], vocab: int, generator: torch.Generato
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
     doc = torch.repeat_interleave(torch.arange(len(doc_lengths)), lengths)
     position = torch.arange(int(cu[-1])) - cu[:-1].long()[doc]
-    start = torch.randint(vocab, (len(doc_lengths),), generator=generator)[doc]
-    step = torch.randint(1, vocab, (len(doc_lengths),), generator=generator)[doc]
-    ids = (start + position * step) % vocab
-    labels = torch.where(position + 1 < lengths[doc], (ids + step) % vocab, -100)
+    period = torch.randint(2, 9, (len(doc_lengths),), generator=generator)[doc]
+    patterns = torch.randint(vocab, (len(doc_lengths), 8), generator=generator)
+    ids = patterns[doc, position % period]
+    labels = torch.where(position + 1 < lengths[doc], patterns[doc, (position + 1) % period], -100)
     return {"cu_seqlens": cu, "input_ids": ids, "labels": labels, "position_ids": position}

@@ -37,8 +37,9 @@ def run_ranks(fn, world_size: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.start_processes(_worker, args=(world_size, init_file, fn, args, errors), nprocs=world_size,
-                               start_method="spawn")
+            mp.start_processes(
+                _worker, args=(world_size, init_file, fn, args, errors), nprocs=world_size, start_method="spawn"
+            )
         except mp.ProcessRaisedException:
             pass
         failures = []

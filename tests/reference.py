@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from cpcompile import Strategy, StrategySpec
+
+# every concrete layout, with a stripe size that does not divide typical lengths
+LAYOUT_SPECS = [
+    StrategySpec(Strategy.DUAL_CHUNK_SWAP),
+    StrategySpec(Strategy.NO_LOAD_BALANCE),
+    StrategySpec(Strategy.STRIPED),
+    StrategySpec(Strategy.STRIPED, stripe_size=3),
+    StrategySpec(Strategy.BALANCED),
+]
+
 
 def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None) -> torch.Tensor:
     """Plain softmax attention per document in float64; padding rows stay 0.
@@ -25,7 +36,7 @@ def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None,
         vd = v[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         s = qd @ kd.transpose(-1, -2) * scale
         if causal:
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         out[a : a + n] = (s.softmax(-1) @ vd).transpose(0, 1)
     return out
 
@@ -86,8 +97,10 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128) -> list[l
     for r in range(1, cp):
         taken = sum(take[:r])
         wanted = 2 * (r * work - cp * sum(dealt_work[:r]))
-        f = next((f for f in range(taken + 1)
-                  if cp * (count2[f] + count2[-1] - count2[f + len(seq) - taken]) >= wanted), taken)
+        f = next(
+            (f for f in range(taken + 1) if cp * (count2[f] + count2[-1] - count2[f + len(seq) - taken]) >= wanted),
+            taken,
+        )
         cuts.append(min(max(f, cuts[-1]), cuts[-1] + take[r - 1]))
     cuts.append(cuts[-1])
     for r in range(cp):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.library import opcheck
 
 import cpcompile
@@ -15,8 +14,11 @@ from tests.reference import attention_fp64, relative_error
 def _case(lengths, hq=4, hkv=2, d=8, padded_lengths=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_p = None if padded_lengths is None else torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()],
-                                                            dtype=torch.int32)
+    cu_p = (
+        None
+        if padded_lengths is None
+        else torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    )
     n = sum(padded_lengths or lengths)
     return cu, cu_p, *(torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv, hq))
 
@@ -49,20 +51,24 @@ def test_opcheck_packed_attention():
         opcheck(torch.ops.cpcompile.packed_attention.default, args)
 
 
-@pytest.fixture(scope="module")
-def single_rank_group():
-    """A real one-process gloo group: cp_attention's collectives run, and are identities."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_opcheck_cp_attention(single_rank_group):
     cu, _, q, k, v, _ = _case([3, 9, 4])
     plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     for causal in (True, False):
-        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), plan.gather_index, plan.cu_q,
-                plan.k_start, plan.k_len(causal), single_rank_group.group_name, causal, None, 9)
+        args = (
+            q.requires_grad_(),
+            k.requires_grad_(),
+            v.requires_grad_(),
+            plan.gather_index,
+            plan.cu_q,
+            plan.k_start,
+            plan.k_len(causal),
+            single_rank_group.group_name,
+            causal,
+            None,
+            9,
+            9,
+        )
         opcheck(torch.ops.cpcompile.cp_attention.default, args)
 
 
@@ -80,10 +86,16 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
         (lambda a: {**a, "k": a["k"][:5]}, ValueError, "k and v must have the same shape"),
         (lambda a: {**a, "q": a["q"][0]}, ValueError, r"q must be \[tokens, heads, head_dim\]"),
         (lambda a: {**a, "cu_seqlens": a["cu_seqlens"].long()}, ValueError, "cu_seqlens must have dtype torch.int32"),
-        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 9, 3, 16], dtype=torch.int32)}, ValueError,
-         "cu_seqlens must be non-decreasing"),
-        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 15], dtype=torch.int32)}, ValueError,
-         r"cu_seqlens\[-1\] = 15 must equal the number of tokens in q \(16\)"),
+        (
+            lambda a: {**a, "cu_seqlens": torch.tensor([0, 9, 3, 16], dtype=torch.int32)},
+            ValueError,
+            "cu_seqlens must be non-decreasing",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 15], dtype=torch.int32)},
+            ValueError,
+            r"cu_seqlens\[-1\] = 15 must equal the number of tokens in q \(16\)",
+        ),
         (lambda a: {**a, "q": a["q"].int()}, ValueError, "q must be a floating-point tensor"),
     ],
 )

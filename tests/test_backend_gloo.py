@@ -11,7 +11,6 @@ has no CPU kernel, so the eager reference runs the same weights with
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -29,6 +28,8 @@ SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
     cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
     cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=2),
+    cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
+    cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
 ]
 PACK_SIZES = [48, 71, 30]  # tokens per step: the compiled graph must not specialize on them
 

@@ -35,7 +35,8 @@ def _work(cu_padded: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
 # Short documents (1-token ones included) are dealt whole; long ones are cut head-tail.
 lengths_st = st.lists(
     st.one_of(st.integers(min_value=0, max_value=6), st.integers(min_value=100, max_value=1500)),
-    min_size=1, max_size=10,
+    min_size=1,
+    max_size=10,
 ).filter(lambda x: sum(x) > 0)
 
 
@@ -160,8 +161,9 @@ def test_auto_through_make_plan_and_shard_batch():
     for rank in range(3):
         batch = cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank, strategy="auto")
         assert batch.spec == chosen  # the loader records what attention must use
-        assert torch.equal(batch.indices, cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank,
-                                                                strategy=chosen).indices)
+        assert torch.equal(
+            batch.indices, cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank, strategy=chosen).indices
+        )
         auto = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy="auto")
         plan = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy=chosen)
         # auto's piece slots cover any strategy it may pick; the live pieces are the chosen one's
@@ -211,17 +213,32 @@ def test_balanced_layout_op():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: cpcompile.partition_indices(_cu([8]), cp_size=2, rank=0, strategy="auto"), ValueError,
-         "strategy 'auto' has no layout of its own"),
-        (lambda: cpcompile.pad_for_cp(_cu([8]), cp_size=2, strategy="auto"), ValueError,
-         "strategy 'auto' has no layout of its own"),
-        (lambda: cpcompile.partition_indices(_cu([7]), cp_size=2, rank=0, strategy="balanced"), ValueError,
-         "balanced with cp_size=2: the total 7 must be a multiple of 2"),
-        (lambda: CostModel(block_q=100, block_k=64), ValueError,
-         r"block_q \(100\) must be a multiple of block_k \(64\)"),
+        (
+            lambda: cpcompile.partition_indices(_cu([8]), cp_size=2, rank=0, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(_cu([8]), cp_size=2, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.partition_indices(_cu([7]), cp_size=2, rank=0, strategy="balanced"),
+            ValueError,
+            "balanced with cp_size=2: the total 7 must be a multiple of 2",
+        ),
+        (
+            lambda: CostModel(block_q=100, block_k=64),
+            ValueError,
+            r"block_q \(100\) must be a multiple of block_k \(64\)",
+        ),
         (lambda: CostModel(token_cost=-1), ValueError, "token_cost must be an int >= 0, got -1"),
-        (lambda: choose_strategy(_cu([8]), cp_size=2, candidates=(StrategySpec(Strategy.AUTO),)), ValueError,
-         "candidates must be a non-empty sequence of concrete StrategySpecs"),
+        (
+            lambda: choose_strategy(_cu([8]), cp_size=2, candidates=(StrategySpec(Strategy.AUTO),)),
+            ValueError,
+            "candidates must be a non-empty sequence of concrete StrategySpecs",
+        ),
     ],
 )
 def test_bad_arguments(call, error, message):

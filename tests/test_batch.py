@@ -23,16 +23,23 @@ def test_shard_batch_pads_then_selects(strategy):
     ids = torch.arange(100, 115)
     emb = torch.randn(15, 3)
     for rank in range(3):
-        b = cpcompile.shard_batch({"input_ids": ids, "labels": ids, "emb": emb}, cu, cp_size=3, rank=rank,
-                                  strategy=strategy, pad_values={"input_ids": 7})
+        b = cpcompile.shard_batch(
+            {"input_ids": ids, "labels": ids, "emb": emb},
+            cu,
+            cp_size=3,
+            rank=rank,
+            strategy=strategy,
+            pad_values={"input_ids": 7},
+        )
         padded = b.cu_seqlens_padded.diff().tolist()
         held = b.indices.tolist()
         assert b.cu_seqlens is cu and b.strategy.value == strategy and (b.cp_size, b.rank) == (3, rank)
         assert torch.equal(b.tensors["input_ids"], _brute_force(ids, lengths, padded, 7, held))
         assert torch.equal(b.tensors["labels"], _brute_force(ids, lengths, padded, -100, held))
         assert torch.equal(b.tensors["emb"], _brute_force(emb, lengths, padded, 0.0, held))
-        assert torch.equal(b.indices, cpcompile.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank,
-                                                                  strategy=strategy))
+        assert torch.equal(
+            b.indices, cpcompile.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank, strategy=strategy)
+        )
 
 
 def test_shard_batch_follows_the_active_strategy():
@@ -48,7 +55,11 @@ def test_shard_batch_follows_the_active_strategy():
     [
         ({"x": torch.zeros(9)}, {}, r"tensors\['x'\] has 9 tokens in dim 0, cu_seqlens\[-1\] is 10"),
         ({}, {}, "tensors must be a non-empty dict"),
-        ({"x": torch.zeros(10)}, {"pad_values": {"y": 0}}, r"pad_values names tensors that are not in tensors: \['y'\]"),
+        (
+            {"x": torch.zeros(10)},
+            {"pad_values": {"y": 0}},
+            r"pad_values names tensors that are not in tensors: \['y'\]",
+        ),
         ({"x": torch.zeros(10)}, {"rank": 5}, r"rank must be an int in \[0, 2\), got 5"),
     ],
 )

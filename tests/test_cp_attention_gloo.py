@@ -47,20 +47,31 @@ def _check_rank(rank: int, world: int) -> None:
         if hq == hkv and not causal:
             continue  # MHA once per strategy is enough; GQA covers both masks
         cu, q, k, v, dout = _global_case(_doc_lengths(world, case), hq, hkv, 8, seed=case)
-        sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec)
+        sharded = cpcompile.shard_batch(
+            {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec
+        )
         # float64 reference on the padded physical buffer, sharded by the same layout
         phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
         n = int(sharded.cu_seqlens_padded[-1])
-        full = {name: t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double().requires_grad_()
-                for name, t in (("q", q), ("k", k), ("v", v))}
-        ref = attention_fp64(full["q"], full["k"], full["v"], cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
+        full = {
+            name: t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double().requires_grad_()
+            for name, t in (("q", q), ("k", k), ("v", v))
+        }
+        ref = attention_fp64(
+            full["q"], full["k"], full["v"], cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded
+        )
         dout_full = dout.new_zeros((n, *dout.shape[1:])).index_copy_(0, phys, dout).double()
         ref_grads = torch.autograd.grad(ref, list(full.values()), dout_full)
 
         local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
         out = cpcompile.cp_attention(
-            local["q"], local["k"], local["v"], cu, cu_seqlens_padded=sharded.cu_seqlens_padded,
-            strategy=spec, causal=causal,
+            local["q"],
+            local["k"],
+            local["v"],
+            cu,
+            cu_seqlens_padded=sharded.cu_seqlens_padded,
+            strategy=spec,
+            causal=causal,
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
         label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
@@ -80,7 +91,9 @@ def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
     dist.all_gather(parts, local)
     out = torch.empty((local.shape[0] * sharded.cp_size, *local.shape[1:]), dtype=local.dtype)
     for r, part in enumerate(parts):
-        idx = cpcompile.partition_indices(sharded.cu_seqlens_padded, cp_size=sharded.cp_size, rank=r, strategy=sharded.spec)
+        idx = cpcompile.partition_indices(
+            sharded.cu_seqlens_padded, cp_size=sharded.cp_size, rank=r, strategy=sharded.spec
+        )
         out[idx] = part
     return out
 

@@ -70,8 +70,11 @@ def _check_ops(tp, rank, group, *, capacity, seed):
     for i, t in enumerate((3, 1, 5)):
         for shape, bias in (((t,), True), ((t,), False), ((t, 2), False)):
             inputs, dout, ref, ref_grads = _ag_gemm_case(tp, rank, shape, bias, seed + 100 * i)
-            fn = (lambda x, w, b: cpcompile.ag_gemm(x, w, bias=b, group=group, capacity_tokens=capacity)) if bias \
+            fn = (
+                (lambda x, w, b: cpcompile.ag_gemm(x, w, bias=b, group=group, capacity_tokens=capacity))
+                if bias
                 else (lambda x, w: cpcompile.ag_gemm(x, w, group=group, capacity_tokens=capacity))
+            )
             out, grads = _run(fn, inputs, dout)
             _assert_close([out, *grads], [ref, *ref_grads], f"ag_gemm tp={tp} rank={rank} x={shape} bias={bias}")
         for shape in ((t,), (t, 2)):
@@ -83,8 +86,10 @@ def _check_ops(tp, rank, group, *, capacity, seed):
 def _sp_mlp_reference(tp, t, seed):
     """The whole (unsharded) MLP in float64 and each rank's shards, output and gradients."""
     hidden, ffn = K, 3 * tp
-    x, w1, b1, w2 = (_randn(*s, seed=seed + i).requires_grad_() for i, s in
-                     enumerate(((tp * t, hidden), (ffn, hidden), (ffn,), (hidden, ffn))))
+    x, w1, b1, w2 = (
+        _randn(*s, seed=seed + i).requires_grad_()
+        for i, s in enumerate(((tp * t, hidden), (ffn, hidden), (ffn,), (hidden, ffn)))
+    )
     b2s = [_randn(hidden, seed=seed + 5).requires_grad_() for _ in range(tp)]  # replicated: one leaf per rank
     douts = _randn(tp * t, hidden, seed=seed + 6).chunk(tp)
     y = (F.gelu(x @ w1.T + b1) @ w2.T).chunk(tp)
@@ -161,14 +166,6 @@ def test_ops_and_compiled_block_match_fp64_on_gloo(tp):
 # --- one rank, in process ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def single_rank_group():
-    """A real one-process gloo group: the ops run without communication."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_opcheck(single_rank_group):
     name = single_rank_group.group_name
     x, x3, w, b = (torch.randn(*s, requires_grad=True) for s in ((5, K), (5, 2, K), (N, K), (N,)))
@@ -213,8 +210,9 @@ def test_one_rank_is_a_plain_matmul(single_rank_group):
 def test_rejects_bad_arguments(single_rank_group, args, error, message):
     args = {"x": torch.ones(4, K), "w": torch.ones(N, K), "bias": None, "capacity_tokens": None, "group": None, **args}
     with pytest.raises(error, match=message):
-        cpcompile.ag_gemm(args["x"], args["w"], bias=args["bias"], capacity_tokens=args["capacity_tokens"],
-                          group=args["group"])
+        cpcompile.ag_gemm(
+            args["x"], args["w"], bias=args["bias"], capacity_tokens=args["capacity_tokens"], group=args["group"]
+        )
     if args["bias"] is None:
         with pytest.raises(error, match=message):
             cpcompile.gemm_rs(args["x"], args["w"], capacity_tokens=args["capacity_tokens"], group=args["group"])

@@ -85,7 +85,9 @@ class TestOverlapPass(expecttest.TestCase):
             self.assertEqual((y.shape, x.grad.shape), ((t, 8), (t, 8)))
         self.assertEqual(backend.rewrites, [2])
         dynamo, forward, backward = backend.graphs
-        self.assertExpectedInline(dynamo, """\
+        self.assertExpectedInline(
+            dynamo,
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s77: "Sym(s77)", L_x_: "f32[s77, 8]", L_w1_: "f32[6, 8]", L_b1_: "f32[6]", L_w2_: "f32[8, 6]", L_b2_: "f32[8]"):
         l_x_ = L_x_
@@ -101,8 +103,11 @@ class GraphModule(torch.nn.Module):
 
         add: "f32[s77, 8]" = gemm_rs_default + l_b2_;  gemm_rs_default = l_b2_ = None
         return (add,)
-""")  # noqa: E501
-        self.assertExpectedInline(forward, """\
+""",
+        )  # noqa: E501
+        self.assertExpectedInline(
+            forward,
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s77)", primals_2: "f32[s77, 8]", primals_3: "f32[6, 8]", primals_4: "f32[6]", primals_5: "f32[8, 6]", primals_6: "f32[8]"):
         ag_gemm: "f32[2*s77, 6]" = torch.ops.cpcompile.ag_gemm.default(primals_2, primals_3, primals_4, '0', 64);  primals_4 = None
@@ -112,8 +117,11 @@ class GraphModule(torch.nn.Module):
 
         add_9: "f32[s77, 8]" = torch.ops.aten.add.Tensor(gemm_rs, primals_6);  gemm_rs = primals_6 = None
         return (add_9, primals_2, primals_3, primals_5, ag_gemm, gelu, primals_1)
-""")  # noqa: E501
-        self.assertExpectedInline(backward, """\
+""",
+        )  # noqa: E501
+        self.assertExpectedInline(
+            backward,
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s77)", primals_2: "f32[s77, 8]", primals_3: "f32[6, 8]", primals_5: "f32[8, 6]", ag_gemm: "f32[2*s77, 6]", gelu: "f32[2*s77, 6]", tangents_1: "f32[s77, 8]"):
         sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
@@ -130,7 +138,8 @@ class GraphModule(torch.nn.Module):
         view_1: "f32[2*s77, 6]" = torch.ops.aten.view.default(gelu_backward, [-1, 6]);  gelu_backward = None
         sum_2: "f32[6]" = torch.ops.aten.sum.dim_IntList(view_1, [0]);  view_1 = None
         return (None, getitem_2, getitem_3, sum_2, getitem_1, view)
-""")  # noqa: E501
+""",
+        )  # noqa: E501
 
     def test_views_addmm_matmul_and_3d_linear(self):
         backend = OverlapBackend()
@@ -149,7 +158,9 @@ class GraphModule(torch.nn.Module):
         a, c, r = torch.compile(patterns, backend=backend, fullgraph=True)(*args)
         self.assertEqual((a.shape, c.shape, r.shape), ((30, 6), (10, 3, 5), (5, 3, 4)))
         self.assertEqual(backend.rewrites, [3])
-        self.assertExpectedInline(backend.graphs[0], """\
+        self.assertExpectedInline(
+            backend.graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s82: "Sym(s82)", L_x3_: "f32[s82, 3, 8]", L_w1_: "f32[6, 8]", L_b1_: "f32[6]", L_w_kn_: "f32[8, 5]", s10: "Sym(s10)", L_y3_: "f32[s10, 3, 7]", L_w3_: "f32[4, 7]"):
         l_x3_ = L_x3_
@@ -167,7 +178,8 @@ class GraphModule(torch.nn.Module):
 
         gemm_rs_default: "f32[(s10//2), 3, 4]" = torch.ops.cpcompile.gemm_rs.default(l_y3_, l_w3_, '0', None);  l_y3_ = l_w3_ = None
         return (ag_gemm_default, ag_gemm_default_1, gemm_rs_default)
-""")  # noqa: E501
+""",
+        )  # noqa: E501
 
     def test_chains_it_cannot_overlap_are_left_alone(self):
         backend = OverlapBackend()
@@ -186,10 +198,13 @@ class GraphModule(torch.nn.Module):
         with self.assertLogs(logger, level="DEBUG") as logs:
             torch.compile(unmatched, backend=backend, fullgraph=True)(*args)
         self.assertEqual(backend.rewrites, [0])
-        self.assertEqual([r.getMessage().split(": ", 1)[1] for r in logs.records], [
-            "tensor not rewritten: the gathered tensor does not feed exactly one matmul as its input",
-            "tensor_3 not rewritten: the gathered tensor does not feed exactly one matmul as its input",
-            "tensor_1 not rewritten: the reduce-scatter does not sum",
-            "tensor_2 not rewritten: the reduce-scatter's input is not a bias-free matmul used only by it",
-            "no all-gather -> matmul or matmul -> reduce-scatter to rewrite",
-        ])
+        self.assertEqual(
+            [r.getMessage().split(": ", 1)[1] for r in logs.records],
+            [
+                "tensor not rewritten: the gathered tensor does not feed exactly one matmul as its input",
+                "tensor_3 not rewritten: the gathered tensor does not feed exactly one matmul as its input",
+                "tensor_1 not rewritten: the reduce-scatter does not sum",
+                "tensor_2 not rewritten: the reduce-scatter's input is not a bias-free matmul used only by it",
+                "no all-gather -> matmul or matmul -> reduce-scatter to rewrite",
+            ],
+        )

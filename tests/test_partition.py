@@ -8,16 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile import StrategySpec, Strategy
+from cpcompile import Strategy, StrategySpec
+from tests.reference import LAYOUT_SPECS as SPECS
 from tests.reference import layout_brute_force
-
-SPECS = [
-    StrategySpec(Strategy.DUAL_CHUNK_SWAP),
-    StrategySpec(Strategy.NO_LOAD_BALANCE),
-    StrategySpec(Strategy.STRIPED),
-    StrategySpec(Strategy.STRIPED, stripe_size=3),
-    StrategySpec(Strategy.BALANCED),
-]
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -70,28 +63,60 @@ def test_num_tokens_avoids_reading_the_total():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: cpcompile.pad_for_cp(torch.tensor([0, 4]), cp_size=2), ValueError,
-         "cu_seqlens must have dtype torch.int32, got torch.int64"),
-        (lambda: cpcompile.pad_for_cp(torch.tensor([0, 4, 2], dtype=torch.int32), cp_size=2), ValueError,
-         r"cu_seqlens must be non-decreasing .* got \[0, 4, 2\]"),
-        (lambda: cpcompile.pad_for_cp(torch.tensor([1, 4], dtype=torch.int32), cp_size=2), ValueError,
-         "cu_seqlens must start at 0, got 1"),
-        (lambda: cpcompile.pad_for_cp(torch.tensor([0], dtype=torch.int32), cp_size=2), ValueError,
-         r"at least 2 entries .* got shape \(1,\)"),
-        (lambda: cpcompile.pad_for_cp(torch.tensor([0, 4], dtype=torch.int32), cp_size=0), ValueError,
-         "cp_size must be an int >= 1, got 0"),
-        (lambda: cpcompile.partition_indices(torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=2),
-         ValueError, r"rank must be an int in \[0, 2\), got 2"),
-        (lambda: cpcompile.partition_indices(torch.tensor([0, 6, 12], dtype=torch.int32), cp_size=2, rank=0),
-         ValueError, r"every document must be padded to a multiple of 4, got lengths \[6, 6\]"),
-        (lambda: cpcompile.partition_indices(torch.tensor([0, 7], dtype=torch.int32), cp_size=2, rank=0,
-                                             strategy="striped"),
-         ValueError, "the total 7 must be a multiple of 2"),
-        (lambda: cpcompile.partition_indices(torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0,
-                                             num_tokens=12),
-         ValueError, r"cu_seqlens_padded\[-1\] = 8 does not match the token count 12"),
-        (lambda: cpcompile.pad_for_cp(torch.tensor([0, 4], dtype=torch.int32), cp_size=2, strategy="zigzag"),
-         ValueError, "strategy must be one of"),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([0, 4]), cp_size=2),
+            ValueError,
+            "cu_seqlens must have dtype torch.int32, got torch.int64",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([0, 4, 2], dtype=torch.int32), cp_size=2),
+            ValueError,
+            r"cu_seqlens must be non-decreasing .* got \[0, 4, 2\]",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([1, 4], dtype=torch.int32), cp_size=2),
+            ValueError,
+            "cu_seqlens must start at 0, got 1",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([0], dtype=torch.int32), cp_size=2),
+            ValueError,
+            r"at least 2 entries .* got shape \(1,\)",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([0, 4], dtype=torch.int32), cp_size=0),
+            ValueError,
+            "cp_size must be an int >= 1, got 0",
+        ),
+        (
+            lambda: cpcompile.partition_indices(torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=2),
+            ValueError,
+            r"rank must be an int in \[0, 2\), got 2",
+        ),
+        (
+            lambda: cpcompile.partition_indices(torch.tensor([0, 6, 12], dtype=torch.int32), cp_size=2, rank=0),
+            ValueError,
+            r"every document must be padded to a multiple of 4, got lengths \[6, 6\]",
+        ),
+        (
+            lambda: cpcompile.partition_indices(
+                torch.tensor([0, 7], dtype=torch.int32), cp_size=2, rank=0, strategy="striped"
+            ),
+            ValueError,
+            "the total 7 must be a multiple of 2",
+        ),
+        (
+            lambda: cpcompile.partition_indices(
+                torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0, num_tokens=12
+            ),
+            ValueError,
+            r"cu_seqlens_padded\[-1\] = 8 does not match the token count 12",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(torch.tensor([0, 4], dtype=torch.int32), cp_size=2, strategy="zigzag"),
+            ValueError,
+            "strategy must be one of",
+        ),
     ],
 )
 def test_bad_layout_arguments(call, error, message):

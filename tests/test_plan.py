@@ -8,17 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile import Strategy, StrategySpec
 from cpcompile.ops.kernels import reference
+from tests.reference import LAYOUT_SPECS as SPECS
 from tests.reference import attention_fp64, relative_error
-
-SPECS = [
-    StrategySpec(Strategy.DUAL_CHUNK_SWAP),
-    StrategySpec(Strategy.NO_LOAD_BALANCE),
-    StrategySpec(Strategy.STRIPED),
-    StrategySpec(Strategy.STRIPED, stripe_size=3),
-    StrategySpec(Strategy.BALANCED),
-]
 
 
 def _cu(lengths):
@@ -65,7 +57,7 @@ def test_plan_pieces_match_brute_force(lengths, cp, spec):
         ]
         want = _pieces_brute_force(layout[rank].tolist(), lengths, padded.diff().tolist())
         assert got[: len(want)] == want
-        assert all(q_len == 0 and kc == 0 and kf == 0 for _, q_len, _, kc, kf in got[len(want):])
+        assert all(q_len == 0 and kc == 0 and kf == 0 for _, q_len, _, kc, kf in got[len(want) :])
         assert cu_q[-1] == layout.shape[1]
         # gathered row of every physical position
         assert torch.equal(layout.flatten()[plan.gather_index], torch.arange(int(padded[-1])))

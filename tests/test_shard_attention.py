@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
 from cpcompile.passes.shard_attention import find_packed_attention, shard_attention_pass
+from examples.packed_gpt import VARLEN_GQA
 
 
 def packed_model(q, k, v, cu_seqlens, max_seqlen):
@@ -26,13 +27,13 @@ def packed_model(q, k, v, cu_seqlens, max_seqlen):
 
 
 def varlen_model(q, k, v, cu_seqlens, max_seqlen):
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA)
 
 
 def two_layers(q, k, v, cu_seqlens, max_seqlen):
     """Two attention calls on one ``cu_seqlens``: they must share one plan."""
     o = packed_model(q, k, v, cu_seqlens, max_seqlen)
-    return varlen_attn(o, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, enable_gqa=True)
+    return varlen_attn(o, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **VARLEN_GQA)
 
 
 def _inputs(strategy=None):
@@ -73,14 +74,17 @@ class ShardAttentionGraphs(expecttest.TestCase):
     def tearDownClass(cls):
         dist.destroy_process_group()
 
-    def shard(self, fn, spec=cpcompile.StrategySpec()):
+    def shard(self, fn, spec=None):
+        spec = spec or cpcompile.StrategySpec()
         gm = dynamo_graph(fn, *_inputs())
         count = shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
         return gm, count
 
     def test_packed_attention_before_and_after(self):
         gm = dynamo_graph(packed_model, *_inputs())
-        self.assertExpectedInline(_readable(gm), """\
+        self.assertExpectedInline(
+            _readable(gm),
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
         l_q_ = L_q_
@@ -89,19 +93,15 @@ class GraphModule(torch.nn.Module):
         l_cu_seqlens_ = L_cu_seqlens_
         l_max_seqlen_ = L_max_seqlen_
 
-        eq: "Sym(True)" = s85 == s85;  s85 = None
-        eq_1: "Sym(True)" = s25 == s25;  s25 = None
-        and_: "Sym(True)" = eq & eq_1;  eq = eq_1 = None
-        eq_2: "Sym(True)" = s0 == s0;  s0 = None
-        and__1: "Sym(True)" = and_ & eq_2;  and_ = eq_2 = None
-        not_ = _operator_not_(and__1);  and__1 = not_ = None
-
         packed_attention = torch.ops.cpcompile.packed_attention(l_q_, l_k_, l_v_, l_cu_seqlens_, None, l_max_seqlen_, True, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
-        getitem_28: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
-        return (getitem_28,)
-""")
+        getitem_4: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
+        return (getitem_4,)
+""",
+        )
         shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
-        self.assertExpectedInline(_readable(gm), """\
+        self.assertExpectedInline(
+            _readable(gm),
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
         l_q_ = L_q_
@@ -119,15 +119,22 @@ class GraphModule(torch.nn.Module):
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
         k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        add: "Sym(s7 + 4)" = l_max_seqlen_ + 4
+        sub: "Sym(s7 + 3)" = add - 1;  add = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
+        mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = None
-        getitem_28: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
-        return (getitem_28,)
-""")
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
+        getitem_4: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
+        return (getitem_4,)
+""",
+        )
 
     def test_varlen_attn_before_and_after(self):
         gm = dynamo_graph(varlen_model, *_inputs())
-        self.assertExpectedInline(_readable(gm), """\
+        self.assertExpectedInline(
+            _readable(gm),
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
         l_q_ = L_q_
@@ -139,9 +146,12 @@ class GraphModule(torch.nn.Module):
         _varlen_attn = torch.ops.torch_attn._varlen_attn(l_q_, l_k_, l_v_, l_cu_seqlens_, l_cu_seqlens_, l_max_seqlen_, l_max_seqlen_, True, None, [-1, 0], True, None, None, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
         out: "f32[s85, s34, s0]" = _varlen_attn[0];  _varlen_attn = None
         return (out,)
-""")
+""",
+        )
         shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
-        self.assertExpectedInline(_readable(gm), """\
+        self.assertExpectedInline(
+            _readable(gm),
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
         l_q_ = L_q_
@@ -159,11 +169,16 @@ class GraphModule(torch.nn.Module):
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
         k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        add: "Sym(s7 + 4)" = l_max_seqlen_ + 4
+        sub: "Sym(s7 + 3)" = add - 1;  add = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
+        mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
         out: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
         return (out,)
-""")
+""",
+        )
 
     def test_each_strategy_gets_its_plan(self):
         plans = []
@@ -174,9 +189,12 @@ class GraphModule(torch.nn.Module):
             gm, _ = self.shard(packed_model, spec)
             (plan,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_plan.default)
             plans.append(f"{plan.format_node()} -> {plan.meta['example_value'][1].shape}")
-        self.assertExpectedInline("\n".join(plans), """\
+        self.assertExpectedInline(
+            "\n".join(plans),
+            """\
 %cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
-%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""")
+%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
+        )
 
     def test_layers_share_one_plan(self):
         gm, count = self.shard(two_layers)
@@ -197,7 +215,9 @@ class GraphModule(torch.nn.Module):
         torch._dynamo.reset()
         compiled = torch.compile(packed_model, backend=cpcompile.backend(inner=inner), dynamic=True, fullgraph=True)
         compiled(*_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
-        self.assertExpectedInline(graphs["forward"], """\
+        self.assertExpectedInline(
+            graphs["forward"],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
@@ -207,36 +227,47 @@ class GraphModule(torch.nn.Module):
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
         getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
-        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10)
+
+        add_10: "Sym(s7 + 4)" = primals_10 + 4
+        sub_5: "Sym(s7 + 3)" = add_10 - 1;  add_10 = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub_5 // 4;  sub_5 = None
+        mul_6: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
+
+        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6)
         getitem_5: "f32[s85, s34, s0]" = cp_attention[0]
         getitem_6: "f32[s34, s85]" = cp_attention[1];  cp_attention = None
         detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_5)
-        return (getitem_5, primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, getitem_6, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8)
-""")
-        self.assertExpectedInline(graphs["backward"], """\
+        return (getitem_5, primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, getitem_6, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_6)
+""",
+        )
+        self.assertExpectedInline(
+            graphs["backward"],
+            """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_6: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
+    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_6: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_6: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
         detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
-        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = None
+        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = mul_6 = None
         getitem_7: "f32[s85, s34, s0]" = cp_attention_backward[0]
         getitem_8: "f32[s85, s25, s0]" = cp_attention_backward[1]
         getitem_9: "f32[s85, s25, s0]" = cp_attention_backward[2];  cp_attention_backward = None
         return (None, None, None, getitem_7, None, getitem_8, getitem_9, None, None, None)
-""")
+""",
+        )
 
     def test_unsupported_variants_are_left_alone_with_a_warning(self):
         def window(q, k, v, cu, m):
-            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), enable_gqa=True)
+            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
 
         def cross(q, k, v, cu, m):
-            return varlen_attn(q, k, v, cu, cu.clone(), m, m, enable_gqa=True)
+            return varlen_attn(q, k, v, cu, cu.clone(), m, m, **VARLEN_GQA)
 
         for fn, reason in ((window, "sliding window"), (cross, "cu_seq_q and cu_seq_k differ")):
             gm = dynamo_graph(fn, *_inputs())
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                self.assertEqual(shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1,
-                                                      spec=cpcompile.StrategySpec()), 0)
+                self.assertEqual(
+                    shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec()), 0
+                )
             self.assertEqual(len(caught), 1)
             self.assertIn(reason, str(caught[0].message))
             self.assertEqual(len(find_packed_attention(gm)[1]), 1)  # still there, untouched

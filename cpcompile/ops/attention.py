@@ -17,7 +17,7 @@ import torch
 
 from .. import distributed as cpdist
 from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enabled
-from ..plan import AttentionPlan, make_plan
+from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..strategy import Strategy, StrategyLike, resolve_strategy
 from . import kernels
 
@@ -61,8 +61,16 @@ def _packed_attention(
     plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
     kernel = kernels.select(q)
     return kernel.forward(
-        q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal),
-        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+        q,
+        k,
+        v,
+        plan.cu_q,
+        plan.k_start,
+        plan.k_len(causal),
+        causal=causal,
+        scale=_scale(q, scale),
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
     )
 
 
@@ -88,10 +96,22 @@ def _packed_attention_backward(
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
-    return kernels.select(q).backward(
-        dout, q, k, v, out, lse, plan.cu_q, plan.k_start, plan.k_len(causal),
-        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+    dq, dk, dv = kernels.select(q).backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        plan.cu_q,
+        plan.k_start,
+        plan.k_len(causal),
+        causal=causal,
+        scale=_scale(q, scale),
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
     )
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_packed_attention_backward.register_fake
@@ -159,7 +179,9 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, gather_index: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    k: torch.Tensor, v: torch.Tensor, gather_index: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Local k, v ``[T_local, Hkv, D]`` -> global k, v ``[T, Hkv, D]`` in physical order."""
     kv = torch.cat([k, v], dim=1)  # [T_local, 2 Hkv, D]: one collective for both
     kv = cpdist.all_gather_rows(kv, group).index_select(0, gather_index)  # [T, 2 Hkv, D]
@@ -179,16 +201,26 @@ def _cp_attention(
     causal: bool,
     scale: float | None,
     max_seqlen: int | None,
+    max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
     k_all, v_all = _gather_kv(k, v, gather_index, group)
     return kernels.select(q).forward(
-        q, k_all, v_all, cu_q, k_start, k_len, causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen
+        q,
+        k_all,
+        v_all,
+        cu_q,
+        k_start,
+        k_len,
+        causal=causal,
+        scale=_scale(q, scale),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen,
     )
 
 
 @_cp_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen):
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
     _check_fake_qkv(q, k, v)
     cp = cpdist.resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
@@ -215,16 +247,28 @@ def _cp_attention_backward(
     causal: bool,
     scale: float | None,
     max_seqlen: int | None,
+    max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
     k_all, v_all = _gather_kv(k, v, gather_index, group)  # re-gathered, not saved
     dq, dk_all, dv_all = kernels.select(q).backward(
-        dout, q, k_all, v_all, out, lse, cu_q, k_start, k_len,
-        causal=causal, scale=_scale(q, scale), max_seqlen=max_seqlen,
+        dout,
+        q,
+        k_all,
+        v_all,
+        out,
+        lse,
+        cu_q,
+        k_start,
+        k_len,
+        causal=causal,
+        scale=_scale(q, scale),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen,
     )
     # Partial dK/dV of every physical key, back in all-gather order, summed in fp32
     # over ranks and scattered to each key's owner.
-    dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv, D]
+    dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv, D], float32 from the kernels already
     dkv = torch.empty_like(dkv).index_copy_(0, gather_index, dkv)
     dkv = cpdist.reduce_scatter_rows(dkv, group).to(k.dtype)  # [T_local, 2 Hkv, D]
     dk, dv = dkv.split(k.shape[1], dim=1)
@@ -232,21 +276,21 @@ def _cp_attention_backward(
 
 
 @_cp_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen):
+def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _cp_setup(ctx, inputs, output):
-    q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen = inputs
+    q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, gather_index, cu_q, k_start, k_len)
-    ctx.args = (group_name, causal, scale, max_seqlen)
+    ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q)
     ctx.mark_non_differentiable(lse)
 
 
 def _cp_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.cpcompile.cp_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
@@ -289,12 +333,15 @@ def cp_attention(
     pg = cpdist.resolve_group(group)
     cp, rank = pg.size(), pg.rank()
     error = None
+    max_seqlen_q = max_seqlen  # a plan from the caller may be of any strategy: the safe bound
     try:
         if plan is None:
+            spec = resolve_strategy(strategy)
             plan = make_plan(
-                cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank,
-                strategy=resolve_strategy(strategy), num_tokens=q.shape[0] * cp,
+                cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=q.shape[0] * cp
             )
+            if max_seqlen is not None:
+                max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
         elif plan.gather_index.shape[0] != q.shape[0] * cp:
             raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp_size {cp}")
     except (ValueError, TypeError) as e:
@@ -303,13 +350,28 @@ def cp_attention(
         # Before the first collective, so that no rank is left waiting in it.
         cu = cu_seqlens.long()
         cpdist.agree_before_collectives(
-            pg, error, local_tokens=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
+            pg,
+            error,
+            local_tokens=q.shape[0],
+            q_heads=q.shape[1],
+            kv_heads=k.shape[1],
+            head_dim=q.shape[2],
             cu_seqlens_checksum=int((cu * torch.arange(1, cu.shape[0] + 1)).sum()),
         )
     elif error is not None:
         raise error
     out, _ = torch.ops.cpcompile.cp_attention(
-        q, k, v, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal),
-        pg.group_name, causal, scale, max_seqlen,
+        q,
+        k,
+        v,
+        plan.gather_index,
+        plan.cu_q,
+        plan.k_start,
+        plan.k_len(causal),
+        pg.group_name,
+        causal,
+        scale,
+        max_seqlen,
+        max_seqlen_q,
     )
     return out

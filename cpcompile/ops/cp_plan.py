@@ -34,8 +34,12 @@ def cp_plan(
     """:func:`cpcompile.make_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
     k_len_causal, k_len_full [P])`` for ``T = num_tokens`` padded tokens."""
     plan = make_plan(
-        cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank,
-        strategy=_spec(strategy, stripe_size), num_tokens=num_tokens,
+        cu_seqlens,
+        cu_seqlens_padded,
+        cp_size=cp_size,
+        rank=rank,
+        strategy=_spec(strategy, stripe_size),
+        num_tokens=num_tokens,
     )
     return tuple(plan)
 

@@ -48,8 +48,16 @@ class CapacityBuffers:
         self.allocations = 0
 
     def prefix(
-        self, role: str, group_name: str, like: torch.Tensor, *, slots: int, rows: int, features: int,
-        capacity: int | None, symmetric: bool = False,
+        self,
+        role: str,
+        group_name: str,
+        like: torch.Tensor,
+        *,
+        slots: int,
+        rows: int,
+        features: int,
+        capacity: int | None,
+        symmetric: bool = False,
     ) -> tuple[torch.Tensor, object]:
         """The active prefix ``[slots, rows, features]`` of the buffer for this key, and its handle.
 
@@ -139,14 +147,17 @@ def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor) -> bool:
 def _shift(send: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> list:
     """Start sending ``send`` to rank + 1 and receiving ``recv`` from rank - 1."""
     tp, rank = pg.size(), pg.rank()
-    return dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, group=pg, group_peer=(rank + 1) % tp),
-        dist.P2POp(dist.irecv, recv, group=pg, group_peer=(rank - 1) % tp),
-    ])
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send, group=pg, group_peer=(rank + 1) % tp),
+            dist.P2POp(dist.irecv, recv, group=pg, group_peer=(rank - 1) % tp),
+        ]
+    )
 
 
-def _gather_ring(x: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None,
-                 consume: Callable[[int, torch.Tensor], None]) -> None:
+def _gather_ring(
+    x: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, consume: Callable[[int, torch.Tensor], None]
+) -> None:
     """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile."""
     tp, rank = pg.size(), pg.rank()
     _enter_ring(pg, x.shape[0], capacity, x)
@@ -187,8 +198,9 @@ def _gather_copy_engine(x, pg, buf, shape, consume) -> None:
         consume(src, buf[src])
 
 
-def _reduce_scatter_ring(out: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None,
-                         produce: Callable[[int, torch.Tensor], None]) -> None:
+def _reduce_scatter_ring(
+    out: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, produce: Callable[[int, torch.Tensor], None]
+) -> None:
     """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank.
 
     The partial sum for rank d starts at d + 1 and travels the ring, each rank adding
@@ -406,7 +418,11 @@ def _check_args(x: object, w: object, bias: object, capacity_tokens: object) -> 
 
 
 def ag_gemm(
-    x: torch.Tensor, w: torch.Tensor, *, group=None, capacity_tokens: int | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group=None,
+    capacity_tokens: int | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``all_gather(x, dim=0) @ w.T + bias`` with the gather overlapped with the matmul.

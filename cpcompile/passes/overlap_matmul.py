@@ -152,8 +152,11 @@ def _match_ag(gather: fx.Node) -> AgMatmulMatch | str:
         return "the gathered tensor does not feed exactly one matmul as its input"
     if views:
         flat, gathered = _val(views[-1]), _val(wait)
-        if flat is None or gathered is None or flat.dim() != 2 or not statically_known_true(
-            flat.shape[1] == gathered.shape[-1]
+        if (
+            flat is None
+            or gathered is None
+            or flat.dim() != 2
+            or not statically_known_true(flat.shape[1] == gathered.shape[-1])
         ):
             return "the views between all-gather and matmul do not flatten leading dims to [rows, K]"
     return AgMatmulMatch(gather, wait, tuple(views), linear, _group(gather))
@@ -223,8 +226,12 @@ def rewrite_ag_matmul(graph: fx.Graph, match: AgMatmulMatch, *, capacity_tokens:
         x = match.gather.args[0]
         if match.views:  # all_gather(x).view(-1, K) == all_gather(x.flatten(0, -2)): [t * ..., K]
             x = _call(graph, torch.flatten, (x, 0, -2), linear.node)
-        new = _call(graph, torch.ops.cpcompile.ag_gemm.default,
-                    (x, _weight_node(graph, linear), linear.bias, match.group_name, capacity_tokens), linear.node)
+        new = _call(
+            graph,
+            torch.ops.cpcompile.ag_gemm.default,
+            (x, _weight_node(graph, linear), linear.bias, match.group_name, capacity_tokens),
+            linear.node,
+        )
     _replace(graph, linear.node, new, [linear.node, *reversed(match.views), match.wait, match.gather], linear)
     return new
 
@@ -232,8 +239,12 @@ def rewrite_ag_matmul(graph: fx.Graph, match: AgMatmulMatch, *, capacity_tokens:
 def rewrite_matmul_rs(graph: fx.Graph, match: MatmulRsMatch, *, capacity_tokens: int | None) -> fx.Node:
     linear = match.linear
     with graph.inserting_before(match.wait):
-        new = _call(graph, torch.ops.cpcompile.gemm_rs.default,
-                    (linear.input, _weight_node(graph, linear), match.group_name, capacity_tokens), match.wait)
+        new = _call(
+            graph,
+            torch.ops.cpcompile.gemm_rs.default,
+            (linear.input, _weight_node(graph, linear), match.group_name, capacity_tokens),
+            match.wait,
+        )
     _replace(graph, match.wait, new, [match.wait, match.scatter, linear.node], linear)
     return new
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
-from ..plan import AttentionPlan
+from ..plan import AttentionPlan, max_piece_len
 from ..strategy import StrategySpec
 
 log = logging.getLogger(__name__)
@@ -107,10 +107,19 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
         name = op.name() if op is not None else None
         if name == _PACKED:
             a = _bound_args(node, op)
-            matches.append(AttentionMatch(
-                node, a["q"], a["k"], a["v"], a["cu_seqlens"], a["cu_seqlens_padded"], a["max_seqlen"],
-                a["causal"], a["scale"],
-            ))
+            matches.append(
+                AttentionMatch(
+                    node,
+                    a["q"],
+                    a["k"],
+                    a["v"],
+                    a["cu_seqlens"],
+                    a["cu_seqlens_padded"],
+                    a["max_seqlen"],
+                    a["causal"],
+                    a["scale"],
+                )
+            )
         elif name == _VARLEN:
             found = _match_varlen(node, _bound_args(node, op))
             (matches if isinstance(found, AttentionMatch) else skipped).append(found)
@@ -121,6 +130,18 @@ def _fake_value(node: fx.Node) -> None:
     """Fill ``meta['example_value']`` of an inserted node, as Dynamo does for its own nodes."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
     node.meta["example_value"] = node.target(*args, **kwargs)
+
+
+def _max_piece_len(graph: fx.Graph, spec: StrategySpec, cp_size: int, max_seqlen):
+    """``max_piece_len`` of a (symbolic) ``max_seqlen``, as graph nodes where it is one."""
+    if not isinstance(max_seqlen, fx.Node):
+        return None if max_seqlen is None else max_piece_len(spec, cp_size, max_seqlen)
+    before = set(graph.nodes)
+    bound = max_piece_len(spec, cp_size, fx.Proxy(max_seqlen, fx.proxy.GraphAppendingTracer(graph)))
+    for node in graph.nodes:  # the arithmetic just recorded, in order
+        if node not in before:
+            _fake_value(node)
+    return bound.node if isinstance(bound, fx.Proxy) else bound
 
 
 def rewrite_packed_attention(
@@ -149,15 +170,43 @@ def rewrite_packed_attention(
                 # T = local tokens x cp: symbolic, so one graph serves every batch size
                 local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
                 tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
-                plan = insert(torch.ops.cpcompile.cp_plan.default, (
-                    m.cu_seqlens, m.cu_seqlens_padded, tokens, cp_size, rank, spec.strategy.value, spec.stripe_size,
-                ), "cp_plan", m.node)
-                plans[key] = [insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)]
+                plan = insert(
+                    torch.ops.cpcompile.cp_plan.default,
+                    (
+                        m.cu_seqlens,
+                        m.cu_seqlens_padded,
+                        tokens,
+                        cp_size,
+                        rank,
+                        spec.strategy.value,
+                        spec.stripe_size,
+                    ),
+                    "cp_plan",
+                    m.node,
+                )
+                plans[key] = [
+                    insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
+                ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
-            cp = insert(torch.ops.cpcompile.cp_attention.default, (
-                m.q, m.k, m.v, gather_index, cu_q, k_start, k_len_causal if m.causal else k_len_full,
-                group_name, m.causal, m.scale, m.max_seqlen,
-            ), "cp_attention", m.node)
+            cp = insert(
+                torch.ops.cpcompile.cp_attention.default,
+                (
+                    m.q,
+                    m.k,
+                    m.v,
+                    gather_index,
+                    cu_q,
+                    k_start,
+                    k_len_causal if m.causal else k_len_full,
+                    group_name,
+                    m.causal,
+                    m.scale,
+                    m.max_seqlen,
+                    _max_piece_len(graph, spec, cp_size, m.max_seqlen),
+                ),
+                "cp_attention",
+                m.node,
+            )
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)
 

@@ -20,20 +20,30 @@ def _live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.
     return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
 
 
-def _bounds(q, k, max_seqlen):
-    # Real pieces never exceed the longest document; padding rows beyond max_q are
-    # skipped by the kernel and zeroed below.
-    if max_seqlen is None:
-        return q.shape[0], k.shape[0]
-    return min(q.shape[0], max_seqlen), min(k.shape[0], max_seqlen)
+def _bounds(q, k, max_seqlen_q, max_seqlen_k):
+    # The grid is sized by these: tight bounds save empty thread blocks. Rows of
+    # padding pieces beyond max_q are skipped by the kernel and zeroed below.
+    max_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
+    max_k = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
+    return max_q, max_k
 
 
-def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
-    max_q, max_k = _bounds(q, k, max_seqlen)
+def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None):
+    max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-        scale=scale, seqused_k=k_len,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        seqused_k=k_len,
     )
     live = _live_rows(cu_q, k_len, q.shape[0])
     out = out.masked_fill(~live[:, None, None], 0)
@@ -41,8 +51,10 @@ def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_se
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
-    max_q, max_k = _bounds(q, k, max_seqlen)
+def backward(
+    dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None
+):
+    max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
     total = int(cu_kc[-1])  # host sync: the size of the per-piece key copies
     slots = torch.arange(total, device=q.device)
@@ -50,10 +62,24 @@ def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, sca
     src = k_start.long()[piece] + slots - cu_kc.long()[piece]  # [total] key row copied into each slot
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dkc, dvc = torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k[src], v[src], out, lse,
-        cu_q, cu_kc, max_q, max_k, 0.0, causal, rng, rng.new_empty(0), scale=scale,
+        dout.contiguous(),
+        q,
+        k[src],
+        v[src],
+        out,
+        lse,
+        cu_q,
+        cu_kc,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        rng,
+        rng.new_empty(0),
+        scale=scale,
     )
+    # float32 sums, left in float32: callers add them over ranks before the one rounding
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc.float())
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc.float())
     live = _live_rows(cu_q, k_len, q.shape[0])
-    return dq.masked_fill(~live[:, None, None], 0), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.masked_fill(~live[:, None, None], 0), dk, dv

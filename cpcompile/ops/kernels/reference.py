@@ -5,7 +5,8 @@ The kernel contract shared by every backend. Queries are cut into pieces by
 key buffer. Causal pieces are aligned bottom-right (row i of a piece of length
 ``n`` sees the first ``k_len - n + 1 + i`` of its keys). A row that sees no key
 outputs 0 with ``lse = -inf`` and gets zero gradient. ``backward`` returns the
-exact sum of every piece's dK/dV, even where key ranges of pieces overlap.
+exact sum of every piece's dK/dV, even where key ranges of pieces overlap, in
+float32 (float64 for float64 inputs) so that sums over ranks round once.
 
 Rows are processed in blocks against the key window they need, with a dense mask:
 simple and exact, meant for CPU tests and small runs, not for speed.
@@ -58,10 +59,10 @@ def _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc):
     return s.masked_fill(~mask, float("-inf")), mask
 
 
-def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
+def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None):
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32.
 
-    ``max_seqlen`` (a launch bound for GPU kernels) is not needed here.
+    ``max_seqlen_q``/``max_seqlen_k`` (launch bounds for GPU kernels) are not needed here.
     """
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -79,8 +80,11 @@ def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_se
     return out.to(q.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen: int | None = None):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]`` in the input dtype."""
+def backward(
+    dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None
+):
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
+    in the accumulation dtype (callers sum them over ranks before rounding)."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]
@@ -101,4 +105,4 @@ def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, sca
         ds = p * (dp - delta[:, :, r0:r1]) * scale
         dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk, dv

@@ -1,0 +1,181 @@
+"""Packed attention on one GPU: the single-GPU ceiling, then every CP rank's local step.
+
+CP efficiency = single-GPU time / (cp x slowest rank), each rank's pieces timed with
+the real kernel against the full K/V (communication excluded: DESIGN.md section 8).
+Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
+
+    python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
+from report import REPO, command, machine, write_section  # noqa: E402
+
+import cpcompile  # noqa: E402
+from cpcompile.ops.kernels import flash  # noqa: E402
+
+HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
+STRATEGIES = [
+    cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
+    cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
+    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=128),
+]
+
+
+def timed(fn, warmup: int = 2, iters: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the current stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def causal_flops(lengths: list[int], hq: int, d: int) -> float:
+    """Forward FLOPs of causal attention: 2 matmuls x 2 flops x visible pairs."""
+    return 4.0 * d * hq * sum(n * (n + 1) / 2 for n in lengths)
+
+
+def kernel_step(q, k, v, plan, causal, max_seqlen, backward: bool):
+    args = (plan.cu_q, plan.k_start, plan.k_len(causal))
+    scale = q.shape[-1] ** -0.5
+
+    def run():
+        out, lse = flash.forward(q, k, v, *args, causal=causal, scale=scale, max_seqlen=max_seqlen)
+        if backward:
+            flash.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, max_seqlen=max_seqlen)
+
+    return run
+
+
+def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
+    from torch.nn.attention.varlen import varlen_attn
+
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+
+    def run():
+        out = varlen_attn(*leaves, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA)
+        if backward:
+            out.backward(out)
+
+    return run
+
+
+def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool) -> list[dict]:
+    d, dev = 128, "cuda"
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(cu[-1])
+    max_len = max(lengths)
+    g = torch.Generator(device=dev).manual_seed(0)
+    pad_room = 2 * max(cps) * len(lengths)  # enough physical rows for any strategy's padding
+    q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    flops = causal_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
+
+    single = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    single = cpcompile.AttentionPlan(*(x.to(dev) for x in single))
+    ours = timed(kernel_step(q[:t], k[:t], v[:t], single, True, max_len, backward))
+    base = timed(torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward))
+    best = min(ours, base)
+    rows = [
+        {"what": "single GPU, torch varlen_attn", "ms": base, "tflops": flops / base / 1e9},
+        {"what": "single GPU, cpcompile flash", "ms": ours, "tflops": flops / ours / 1e9},
+    ]
+    for cp in cps:
+        for spec in STRATEGIES:
+            padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+            n = int(padded[-1])
+            per_rank, short = [], 0
+            for rank in range(cp):
+                plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+                q_len = plan.cu_q.diff()
+                short += int(((q_len > 0) & (q_len < 128) & (plan.k_len_causal > 0)).sum())
+                plan = cpcompile.AttentionPlan(*(x.to(dev) for x in plan))
+                q_local = q[: n // cp]  # values do not matter, sizes and pieces do
+                per_rank.append(timed(kernel_step(q_local, k[:n], v[:n], plan, True, max_len, backward)))
+            slowest = max(per_rank)
+            rows.append(
+                {
+                    "what": f"cp={cp} {spec.strategy.value}"
+                    + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else ""),
+                    "ms": slowest,
+                    "tflops": flops / cp / slowest / 1e9,
+                    "efficiency": best / (cp * slowest),
+                    "imbalance": slowest / statistics.mean(per_rank),
+                    "short_pieces": short / cp,
+                    "padding": n - t,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--doclens", type=Path, required=True, help="JSON list of document lengths")
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--cp", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--packs", type=int, default=3, help="packs sampled; medians are reported")
+    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    args = parser.parse_args()
+    lengths_pool = json.loads(args.doclens.read_text())
+    lines = [
+        HEADING,
+        "",
+        f"{machine()}. Command: `{command()}`.",
+        "",
+        f"{args.tokens} tokens per pack from `{args.doclens.name}`, median of {args.packs} packs (each cell the "
+        "median over packs of a median of 5 timed runs). Efficiency = best single-GPU time / (cp x slowest "
+        "rank); short = pieces per rank under 128 query rows.",
+        "",
+    ]
+    for backward in (False, True):
+        for hq, hkv in ((32, 8), (16, 16)):
+            per_pack = []
+            for p in range(args.packs):
+                lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
+                per_pack.append(measure(lengths, hq, hkv, args.cp, backward))
+            title = f"{'forward+backward' if backward else 'forward'}, heads {hq}/{hkv}"
+            lines += [
+                f"### {title}",
+                "",
+                "| layout | ms (slowest rank) | TFLOP/s per GPU | efficiency | max/mean |"
+                " short pieces/rank | padding |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
+            ]
+            for i, row in enumerate(per_pack[0]):
+                med = {key: statistics.median(pp[i][key] for pp in per_pack) for key in row if key != "what"}
+                cells = (
+                    [f"{med['ms']:.2f}", f"{med['tflops']:.0f}"]
+                    + [f"{med[key]:.3f}" if key in med else "" for key in ("efficiency", "imbalance")]
+                    + [
+                        f"{med['short_pieces']:.1f}" if "short_pieces" in med else "",
+                        f"{med['padding']:.0f}" if "padding" in med else "",
+                    ]
+                )
+                lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")
+            lines.append("")
+            print("\n".join(lines[-len(per_pack[0]) - 4 :]), flush=True)
+    if args.output != "-":
+        write_section(Path(args.output), HEADING, "\n".join(lines))
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""CP attention step with real communication, on several GPUs (``torchrun``, NCCL).
+
+Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
+and in backward the re-gather and dK/dV reduce-scatter) on its shard of one pack;
+CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank).
+
+    torchrun --nproc-per-node 2 benchmarks/cp_step.py --doclens .../prolong.json [--tokens 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_gpu import STRATEGIES, timed  # noqa: E402
+from packed_gpt import sample_lengths  # noqa: E402
+from report import REPO, command, machine, write_section  # noqa: E402
+
+import cpcompile  # noqa: E402
+
+HEADING = "## CP step with communication (benchmarks/cp_step.py)"
+
+
+def step(q, k, v, cu, padded, spec, max_len, backward: bool):
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    plan = cpcompile.make_plan(
+        cu.cpu(),
+        padded.cpu(),
+        cp_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        strategy=spec,
+        num_tokens=q.shape[0] * dist.get_world_size(),
+    )
+    plan = cpcompile.AttentionPlan(*(t.to(q.device) for t in plan))  # built once per step, shared by layers
+
+    def run():
+        out = cpcompile.cp_attention(
+            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan
+        )
+        if backward:
+            out.backward(out)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--doclens", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(0), json.loads(args.doclens.read_text()))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    max_len = max(lengths)
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = [
+        "| heads | pass | layout | single GPU ms | slowest rank ms | efficiency |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for hq, hkv in ((32, 8), (16, 16)):
+        full = [
+            torch.randn(args.tokens, h, 128, device=device, dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv)
+        ]
+        for backward in (False, True):
+            leaves = [t.detach().requires_grad_(backward) for t in full]
+
+            def single(leaves=leaves, backward=backward):
+                out = cpcompile.packed_attention(*leaves, cu.to(device), max_seqlen=max_len)
+                if backward:
+                    out.backward(out)
+
+            single_ms = timed(single)
+            want = cpcompile.packed_attention(*full, cu.to(device), max_seqlen=max_len)
+            for spec in STRATEGIES:
+                batch = cpcompile.shard_batch(
+                    dict(zip("qkv", (t.cpu() for t in full))), cu, cp_size=cp, rank=rank, strategy=spec
+                )
+                local = [batch.tensors[n].to(device) for n in "qkv"]
+                if not backward:  # correctness with real communication: each rank's rows, bf16 bound of TE
+                    got = cpcompile.cp_attention(
+                        *local,
+                        cu.to(device),
+                        cu_seqlens_padded=batch.cu_seqlens_padded.to(device),
+                        strategy=spec,
+                        max_seqlen=max_len,
+                    )
+                    real = cpcompile.batch.physical_positions(cu, batch.cu_seqlens_padded)
+                    where = torch.full((int(batch.cu_seqlens_padded[-1]),), -1, dtype=torch.long)
+                    where[real] = torch.arange(args.tokens)
+                    src = where[batch.indices]
+                    rows_real = (src >= 0).to(device)
+                    diff = (got[rows_real].float() - want[src[src >= 0].to(device)].float()).abs().max()
+                    assert diff / want.abs().max() < 2.5e-2, f"{spec}: CP output differs from one GPU by {diff}"
+                ms = torch.tensor(
+                    timed(step(*local, cu.to(device), batch.cu_seqlens_padded.to(device), spec, max_len, backward)),
+                    device=device,
+                )
+                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+                name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                rows.append(
+                    f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | {single_ms:.2f} | "
+                    f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
+                )
+                if rank == 0:
+                    print(rows[-1], flush=True)
+    if rank == 0 and args.output != "-":
+        text = "\n".join(
+            [
+                HEADING,
+                "",
+                f"{machine()}. Command: `torchrun --nproc-per-node {cp} {command()[7:]}`.",
+                "",
+                f"cp={cp}, {args.tokens} tokens from `{args.doclens.name}` ({len(lengths)} documents), bf16, "
+                "head dim 128, flash kernel; median of 5 timed steps after 2 warm-ups.",
+                "",
+                *rows,
+                "",
+            ]
+        )
+        write_section(Path(args.output), HEADING, text)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

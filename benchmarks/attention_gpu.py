@@ -24,12 +24,14 @@ from report import REPO, command, machine, write_section  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile.ops.kernels import flash  # noqa: E402
+from cpcompile.plan import max_piece_len  # noqa: E402
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
 STRATEGIES = [
     cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
     cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
     cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=128),
+    cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
 ]
 
 
@@ -53,14 +55,15 @@ def causal_flops(lengths: list[int], hq: int, d: int) -> float:
     return 4.0 * d * hq * sum(n * (n + 1) / 2 for n in lengths)
 
 
-def kernel_step(q, k, v, plan, causal, max_seqlen, backward: bool):
+def kernel_step(q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None):
     args = (plan.cu_q, plan.k_start, plan.k_len(causal))
     scale = q.shape[-1] ** -0.5
 
     def run():
-        out, lse = flash.forward(q, k, v, *args, causal=causal, scale=scale, max_seqlen=max_seqlen)
+        bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
+        out, lse = flash.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
-            flash.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, max_seqlen=max_seqlen)
+            flash.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **bounds)
 
     return run
 
@@ -78,7 +81,8 @@ def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
     return run
 
 
-def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool) -> list[dict]:
+def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool) -> tuple[list[dict], list]:
+    """Table rows, and ``(predicted cost, measured ms)`` of every rank for the cost model check."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -98,6 +102,7 @@ def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: boo
         {"what": "single GPU, torch varlen_attn", "ms": base, "tflops": flops / base / 1e9},
         {"what": "single GPU, cpcompile flash", "ms": ours, "tflops": flops / ours / 1e9},
     ]
+    samples = []
     for cp in cps:
         for spec in STRATEGIES:
             padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
@@ -109,7 +114,11 @@ def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: boo
                 short += int(((q_len > 0) & (q_len < 128) & (plan.k_len_causal > 0)).sum())
                 plan = cpcompile.AttentionPlan(*(x.to(dev) for x in plan))
                 q_local = q[: n // cp]  # values do not matter, sizes and pieces do
-                per_rank.append(timed(kernel_step(q_local, k[:n], v[:n], plan, True, max_len, backward)))
+                bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
+                per_rank.append(timed(kernel_step(q_local, k[:n], v[:n], plan, True, max_len, backward, bound)))
+            predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
+            # the forward is modelled by kernel tiles; the step cost adds tokens and backward key copies
+            samples += zip((predicted.cost if backward else predicted.tiles).tolist(), per_rank)
             slowest = max(per_rank)
             rows.append(
                 {
@@ -123,7 +132,14 @@ def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: boo
                     "padding": n - t,
                 }
             )
-    return rows
+    return rows, samples
+
+
+def correlation(samples: list) -> float:
+    """Pearson's r of predicted against measured."""
+    x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*samples))
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x.norm() * y.norm()))
 
 
 def main() -> None:
@@ -147,10 +163,12 @@ def main() -> None:
     ]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
-            per_pack = []
+            per_pack, samples = [], []
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
-                per_pack.append(measure(lengths, hq, hkv, args.cp, backward))
+                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward)
+                per_pack.append(rows)
+                samples += pack_samples
             title = f"{'forward+backward' if backward else 'forward'}, heads {hq}/{hkv}"
             lines += [
                 f"### {title}",
@@ -170,8 +188,14 @@ def main() -> None:
                     ]
                 )
                 lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")
-            lines.append("")
-            print("\n".join(lines[-len(per_pack[0]) - 4 :]), flush=True)
+            model = "step cost" if backward else "kernel tiles"
+            lines += [
+                "",
+                f"Cost model ({model} of `cpcompile.predict_rank_costs`) against the measured per-rank time: "
+                f"Pearson r = {correlation(samples):.3f} over {len(samples)} ranks.",
+                "",
+            ]
+            print("\n".join(lines[-len(per_pack[0]) - 6 :]), flush=True)
     if args.output != "-":
         write_section(Path(args.output), HEADING, "\n".join(lines))
         print(f"wrote {args.output}")

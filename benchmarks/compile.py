@@ -86,7 +86,8 @@ def main() -> None:
             f"{args.steps} microbatches of {min(tokens)}-{max(tokens)} tokens and {min(docs)}-{max(docs)} documents "
             "(ProLong-like lengths), forward + backward of a 2-layer packed GPT, `dynamic=True`, caches off. "
             "Compile = first step minus the median step. Steps run CPU kernels (the exact reference attention, "
-            "on the whole pack without the pass and on one rank's half with it) and a fake group.",
+            "on the whole pack without the pass and on one rank's half with it) and a fake group. Each inner's "
+            "first run (without the pass) also pays one-time imports and warm-up, so its compile time reads high.",
             "",
             *rows,
             "",

@@ -12,6 +12,8 @@ import torch
 
 import cpcompile
 from cpcompile.ops.kernels import flash
+from cpcompile.plan import max_piece_len
+from cpcompile.strategy import resolve_strategy
 from examples.packed_gpt import VARLEN_GQA
 from tests.reference import attention_fp64
 
@@ -78,16 +80,16 @@ def test_simulated_ranks_bf16(strategy, causal):
     out = torch.zeros_like(q)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    # the tight launch bound cp_attention uses: rows beyond it would be silently skipped
+    bounds = {"max_seqlen_q": max_piece_len(resolve_strategy(strategy), cp, max(lengths)), "max_seqlen_k": max(lengths)}
     for rank in range(cp):
         plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy)
         plan = cpcompile.AttentionPlan(*(t.cuda() for t in plan))
         idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
         args = (plan.cu_q, plan.k_start, plan.k_len(causal))
-        o, lse = flash.forward(q[idx], k, v, *args, causal=causal, scale=128**-0.5, max_seqlen=max(lengths))
+        o, lse = flash.forward(q[idx], k, v, *args, causal=causal, scale=128**-0.5, **bounds)
         out[idx] = o
-        gq, gk, gv = flash.backward(
-            dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, max_seqlen=max(lengths)
-        )
+        gq, gk, gv = flash.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
         dq[idx] = gq
         dk += gk
         dv += gv

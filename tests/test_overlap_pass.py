@@ -18,6 +18,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.testing import normalize_gm
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import cpcompile
 from cpcompile.passes.overlap_matmul import overlap_matmul_pass
 
 # torch 2.13 renamed the wrappers (same ops underneath); 2.11 and 2.12 only have the old names.
@@ -208,3 +209,18 @@ class GraphModule(torch.nn.Module):
                 "no all-gather -> matmul or matmul -> reduce-scatter to rewrite",
             ],
         )
+
+
+def test_cpcompile_backend_runs_the_overlap_pass():
+    """The user-facing backend rewrites the block too (no attention here: the CP pass finds nothing)."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(sorted({str(n.target) for n in gm.graph.nodes if "cpcompile" in str(n.target)}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(sp_mlp, backend=cpcompile.backend(inner=capture, tp_capacity_tokens=64), fullgraph=True)
+    w1, b1, w2, b2 = (torch.randn(*s) for s in ((6, 8), (6,), (8, 6), (8,)))
+    step(torch.randn(4, 8), w1, b1, w2, b2, dist.group.WORLD)
+    assert seen == [["cpcompile.ag_gemm.default", "cpcompile.gemm_rs.default"]]

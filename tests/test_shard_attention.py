@@ -286,3 +286,12 @@ class GraphModule(torch.nn.Module):
             with cpcompile.strategy(name):
                 compiled(*_inputs(name))
         self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])
+
+
+def test_backend_is_registered_by_name():
+    """``torch.compile(backend="cpcompile")`` finds it through the package's entry point."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from cpcompile.backend import default_backend
+
+    assert lookup_backend("cpcompile") is default_backend

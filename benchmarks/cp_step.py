@@ -67,8 +67,8 @@ def main() -> None:
     max_len = max(lengths)
     g = torch.Generator(device=device).manual_seed(0)
     rows = [
-        "| heads | pass | layout | single GPU ms | slowest rank ms | efficiency |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| heads | pass | layout | K/V chunks | single GPU ms | slowest rank ms | efficiency |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for hq, hkv in ((32, 8), (16, 16)):
         full = [
@@ -104,18 +104,25 @@ def main() -> None:
                     rows_real = (src >= 0).to(device)
                     diff = (got[rows_real].float() - want[src[src >= 0].to(device)].float()).abs().max()
                     assert diff / want.abs().max() < 2.5e-2, f"{spec}: CP output differs from one GPU by {diff}"
-                ms = torch.tensor(
-                    timed(step(*local, cu.to(device), batch.cu_seqlens_padded.to(device), spec, max_len, backward)),
-                    device=device,
-                )
-                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-                name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
-                rows.append(
-                    f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | {single_ms:.2f} | "
-                    f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
-                )
-                if rank == 0:
-                    print(rows[-1], flush=True)
+                # the K/V gather pipelined over head groups (CPCOMPILE_KV_CHUNKS) against one collective
+                for chunks in (1, 2, 4) if spec == STRATEGIES[0] else (2,):
+                    os.environ["CPCOMPILE_KV_CHUNKS"] = str(chunks)
+                    run = step(*local, cu.to(device), batch.cu_seqlens_padded.to(device), spec, max_len, backward)
+                    ms = torch.tensor(timed(run), device=device)
+                    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+                    name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                    rows.append(
+                        f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | {chunks} | {single_ms:.2f} | "
+                        f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
+                    )
+                    if rank == 0:
+                        print(rows[-1], flush=True)
+        gather_ms = timed(
+            lambda full=full: cpcompile.distributed.all_gather_rows(
+                torch.cat([full[1][: args.tokens // cp], full[2][: args.tokens // cp]], 1), dist.group.WORLD
+            )
+        )
+        rows.append(f"| {hq}/{hkv} | K/V all-gather alone | | | | {gather_ms:.2f} | |")
     if rank == 0 and args.output != "-":
         text = "\n".join(
             [

@@ -32,18 +32,20 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
     return group if isinstance(group, str) else resolve_group(group).group_name
 
 
-def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[n, ...]`` on each rank -> ``[size * n, ...]``, rank-major."""
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """``[n, ...]`` on each rank -> ``[size * n, ...]``, rank-major; with ``async_op``,
+    ``(output, work)`` where the output is valid after ``work.wait()``."""
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x.contiguous(), group=group)
-    return out
+    work = _all_gather(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
-def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[size * n, ...]`` summed over ranks, rank r keeps rows ``[r * n, (r + 1) * n)``."""
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """``[size * n, ...]`` summed over ranks, rank r keeps rows ``[r * n, (r + 1) * n)``;
+    with ``async_op``, ``(output, work)``."""
     out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
-    _reduce_scatter(out, x.contiguous(), group=group)
-    return out
+    work = _reduce_scatter(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def agree_before_collectives(group: dist.ProcessGroup, error: Exception | None, **values: int) -> None:

@@ -115,3 +115,15 @@ def test_cp_attention_rejects_bad_arguments(single_rank_group):
     padded = torch.tensor([0, 4, 14, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_padded gives a document fewer tokens"):
         cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded, strategy="no_load_balance")
+
+
+def test_kv_chunks_setting(monkeypatch):
+    from cpcompile.ops.gathered import kv_chunks
+
+    assert kv_chunks(8) == 1  # default: one collective, one kernel call
+    for want, heads, got in ((4, 8, 4), (3, 8, 2), (16, 4, 4), (2, 1, 1)):
+        monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", str(want))
+        assert kv_chunks(heads) == got
+    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "0")
+    with pytest.raises(ValueError, match="CPCOMPILE_KV_CHUNKS must be a positive int, got 0"):
+        kv_chunks(8)

@@ -103,6 +103,12 @@ def test_cp_attention_matches_fp64_reference(world):
     run_ranks(_check_rank, world)
 
 
+def test_kv_gather_pipelined_over_head_groups(monkeypatch):
+    """The same checks with the K/V gather pipelined over two head groups (opt-in)."""
+    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "2")  # spawned ranks inherit it
+    run_ranks(_check_rank, 2)
+
+
 def _ranks_disagree(rank: int, world: int) -> None:
     q = torch.randn(8, 2, 4)
     # Same token count, different documents: each rank alone is consistent.

@@ -19,7 +19,7 @@ from .. import distributed as cpdist
 from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enabled
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..strategy import Strategy, StrategyLike, resolve_strategy
-from . import kernels
+from . import gathered, kernels
 
 COMMS = ("all_gather",)
 
@@ -179,15 +179,6 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _gather_kv(
-    k: torch.Tensor, v: torch.Tensor, gather_index: torch.Tensor, group
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local k, v ``[T_local, Hkv, D]`` -> global k, v ``[T, Hkv, D]`` in physical order."""
-    kv = torch.cat([k, v], dim=1)  # [T_local, 2 Hkv, D]: one collective for both
-    kv = cpdist.all_gather_rows(kv, group).index_select(0, gather_index)  # [T, 2 Hkv, D]
-    return kv.split(k.shape[1], dim=1)
-
-
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
 def _cp_attention(
     q: torch.Tensor,
@@ -204,14 +195,14 @@ def _cp_attention(
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
-    k_all, v_all = _gather_kv(k, v, gather_index, group)
-    return kernels.select(q).forward(
+    return gathered.forward(
+        kernels.select(q),
         q,
-        k_all,
-        v_all,
-        cu_q,
-        k_start,
-        k_len,
+        k,
+        v,
+        gather_index,
+        (cu_q, k_start, k_len),
+        group,
         causal=causal,
         scale=_scale(q, scale),
         max_seqlen_q=max_seqlen_q,
@@ -250,29 +241,22 @@ def _cp_attention_backward(
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
-    k_all, v_all = _gather_kv(k, v, gather_index, group)  # re-gathered, not saved
-    dq, dk_all, dv_all = kernels.select(q).backward(
+    return gathered.backward(
+        kernels.select(q),
         dout,
         q,
-        k_all,
-        v_all,
+        k,
+        v,
         out,
         lse,
-        cu_q,
-        k_start,
-        k_len,
+        gather_index,
+        (cu_q, k_start, k_len),
+        group,
         causal=causal,
         scale=_scale(q, scale),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen,
     )
-    # Partial dK/dV of every physical key, back in all-gather order, summed in fp32
-    # over ranks and scattered to each key's owner.
-    dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv, D], float32 from the kernels already
-    dkv = torch.empty_like(dkv).index_copy_(0, gather_index, dkv)
-    dkv = cpdist.reduce_scatter_rows(dkv, group).to(k.dtype)  # [T_local, 2 Hkv, D]
-    dk, dv = dkv.split(k.shape[1], dim=1)
-    return dq, dk.contiguous(), dv.contiguous()
 
 
 @_cp_attention_backward.register_fake

@@ -1,0 +1,93 @@
+"""All-gather CP attention with the K/V gather hidden behind compute.
+
+K/V heads are split into ``chunks`` groups. Every group's all-gather is issued at
+once (asynchronously); attention for group i, whose query heads are exactly those
+that read its K/V heads (GQA keeps them contiguous), runs while group i+1 is still
+in flight. The backward does the same with the re-gather, and starts each group's
+dK/dV reduce-scatter as soon as that group's gradients exist. ``chunks = 1`` is the
+plain path: one collective and one kernel call each way.
+
+The number of chunks comes from ``CPCOMPILE_KV_CHUNKS`` (default 1), reduced to a
+divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step), 2 and 4
+chunks were 2-7 % slower than 1: the smaller kernel calls lose more than the hidden
+gather (8 % of the step at cp=2) gains, so pipelining is opt-in.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import distributed as cpdist
+
+
+def kv_chunks(kv_heads: int) -> int:
+    """How many head groups to pipeline: the setting, lowered to a divisor of ``kv_heads``."""
+    want = int(os.environ.get("CPCOMPILE_KV_CHUNKS", "1"))
+    if want < 1:
+        raise ValueError(f"CPCOMPILE_KV_CHUNKS must be a positive int, got {want}")
+    return max(c for c in range(1, min(want, kv_heads) + 1) if kv_heads % c == 0)
+
+
+def _issue_gathers(k, v, group, chunks):
+    """Start one all-gather per head group of ``cat([k, v], heads)``: ``[(buffer, work)]``."""
+    per = k.shape[1] // chunks
+    return [
+        cpdist.all_gather_rows(
+            torch.cat([k[:, i * per : (i + 1) * per], v[:, i * per : (i + 1) * per]], 1), group, async_op=True
+        )
+        for i in range(chunks)
+    ]
+
+
+def _physical(pending, gather_index):
+    """Wait for one group's gather and put it in physical order: k, v ``[T, Hkv / chunks, D]``."""
+    buffer, work = pending
+    work.wait()
+    kv = buffer.index_select(0, gather_index)  # [T, 2 Hkv / chunks, D]
+    return kv.split(kv.shape[1] // 2, dim=1)
+
+
+def forward(kernel, q, k, v, gather_index, pieces, group, **kw):
+    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+    chunks = kv_chunks(k.shape[1])
+    pending = _issue_gathers(k, v, group, chunks)
+    qh = q.shape[1] // chunks
+    outs, lses = [], []
+    for i in range(chunks):
+        k_all, v_all = _physical(pending[i], gather_index)
+        out, lse = kernel.forward(q[:, i * qh : (i + 1) * qh], k_all, v_all, *pieces, **kw)
+        outs.append(out)
+        lses.append(lse)
+    if chunks == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=0)
+
+
+def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, **kw):
+    """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered."""
+    chunks = kv_chunks(k.shape[1])
+    pending = _issue_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
+    qh = q.shape[1] // chunks
+    dqs, scatters = [], []
+    for i in range(chunks):
+        heads = slice(i * qh, (i + 1) * qh)
+        k_all, v_all = _physical(pending[i], gather_index)
+        dq, dk_all, dv_all = kernel.backward(
+            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces, **kw
+        )
+        dqs.append(dq)
+        # this group's partial dK/dV of every physical key, back in gather order, summed
+        # in fp32 over ranks while the next group computes
+        dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv / chunks, D]
+        dkv = torch.empty_like(dkv).index_copy_(0, gather_index, dkv)
+        scatters.append(cpdist.reduce_scatter_rows(dkv, group, async_op=True))
+    dk, dv = [], []
+    for buffer, work in scatters:
+        work.wait()
+        part_k, part_v = buffer.to(k.dtype).split(buffer.shape[1] // 2, dim=1)
+        dk.append(part_k)
+        dv.append(part_v)
+    dq = dqs[0] if chunks == 1 else torch.cat(dqs, dim=1)
+    return dq, torch.cat(dk, dim=1), torch.cat(dv, dim=1)

@@ -102,3 +102,18 @@ def test_simulated_ranks_match_single_device(lengths, cp, spec, causal):
         dv_sum += dv
     assert relative_error(dk_sum, dk64) < 1e-5
     assert relative_error(dv_sum, dv64) < 1e-5
+
+
+def test_opcheck_cp_plan():
+    """The plan as the compiler inserts it: fake sizes match the real ones for every layout."""
+    from torch.library import opcheck
+
+    cu = _cu([5, 1, 30, 7])
+    for spec in SPECS:
+        for cp in (2, 3):
+            tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+            args = (cu, None, tokens, cp, cp - 1, spec.strategy.value, spec.stripe_size)
+            opcheck(torch.ops.cpcompile.cp_plan.default, args)
+            plan = torch.ops.cpcompile.cp_plan.default(*args)
+            want = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
+            assert all(torch.equal(a, b) for a, b in zip(plan, want))

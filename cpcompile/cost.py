@@ -181,6 +181,13 @@ def choose_strategy(
     """The ``auto`` rule: the candidate with the lowest predicted step; ties go to the earlier one.
 
     A pure function of ``(cu_seqlens, cp_size, model)``: every rank gets the same answer.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        candidates: concrete specs to choose from (default :func:`auto_candidates`).
+    Returns:
+        The chosen :class:`cpcompile.StrategySpec`. ``python -m cpcompile.advise`` prints the
+        predictions behind it for a whole length distribution.
     """
     check_cp(cp_size)
     model = CostModel() if model is None else model

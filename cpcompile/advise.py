@@ -1,0 +1,279 @@
+"""Strategy advisor: which CP strategy suits a document-length mix, from the cost model alone.
+
+    python -m cpcompile.advise --doclens lengths.json --pack 131072 --cp 8 [--packs 4] [--plot out.png]
+
+It samples packs from the length file as a data loader packs them (documents drawn
+until the pack is full, the last one cut), runs :func:`cpcompile.predict_rank_costs`
+for every strategy ``auto`` chooses from, prints per strategy the per-rank attention
+work (max/mean), the padding it adds, pieces per rank and the predicted step, and
+recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost
+(needs matplotlib: ``pip install "cpcompile[advise]"``).
+
+Length files: a JSON list of token counts, a text file with one count per line, or a
+CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
+is drawn by its share, then a length uniformly inside it).
+
+Design constraint: no GPU, no process group, no model: everything comes from
+``cu_seqlens`` and the cost model's constants, so it runs where a data set is prepared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .checks import check_int
+from .cost import CostModel, RankCosts, auto_candidates, predict_rank_costs
+from .strategy import Strategy, StrategySpec
+
+# auto must beat the best fixed strategy by this much to be worth a per-batch host-side decision
+AUTO_MARGIN = 0.01
+
+
+def spec_name(spec: StrategySpec) -> str:
+    """``striped_128`` for striped with 128-token stripes, else the strategy's value."""
+    if spec.strategy is Strategy.STRIPED and spec.stripe_size != 1:
+        return f"striped_{spec.stripe_size}"
+    return spec.strategy.value
+
+
+# --- document lengths and packs --------------------------------------------------
+
+
+def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
+    """``draw(n)`` -> ``[n]`` int64 document lengths from a length file (see the module docstring)."""
+    text = path.read_text()
+    if path.suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+        try:
+            upper = torch.tensor([int(r["upper_bound_tokens"]) for r in rows])
+            cum = torch.tensor([float(r["cumulative_percent"]) for r in rows])
+        except (KeyError, ValueError) as e:
+            raise ValueError(
+                f"--doclens {path}: a CSV must have columns upper_bound_tokens,cumulative_percent ({e})"
+            ) from None
+        lower = torch.cat([upper.new_ones(1), upper[:-1] + 1])
+        share = torch.diff(cum, prepend=cum.new_zeros(1))
+
+        def draw_binned(n: int) -> torch.Tensor:
+            b = torch.multinomial(share, n, replacement=True, generator=generator)
+            return lower[b] + (torch.rand(n, generator=generator) * (upper[b] - lower[b] + 1)).long()
+
+        return draw_binned
+    try:
+        values = json.loads(text) if path.suffix == ".json" else [int(line) for line in text.split()]
+        lengths = torch.tensor(values, dtype=torch.long)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(
+            f"--doclens {path}: expected a JSON list of token counts (.json), one count per line, or a .csv CDF ({e})"
+        ) from None
+    if lengths.dim() != 1 or lengths.numel() == 0 or bool((lengths < 1).any()):
+        raise ValueError(f"--doclens {path}: document lengths must be a non-empty list of ints >= 1")
+    return lambda n: lengths[torch.randint(lengths.numel(), (n,), generator=generator)]
+
+
+def cut_pack(draw: Callable[[int], torch.Tensor], pack: int) -> torch.Tensor:
+    """``[B + 1]`` int32 ``cu_seqlens`` of one pack of ``pack`` tokens: documents drawn, the last one cut."""
+    lengths = draw(64)
+    while int(lengths.sum()) < pack:
+        lengths = torch.cat([lengths, draw(64)])
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    cu = cu[: int(torch.searchsorted(cu, pack)) + 1]  # up to the first document that reaches the end
+    cu[-1] = pack
+    return cu.to(torch.int32)
+
+
+# --- the advice -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StrategyReport:
+    """One strategy over the sampled packs; each list holds one value per pack."""
+
+    spec: StrategySpec
+    costs: list[RankCosts]
+
+    @property
+    def name(self) -> str:
+        return spec_name(self.spec)
+
+    def work_imbalance(self) -> list[float]:
+        """max/mean over ranks of exact attention work (pairs)."""
+        return [float(c.pairs.max() / c.pairs.double().mean()) for c in self.costs]
+
+    def steps(self) -> list[int]:
+        return [c.step for c in self.costs]
+
+
+@dataclasses.dataclass
+class Advice:
+    pack: int
+    cp: int
+    packs: list[torch.Tensor]  # cu_seqlens of each sampled pack
+    reports: list[StrategyReport]  # in auto's candidate order
+    auto_picks: list[str]  # per pack
+    recommended: str
+    reason: str
+
+
+def advise(packs: list[torch.Tensor], *, cp_size: int, model: CostModel | None = None) -> Advice:
+    """Predict every candidate strategy on ``packs`` and recommend one.
+
+    Args:
+        packs: ``cu_seqlens`` ``[B + 1]`` int32 of each pack, all of the same total.
+        model: cost constants (default :class:`cpcompile.CostModel`).
+    Returns:
+        :class:`Advice`: the fixed strategy with the lowest total predicted step, or
+        ``auto`` when picking per pack saves more than ``AUTO_MARGIN`` of it.
+    """
+    if not packs:
+        raise ValueError("packs must hold at least one cu_seqlens tensor, got none")
+    model = CostModel() if model is None else model
+    reports = [
+        StrategyReport(spec, [predict_rank_costs(cu, cp_size=cp_size, strategy=spec, model=model) for cu in packs])
+        for spec in auto_candidates(model)
+    ]
+    per_pack = list(zip(*(r.steps() for r in reports)))  # [pack][strategy]
+    # choose_strategy's rule (lowest step, ties to the earlier candidate) on steps computed once
+    picks = [reports[steps.index(min(steps))].name for steps in per_pack]
+    totals = [sum(r.steps()) for r in reports]
+    best = min(range(len(reports)), key=totals.__getitem__)
+    auto_total = sum(min(steps) for steps in per_pack)
+    saving = 1 - auto_total / totals[best]
+    if saving > AUTO_MARGIN:
+        recommended = "auto"
+        reason = (
+            f"picking per pack predicts {100 * saving:.1f}% less than the best fixed strategy, {reports[best].name}"
+        )
+    else:
+        recommended = reports[best].name
+        reason = f"lowest predicted step over {len(packs)} packs"
+        if saving > 0:
+            reason += f"; auto would save only {100 * saving:.1f}%"
+    pack = int(packs[0][-1])
+    return Advice(pack, cp_size, packs, reports, picks, recommended, reason)
+
+
+def format_table(advice: Advice) -> str:
+    """The advice as a text table: one row per strategy, then the recommendation."""
+    docs = sum(cu.shape[0] - 1 for cu in advice.packs) / len(advice.packs)
+    best = min(sum(r.steps()) for r in advice.reports)
+    lines = [
+        f"{len(advice.packs)} packs of {advice.pack:,} tokens ({docs:.0f} documents on average), cp={advice.cp}, "
+        f"{advice.pack // advice.cp:,} tokens per rank",
+        "",
+        f"{'strategy':<16} {'work max/mean':>13} {'worst':>7} {'padding':>9} {'pieces/rank':>12} "
+        f"{'step (Gpairs)':>14} {'step/best':>10} {'auto picks':>10}",
+    ]
+    for r in advice.reports:
+        work = r.work_imbalance()
+        padding = sum(int(c.tokens.sum()) for c in r.costs) / len(r.costs) - advice.pack
+        pieces = sum(float(c.pieces.double().mean()) for c in r.costs) / len(r.costs)
+        step = sum(r.steps()) / len(r.costs)
+        lines.append(
+            f"{r.name:<16} {sum(work) / len(work):>13.3f} {max(work):>7.3f} {padding:>9,.0f} {pieces:>12.1f} "
+            f"{step / 1e9:>14.3f} {sum(r.steps()) / best:>10.3f} {advice.auto_picks.count(r.name):>10}"
+        )
+    lines += [
+        "",
+        "work: exact causal attention pairs per rank, max/mean (1.0 is even), mean over packs, and the worst pack;",
+        "padding: tokens added per pack; pieces/rank: kernel sequences per rank (short pieces waste tiles);",
+        "step: the slowest rank's predicted cost (cpcompile.cost: kernel tiles + per-token work + backward key",
+        "copies, in attention pairs), mean over packs; auto picks: packs on which auto would choose it.",
+        "",
+        f"recommended: {advice.recommended} ({advice.reason})",
+    ]
+    return "\n".join(lines)
+
+
+def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
+    """Per-rank bars for one pack: attention work (top) and predicted cost by part (bottom), per strategy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError('--plot needs matplotlib: pip install "cpcompile[advise]" (or matplotlib)') from None
+    model = CostModel()
+    n = len(advice.reports)
+    fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 7.5), sharey="row", squeeze=False)
+    costs = [r.costs[pack_index] for r in advice.reports]
+    # one scale for every panel: the mean of the lowest-cost strategy is 1.0
+    cost_unit = min(float(c.cost.double().mean()) for c in costs)
+    ranks = torch.arange(advice.cp).tolist()
+    for col, (r, c) in enumerate(zip(advice.reports, costs)):
+        work = (c.pairs.double() / c.pairs.double().mean()).tolist()
+        top, bottom = axes[0][col], axes[1][col]
+        top.bar(ranks, work, color="tab:blue")
+        top.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        pad = int(c.tokens.sum()) - advice.pack
+        top.set_title(f"{r.name}\nwork max/mean {max(work):.3f}, padding {pad}", fontsize=11)
+        parts = (
+            ("attention tiles", c.tiles * model.block_q * model.block_k, "tab:blue"),
+            ("per-token work", model.token_cost * c.tokens, "tab:gray"),
+            ("backward key copies", model.key_cost * c.key_rows, "tab:orange"),
+        )
+        base = torch.zeros(advice.cp, dtype=torch.float64)
+        for label, part, color in parts:
+            height = part.double() / cost_unit
+            bottom.bar(ranks, height.tolist(), bottom=base.tolist(), color=color, label=label)
+            base += height
+        bottom.set_title(f"step {c.step / cost_unit:.3f} (max rank)", fontsize=11)
+        bottom.set_xlabel("rank")
+        for ax in (top, bottom):
+            ax.set_xticks(ranks)
+    axes[0][0].set_ylabel("attention work / mean")
+    axes[1][0].set_ylabel("predicted cost / best mean")
+    handles, labels = axes[1][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=10)
+    docs = advice.packs[pack_index].shape[0] - 1
+    fig.suptitle(
+        f"Per-rank work, cp={advice.cp}, one pack of {advice.pack:,} tokens in {docs} documents "
+        f"(recommended: {advice.recommended})",
+        fontsize=13,
+    )
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below the panels
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> Advice:
+    parser = argparse.ArgumentParser(
+        prog="python -m cpcompile.advise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--doclens", type=Path, required=True, help="length file: .json list, .csv CDF, or text")
+    parser.add_argument("--pack", type=int, default=131072, help="tokens per pack, whole CP group (default 131072)")
+    parser.add_argument("--cp", type=int, default=8, help="CP ranks (default 8)")
+    parser.add_argument("--packs", type=int, default=4, help="packs to sample (default 4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-rank bars (needs matplotlib)")
+    args = parser.parse_args(argv)
+    for name in ("pack", "cp", "packs"):
+        check_int(f"--{name}", getattr(args, name), minimum=1)
+    if not args.doclens.is_file():
+        parser.error(f"--doclens {args.doclens}: no such file")
+    if args.pack < args.cp:
+        parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
+    draw = length_sampler(args.doclens, torch.Generator().manual_seed(args.seed))
+    advice = advise([cut_pack(draw, args.pack) for _ in range(args.packs)], cp_size=args.cp)
+    print(format_table(advice))
+    if args.plot is not None:
+        try:
+            plot(advice, args.plot)
+        except ImportError as e:
+            print(f"no plot: {e}", file=sys.stderr)
+        else:
+            print(f"wrote {args.plot}")
+    return advice
+
+
+if __name__ == "__main__":
+    main()

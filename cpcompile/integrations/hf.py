@@ -1,0 +1,203 @@
+"""Hugging Face transformers: stock models trained context-parallel on flattened (packed) batches.
+
+Importing this module registers the attention implementation ``"cpcompile"`` with
+transformers' ``AttentionInterface``. A model loaded with
+``attn_implementation="cpcompile"`` runs :func:`cpcompile.packed_attention` on the
+flattened-batch convention of ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``:
+batch size 1, ``position_ids`` restarting per document, ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` passed to the model. Compiled with :func:`cpcompile.backend`, every
+layer's call becomes CP attention; :func:`shard_flattened_batch` cuts the batch for a
+rank (its tokens, labels shifted on the whole pack, ``cu_seq_lens`` kept global).
+
+Design constraint: the model code stays stock. No attention mask is built (custom
+implementations get ``attention_mask=None`` from transformers), so nothing of size
+``T x T`` exists, and rotary embeddings follow the sharded ``position_ids``.
+
+    import cpcompile.integrations.hf as cphf
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cphf.ATTN_IMPLEMENTATION)
+    compiled = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
+    inputs, sharded = cphf.shard_flattened_batch(collator(examples), cp_size=cp, rank=rank)
+    with cpcompile.strategy(sharded.spec):
+        loss = compiled(**inputs).loss   # this rank's share of the mean loss: add it over the CP group
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import ShardedBatch, shard_batch
+from ..checks import data_checks_enabled
+from ..ops import packed_attention
+from ..strategy import StrategyLike
+
+try:
+    from transformers import AttentionInterface
+except ImportError as e:  # the extra is optional: say how to get it
+    raise ImportError(
+        'cpcompile.integrations.hf needs transformers: pip install "cpcompile[hf]" (or transformers>=5)'
+    ) from e
+
+ATTN_IMPLEMENTATION = "cpcompile"
+IGNORE_INDEX = -100
+
+
+def _check_batch_of_one(name: str, t: torch.Tensor) -> None:
+    if t.dim() < 2 or t.shape[0] != 1:
+        raise ValueError(
+            f"{name} must have batch size 1 (one flattened batch: documents packed back to back, as "
+            f"DataCollatorWithFlattening makes them), got shape {tuple(t.shape)}"
+        )
+
+
+def cpcompile_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over :func:`cpcompile.packed_attention`.
+
+    Args:
+        query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (transformers' layout);
+            under CP, ``T`` is the rank's token count.
+        cu_seq_lens_q, cu_seq_lens_k: ``[B + 1]`` int32 cumulative document lengths of the
+            whole pack (equal: self-attention), as DataCollatorWithFlattening returns them.
+        max_length_q: longest document, a launch bound for GPU kernels.
+        scaling: softmax scale (default ``D ** -0.5``); ``is_causal`` defaults to ``module.is_causal``.
+    Returns:
+        ``([1, T, Hq, D], None)``: the output in transformers' layout, and no attention weights.
+    """
+    layer = f"{type(module).__name__} (attn_implementation={ATTN_IMPLEMENTATION!r})"
+    if cu_seq_lens_q is None:
+        raise ValueError(
+            f"{layer} needs cu_seq_lens_q, the [B + 1] int32 document boundaries of the flattened batch, got None: "
+            "pass the batch of DataCollatorWithFlattening(return_flash_attn_kwargs=True) or of "
+            "cpcompile.integrations.hf.shard_flattened_batch to the model"
+        )
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
+        # values are compared only where they can be read (not while tracing): see checks.data_checks_enabled
+        readable = data_checks_enabled(cu_seq_lens_k) and data_checks_enabled(cu_seq_lens_q)
+        if cu_seq_lens_k.shape != cu_seq_lens_q.shape or (readable and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+            shown = (cu_seq_lens_k.tolist(), cu_seq_lens_q.tolist()) if readable else (cu_seq_lens_k, cu_seq_lens_q)
+            raise ValueError(
+                f"{layer} computes self-attention over packed documents: cu_seq_lens_k must equal cu_seq_lens_q, "
+                f"got {shown[0]} and {shown[1]}"
+            )
+    unsupported = {
+        "attention_mask": (attention_mask, "a 2-D or 4-D mask; documents are given by cu_seq_lens_q instead"),
+        "sliding_window": (sliding_window, "sliding windows; set config.sliding_window=None"),
+        "softcap": (softcap, "logit soft-capping"),
+        "s_aux": (kwargs.get("s_aux"), "attention sinks"),
+    }
+    for name, (value_, what) in unsupported.items():
+        if value_ is not None:
+            raise ValueError(f"{layer} does not support {what}: {name} must be None, got {value_!r}")
+    if dropout != 0.0:
+        raise ValueError(
+            f"{layer} does not support attention dropout: dropout must be 0.0, got {dropout!r} "
+            "(set config.attention_dropout=0.0)"
+        )
+    _check_batch_of_one("query", query)
+    causal = module.is_causal if is_causal is None else is_causal
+    out = packed_attention(
+        query[0].transpose(0, 1),  # [Hq, T, D] -> [T, Hq, D]
+        key[0].transpose(0, 1),  # [T, Hkv, D]
+        value[0].transpose(0, 1),
+        cu_seq_lens_q,
+        max_seqlen=max_length_q,
+        causal=causal,
+        scale=scaling,
+    )
+    return out.unsqueeze(0), None  # [1, T, Hq, D]
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, cpcompile_attention_forward)
+
+
+def flattened_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries of a flattened batch from its ``position_ids``.
+
+    Args:
+        position_ids: ``[1, T]`` int64; a document starts wherever a position is not
+            its predecessor's plus one (transformers' packed-sequence rule).
+    Returns:
+        ``[B + 1]`` int32 cumulative document lengths.
+    """
+    _check_batch_of_one("position_ids", position_ids)
+    pos = position_ids[0]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    bounds = torch.cat([starts.nonzero()[:, 0], pos.new_tensor([pos.shape[0]])])
+    return bounds.to(torch.int32)
+
+
+def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of a flattened batch: ``labels[t + 1]`` inside a document, -100 on its last token.
+
+    transformers' causal-LM loss shifts labels by one over the sequence it sees;
+    under CP a rank's tokens are not consecutive, so the shift is done here, on the
+    whole pack, and the model gets it as ``shift_labels``.
+
+    Args:
+        labels: ``[1, T]`` int64; cu_seqlens: ``[B + 1]`` int32.
+    Returns:
+        ``[1, T]`` int64.
+    """
+    _check_batch_of_one("labels", labels)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), IGNORE_INDEX)], dim=1)
+    last = cu_seqlens[1:].long() - 1  # each document's last token predicts nothing
+    shifted[0, last[last >= 0]] = IGNORE_INDEX
+    return shifted
+
+
+def shard_flattened_batch(
+    batch: dict,
+    *,
+    cp_size: int,
+    rank: int,
+    strategy: StrategyLike = None,
+) -> tuple[dict, ShardedBatch]:
+    """Rank ``rank``'s part of a flattened transformers batch, ready for ``model(**inputs)``.
+
+    Args:
+        batch: ``input_ids`` ``[1, T]`` int64, ``position_ids`` ``[1, T]`` int64 restarting per
+            document, optionally ``labels`` ``[1, T]`` (unshifted, as DataCollatorWithFlattening
+            returns them) and ``cu_seq_lens_q`` ``[B + 1]`` int32 (else found from ``position_ids``).
+        strategy: default the active one; ``auto`` is resolved here (see the returned spec).
+    Returns:
+        ``(inputs, sharded)``. ``inputs``: ``input_ids``, ``position_ids`` ``[1, T_local]``;
+        ``cu_seq_lens_q``/``cu_seq_lens_k`` ``[B + 1]`` int32 and ``max_length_q``/``max_length_k``
+        of the whole pack; with labels, ``labels`` and ``shift_labels`` ``[1, T_local]`` (shifted
+        on the whole pack) and ``num_items_in_batch`` (labelled tokens of the whole pack, a 0-d
+        int64 tensor), so each rank's loss is its share of the pack's mean and the shares add up
+        over the CP group. ``sharded``: the :class:`cpcompile.ShardedBatch`; run the model under
+        ``cpcompile.strategy(sharded.spec)``.
+    """
+    for name in ("input_ids", "position_ids"):
+        if not isinstance(batch.get(name), torch.Tensor):
+            raise ValueError(f"batch[{name!r}] must be a [1, T] tensor, got {batch.get(name)!r}")
+        _check_batch_of_one(f"batch[{name!r}]", batch[name])
+    cu = batch.get("cu_seq_lens_q")
+    cu = flattened_cu_seqlens(batch["position_ids"]) if cu is None else cu
+    tensors = {"input_ids": batch["input_ids"][0], "position_ids": batch["position_ids"][0]}
+    if batch.get("labels") is not None:
+        tensors["labels"] = shift_labels(batch["labels"], cu)[0]  # padded with -100 by shard_batch
+    sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy)
+    max_length = int((cu[1:] - cu[:-1]).max())
+    inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}
+    inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
+    if "labels" in tensors:
+        inputs["shift_labels"] = inputs["labels"]  # the loss reads shift_labels; labels only switch it on
+        inputs["num_items_in_batch"] = (tensors["labels"] != IGNORE_INDEX).sum()
+    return inputs, sharded

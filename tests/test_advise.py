@@ -1,0 +1,97 @@
+"""Tier 1: the strategy advisor (``cpcompile.advise``) against hand-computed work and the ``auto`` rule."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import advise
+
+
+def cu(*lengths: int) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def by_name(advice: advise.Advice) -> dict[str, advise.StrategyReport]:
+    return {r.name: r for r in advice.reports}
+
+
+def test_work_and_padding_by_hand():
+    # one document of 16 tokens on 2 ranks: causal work of token i is i + 1 keys
+    reports = by_name(advise.advise([cu(16)], cp_size=2))
+    # no_load_balance: rank 0 holds tokens 0-7 (1 + ... + 8 = 36 pairs), rank 1 tokens 8-15 (9 + ... + 16 = 100)
+    assert reports["no_load_balance"].work_imbalance() == [pytest.approx(100 / 68)]
+    # dual_chunk_swap: chunks 0 and 3 (10 + 58) against chunks 1 and 2 (26 + 42): even
+    assert reports["dual_chunk_swap"].work_imbalance() == [pytest.approx(1.0)]
+    # documents of 3 and 13 tokens: dual_chunk_swap pads each to a multiple of 2 cp = 4 (4 + 16 = 20 tokens)
+    reports = by_name(advise.advise([cu(3, 13)], cp_size=2))
+    assert int(reports["dual_chunk_swap"].costs[0].tokens.sum()) == 20
+    assert int(reports["no_load_balance"].costs[0].tokens.sum()) == 16
+
+
+def test_recommendation_follows_the_cost_model():
+    packs = [cu(4096), cu(100, 3000, 996), cu(*[64] * 64)]
+    advice = advise.advise(packs, cp_size=4)
+    # per pack, the pick is what auto itself would choose
+    assert advice.auto_picks == [advise.spec_name(cpcompile.choose_strategy(p, cp_size=4)) for p in packs]
+    totals = {r.name: sum(r.steps()) for r in advice.reports}
+    per_pack_best = sum(min(steps) for steps in zip(*(r.steps() for r in advice.reports)))
+    best_fixed = min(totals, key=totals.__getitem__)
+    saves = per_pack_best < (1 - advise.AUTO_MARGIN) * totals[best_fixed]
+    assert advice.recommended == ("auto" if saves else best_fixed)
+    # a single long document: no_load_balance leaves the last rank all the work
+    assert advise.advise([cu(4096)], cp_size=4).recommended != "no_load_balance"
+    table = advise.format_table(advice)
+    assert f"recommended: {advice.recommended}" in table
+    assert all(name in table for name in totals)
+
+
+def test_packs_are_cut_at_the_pack_size(tmp_path):
+    lengths = [5, 700, 33, 12000]
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(lengths))
+    draw = advise.length_sampler(path, torch.Generator().manual_seed(0))
+    for _ in range(5):
+        pack = advise.cut_pack(draw, 4096)
+        sizes = torch.diff(pack).tolist()
+        assert pack.dtype == torch.int32 and int(pack[-1]) == 4096
+        assert all(n in lengths for n in sizes[:-1]) and 0 < sizes[-1] <= max(lengths)
+
+
+def test_cdf_lengths_stay_in_their_bins(tmp_path):
+    path = tmp_path / "cdf.csv"
+    path.write_text("upper_bound_tokens,cumulative_percent\n10,50\n100,100\n")
+    lengths = advise.length_sampler(path, torch.Generator().manual_seed(0))(4000)
+    assert int(lengths.min()) >= 1 and int(lengths.max()) <= 100
+    assert 0.45 < float((lengths <= 10).double().mean()) < 0.55  # half the documents in the first bin
+
+
+def test_bad_length_file_names_the_option(tmp_path):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps({"not": "a list"}))
+    with pytest.raises(ValueError, match="--doclens .*JSON list of token counts"):
+        advise.length_sampler(path, torch.Generator())
+
+
+def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(["300", "1200", "50", "5000"]))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    advice = advise.main(["--doclens", str(path), "--pack", "8192", "--cp", "4", "--packs", "2", "--plot", "x.png"])
+    out, err = capsys.readouterr()
+    assert f"recommended: {advice.recommended}" in out
+    assert 'pip install "cpcompile[advise]"' in err
+
+
+def test_plot_writes_a_png(tmp_path):
+    image = pytest.importorskip("matplotlib.image", reason='needs the advise extra: pip install "cpcompile[advise]"')
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([300, 1200, 50, 5000]))
+    png = tmp_path / "advice.png"
+    advise.main(["--doclens", str(path), "--pack", "8192", "--cp", "4", "--packs", "2", "--plot", str(png)])
+    height, width, _ = image.imread(png).shape
+    assert width > 1000 and height > 500  # four strategy panels side by side

@@ -1,0 +1,156 @@
+"""Tier 4 (and 2): stock Hugging Face causal LMs trained context-parallel (``cpcompile.integrations.hf``).
+
+Tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM built from configs (no hub
+downloads). On 2 gloo ranks each rank compiles the model with
+``attn_implementation="cpcompile"`` through ``cpcompile.backend(inner="aot_eager")``,
+takes its shard of flattened batches of varying length and document count
+(``shard_flattened_batch``), and its loss (transformers' own causal-LM loss) and every
+parameter gradient, added over the ranks, must equal the reference: the same weights
+run one document at a time with transformers' eager attention, cross-entropy summed
+over next tokens. The in-process tests cover the single-device path, the label shift
+and the error messages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import cpcompile
+from tests.dist import run_ranks
+from tests.reference import relative_error
+
+transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
+cphf = pytest.importorskip("cpcompile.integrations.hf")
+
+TOLERANCE = 1e-4
+VOCAB = 48
+PACKS = [[5, 9, 3, 13], [17, 1, 8], [2, 11, 6, 4, 20]]  # document lengths: T and B vary per step
+
+
+def tiny_model(arch: str, attn_implementation: str) -> torch.nn.Module:
+    """A 2-layer GQA model (4 query heads, 2 KV heads) with seeded random weights."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(**common, use_sliding_window=False),
+    }[arch]()
+    torch.manual_seed(0)
+    return {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch](config)
+
+
+def flattened_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+    """What DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns for these documents."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in lengths]
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    return collate([{"input_ids": d} for d in docs])
+
+
+def reference_loss_sum(model, batch) -> torch.Tensor:
+    """Next-token cross-entropy summed over the pack, one document at a time (no packing involved)."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    total = torch.zeros(())
+    for a, b in zip(cu[:-1], cu[1:]):
+        ids = batch["input_ids"][:, a:b]
+        logits = model(input_ids=ids).logits[0]  # [n, vocab]
+        total = total + F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+    return total
+
+
+def _check_cp_training(rank: int, world: int, archs: list[str]) -> None:
+    for arch in archs:
+        reference = tiny_model(arch, "eager")
+        model = tiny_model(arch, cphf.ATTN_IMPLEMENTATION)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        graphs_after_first = None
+        for step, lengths in enumerate(PACKS):
+            batch = flattened_batch(lengths, seed=step)
+            label = f"{arch} rank {rank}/{world} step {step} docs {lengths}"
+            reference.zero_grad()
+            want = reference_loss_sum(reference, batch)
+            want.backward()
+            labelled = sum(n - 1 for n in lengths)
+
+            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank)
+            assert int(inputs["num_items_in_batch"]) == labelled, label
+            model.zero_grad()
+            with cpcompile.strategy(sharded.spec):
+                loss = compiled(**inputs).loss  # this rank's share of the pack's mean
+            (loss * labelled).backward()
+            loss_sum = loss.detach() * labelled
+            dist.all_reduce(loss_sum)
+            assert relative_error(loss_sum, want) < TOLERANCE, f"loss {label}: {loss_sum} vs {want}"
+            for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                assert relative_error(grad, p_ref.grad) < TOLERANCE, f"grad of {name} {label}"
+            if step == 0:
+                graphs_after_first = counters["stats"]["unique_graphs"]
+        # new lengths and document counts reuse the graphs compiled for the first pack
+        assert counters["stats"]["unique_graphs"] == graphs_after_first, f"{arch} recompiled"
+
+
+def test_compiled_cp_training_matches_single_device():
+    run_ranks(_check_cp_training, 2, ["llama", "qwen2"])
+
+
+def test_single_device_matches_per_document():
+    model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
+    reference = tiny_model("llama", "eager")
+    batch = flattened_batch(PACKS[0], seed=0)
+    loss = model(**batch).loss  # transformers shifts the collator's labels itself
+    want = reference_loss_sum(reference, batch) / sum(n - 1 for n in PACKS[0])
+    assert relative_error(loss, want) < TOLERANCE
+
+
+def test_shift_labels_stay_inside_documents():
+    labels = torch.tensor([[-100, 11, 12, -100, 21, -100, 31, 32]])
+    cu = torch.tensor([0, 3, 5, 6, 8], dtype=torch.int32)
+    assert cphf.shift_labels(labels, cu).tolist() == [[11, 12, -100, 21, -100, -100, 32, -100]]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
+    assert cphf.flattened_cu_seqlens(positions).tolist() == [0, 3, 5, 6, 8]
+
+
+def test_shard_keeps_global_metadata():
+    batch = flattened_batch([7, 5], seed=1)
+    inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy="dual_chunk_swap")
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 7, 12] and inputs["max_length_q"] == 7
+    assert inputs["input_ids"].shape == (1, sharded.indices.shape[0])
+    # position ids travel with their tokens: the rank's rotary phases are the pack's
+    full = torch.cat([batch["position_ids"][0, :7], torch.zeros(1, dtype=torch.long), batch["position_ids"][0, 7:]])
+    full = torch.cat([full, torch.zeros(3, dtype=torch.long)])  # dual_chunk_swap pads each document to 4k
+    assert inputs["position_ids"][0].tolist() == full[sharded.indices].tolist()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cu_seq_lens_q": None}, "needs cu_seq_lens_q"),
+        ({"sliding_window": 16}, "sliding_window must be None, got 16"),
+        ({"dropout": 0.1}, "dropout must be 0.0, got 0.1"),
+        ({"cu_seq_lens_k": torch.tensor([0, 4, 8], dtype=torch.int32)}, "cu_seq_lens_k must equal cu_seq_lens_q"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, message):
+    model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
+    module = model.model.layers[0].self_attn
+    q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+    args = {"cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        cphf.cpcompile_attention_forward(module, q, kv, kv, None, **args)

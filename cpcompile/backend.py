@@ -10,6 +10,7 @@ strategy compiles, or picks, its own graph, never the old one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .distributed import resolve_group
 from .passes.overlap_matmul import overlap_matmul_pass
 from .passes.shard_attention import shard_attention_pass
-from .strategy import current_spec
+from .strategy import check_comm, current_spec
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
 
@@ -50,7 +51,12 @@ def _guard_on_strategy() -> None:
 
 
 def backend(
-    *, group=None, inner: str | Backend = "inductor", overlap_tp: bool = True, tp_capacity_tokens: int | None = None
+    *,
+    group=None,
+    inner: str | Backend = "inductor",
+    comm: str | None = None,
+    overlap_tp: bool = True,
+    tp_capacity_tokens: int | None = None,
 ) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
@@ -60,6 +66,8 @@ def backend(
         inner: the compiler that gets the rewritten graph: ``"inductor"``,
             ``"aot_eager"``, another registered backend name, or a callable
             ``(gm, example_inputs) -> callable``.
+        comm: how attention moves K/V, ``"all_gather"`` or ``"ring"``; ``None``: the
+            active strategy's (``cpcompile.strategy(..., comm=...)``, default all_gather).
         overlap_tp: rewrite functional-collective all-gather -> matmul and
             matmul -> reduce-scatter (tensor/sequence parallel layers) into the
             overlapped ``ag_gemm`` / ``gemm_rs``; their groups come from the graph.
@@ -71,12 +79,15 @@ def backend(
         model = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
     """
     compile_inner = _inner_backend(inner)
+    if comm is not None:
+        check_comm(comm)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         pg = resolve_group(group)
         if pg.size() > 1:
             _guard_on_strategy()
-            shard_attention_pass(gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=current_spec())
+            spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
+            shard_attention_pass(gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=spec)
         if overlap_tp:
             overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens)
         return compile_inner(gm, example_inputs)

@@ -28,17 +28,33 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
+#: How CP attention moves K/V: one all-gather, or a ring of point-to-point steps.
+COMMS = ("all_gather", "ring")
+
+
+def check_comm(comm: object) -> str:
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    return comm
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategySpec:
     """A strategy with its parameters: what a layout function needs to know.
 
     ``stripe_size`` only matters for :attr:`Strategy.STRIPED` (tokens per stripe).
+    ``comm`` is how attention moves K/V (one of :data:`COMMS`): ``"all_gather"`` gathers
+    them once, ``"ring"`` passes them around the ring, one rank's block per step. It
+    does not change the layout; it is part of the spec so that compiled graphs are
+    guarded on it like on the strategy.
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
     stripe_size: int = 1
+    comm: str = "all_gather"
 
     def __post_init__(self) -> None:
+        check_comm(self.comm)
         if not isinstance(self.stripe_size, int) or isinstance(self.stripe_size, bool) or self.stripe_size < 1:
             raise ValueError(f"stripe_size must be a positive int, got {self.stripe_size!r}")
         if self.strategy is not Strategy.STRIPED and self.stripe_size != 1:
@@ -98,19 +114,26 @@ def current_spec() -> StrategySpec:
 
 
 @contextlib.contextmanager
-def strategy(value: Strategy | str | StrategySpec, *, stripe_size: int | None = None) -> Iterator[StrategySpec]:
+def strategy(
+    value: Strategy | str | StrategySpec, *, stripe_size: int | None = None, comm: str | None = None
+) -> Iterator[StrategySpec]:
     """Make ``value`` the active strategy inside the ``with`` block.
+
+    ``comm`` (one of :data:`COMMS`, default ``"all_gather"`` or the spec's) is how the
+    compiled attention communicates; the layout does not depend on it.
 
     Example::
 
-        with cpcompile.strategy("striped", stripe_size=128):
+        with cpcompile.strategy("striped", stripe_size=128, comm="ring"):
             batch = cpcompile.shard_batch(...)   # striped layout
-            loss = compiled_model(batch)         # striped attention
+            loss = compiled_model(batch)         # striped ring attention
     """
     if isinstance(value, StrategySpec):
         spec = resolve_strategy(value, stripe_size=stripe_size)
     else:
         spec = StrategySpec(_to_enum(value), 1 if stripe_size is None else stripe_size)
+    if comm is not None:
+        spec = dataclasses.replace(spec, comm=check_comm(comm))
     _active.append(spec)
     _sync_guard_key()
     try:

@@ -64,6 +64,24 @@ def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
+    """The AOT forward and backward graphs ``cpcompile.backend(**backend_kwargs)`` hands its inner compiler."""
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = _readable(gm)
+            return gm.forward
+
+        return compiler
+
+    inner = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=cpcompile.backend(inner=inner, **backend_kwargs), dynamic=True, fullgraph=True)
+    compiled(*_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
+    return graphs
+
+
 class ShardAttentionGraphs(expecttest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -202,19 +220,7 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(len(gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_plan.default)), 1)
 
     def test_aot_forward_and_backward_graphs(self):
-        graphs = {}
-
-        def capture(name):
-            def compiler(gm, example_inputs):
-                graphs[name] = _readable(gm)
-                return gm.forward
-
-            return compiler
-
-        inner = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-        torch._dynamo.reset()
-        compiled = torch.compile(packed_model, backend=cpcompile.backend(inner=inner), dynamic=True, fullgraph=True)
-        compiled(*_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
+        graphs = aot_graphs(packed_model)
         self.assertExpectedInline(
             graphs["forward"],
             """\
@@ -286,6 +292,110 @@ class GraphModule(torch.nn.Module):
             with cpcompile.strategy(name):
                 compiled(*_inputs(name))
         self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])
+
+    def test_ring_rewrite_shares_plan_and_key_ranges(self):
+        """comm="ring": one cp_plan, one ring_key_ranges per causal flag, cp_ring_attention per call."""
+        gm, count = self.shard(two_layers, cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring"))
+        self.assertEqual(count, 2)
+        self.assertExpectedInline(
+            _readable(gm),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_cu_seqlens_ = L_cu_seqlens_
+        l_max_seqlen_ = L_max_seqlen_
+
+        local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
+        cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
+
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1);  l_cu_seqlens_ = cp_tokens = None
+
+        gather_index: "i64[2*s85]" = cp_plan[0]
+        cu_q: "i32[Min(s85, 2*s40 + s85 - 2) + 1]" = cp_plan[1]
+        k_start: "i32[Min(s85, 2*s40 + s85 - 2)]" = cp_plan[2]
+        k_len_causal: "i32[Min(s85, 2*s40 + s85 - 2)]" = cp_plan[3]
+        k_len_full: "i32[Min(s85, 2*s40 + s85 - 2)]" = cp_plan[4];  cp_plan = None
+
+        ring_key_ranges = torch.ops.cpcompile.ring_key_ranges.default(gather_index, k_start, k_len_causal, 2);  k_len_causal = None
+
+        ring_start: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges[0]
+        ring_len: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges[1];  ring_key_ranges = None
+
+        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(l_q_, l_k_, l_v_, cu_q, ring_start, ring_len, '0', True, None, l_max_seqlen_, 1);  l_q_ = ring_start = ring_len = None
+        o: "f32[s85, s34, s0]" = cp_ring_attention[0];  cp_ring_attention = None
+
+        ring_key_ranges_1 = torch.ops.cpcompile.ring_key_ranges.default(gather_index, k_start, k_len_full, 2);  gather_index = k_start = k_len_full = None
+
+        ring_start_1: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges_1[0]
+        ring_len_1: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges_1[1];  ring_key_ranges_1 = None
+
+        cp_ring_attention_1 = torch.ops.cpcompile.cp_ring_attention.default(o, l_k_, l_v_, cu_q, ring_start_1, ring_len_1, '0', False, None, l_max_seqlen_, 1);  o = l_k_ = l_v_ = cu_q = ring_start_1 = ring_len_1 = l_max_seqlen_ = None
+        out: "f32[s85, s34, s0]" = cp_ring_attention_1[0];  cp_ring_attention_1 = None
+        return (out,)
+""",
+        )
+
+    def test_ring_aot_forward_and_backward_graphs(self):
+        graphs = aot_graphs(packed_model, comm="ring")
+        self.assertExpectedInline(
+            graphs["forward"],
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
+        mul: "Sym(2*s85)" = primals_1 * 2
+
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1);  primals_9 = mul = None
+        getitem: "i64[2*s85]" = cp_plan[0]
+        getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
+        getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
+        getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        ring_key_ranges = torch.ops.cpcompile.ring_key_ranges.default(getitem, getitem_2, getitem_3, 2);  getitem = getitem_2 = getitem_3 = None
+        getitem_5: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[0]
+        getitem_6: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[1];  ring_key_ranges = None
+
+        add_16: "Sym(s7 + 4)" = primals_10 + 4
+        sub_7: "Sym(s7 + 3)" = add_16 - 1;  add_16 = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub_7 // 4;  sub_7 = None
+        mul_8: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
+
+        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8)
+        getitem_7: "f32[s85, s34, s0]" = cp_ring_attention[0]
+        getitem_8: "f32[s34, s85]" = cp_ring_attention[1];  cp_ring_attention = None
+        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_7)
+        return (getitem_7, primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, getitem_8, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_8)
+""",
+        )
+        self.assertExpectedInline(
+            graphs["backward"],
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_8: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_5: "i32[2, Min(s85, 3*s40 - 3)]", getitem_6: "i32[2, Min(s85, 3*s40 - 3)]", getitem_8: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
+        detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
+        cp_ring_attention_backward = torch.ops.cpcompile.cp_ring_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_8, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_8 = getitem_1 = getitem_5 = getitem_6 = primals_10 = mul_8 = None
+        getitem_9: "f32[s85, s34, s0]" = cp_ring_attention_backward[0]
+        getitem_10: "f32[s85, s25, s0]" = cp_ring_attention_backward[1]
+        getitem_11: "f32[s85, s25, s0]" = cp_ring_attention_backward[2];  cp_ring_attention_backward = None
+        return (None, None, None, getitem_9, None, getitem_10, getitem_11, None, None, None)
+""",
+        )
+
+    def test_comm_switch_recompiles_and_returns_to_cached_graph(self):
+        seen = []
+
+        def capture(gm, example_inputs):
+            (cp,) = [n for n in gm.graph.nodes if n.name in ("cp_attention", "cp_ring_attention")]
+            seen.append(cp.target.name())
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture), dynamic=True)
+        for comm in ("all_gather", "ring", "all_gather", "ring"):
+            with cpcompile.strategy("striped", comm=comm):
+                compiled(*_inputs("striped"))
+        self.assertEqual(seen, ["cpcompile::cp_attention", "cpcompile::cp_ring_attention"])
 
 
 def test_backend_is_registered_by_name():

@@ -1,5 +1,6 @@
 """Custom ops (namespace ``cpcompile``) and their kernels."""
 
+from . import ring  # noqa: F401  (registers cpcompile::cp_ring_attention, which cp_attention(comm="ring") runs)
 from .attention import cp_attention, packed_attention
 from .overlap import ag_gemm, gemm_rs
 

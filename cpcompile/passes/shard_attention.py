@@ -5,9 +5,12 @@ Recognized calls (``find_packed_attention``): ``cpcompile::packed_attention`` an
 its schema differs between torch 2.11 and 2.13, so arguments are read by name).
 Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by one
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
-built once per step and shared by every layer. Variants the CP op cannot compute
-exactly (sliding windows, different query and key offsets, per-sequence key
-lengths, paged keys, a used RNG state) are left alone, with one warning each.
+built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
+``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
+and causal flag (the plan's key ranges as rows of every rank's block). Variants the
+CP op cannot compute exactly (sliding windows, different query and key offsets,
+per-sequence key lengths, paged keys, a used RNG state) are left alone, with one
+warning each.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
+from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..plan import AttentionPlan, max_piece_len
 from ..strategy import StrategySpec
 
@@ -153,7 +157,8 @@ def rewrite_packed_attention(
     rank: int,
     spec: StrategySpec,
 ) -> None:
-    """Replace each match with ``cp_attention``, one shared ``cp_plan`` per ``cu_seqlens``."""
+    """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``),
+    one shared ``cp_plan`` per ``cu_seqlens``."""
     graph = gm.graph
 
     def insert(target, args, name=None, origin=None):
@@ -163,6 +168,7 @@ def rewrite_packed_attention(
         return node
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
+    ring_ranges: dict[tuple[fx.Node, fx.Node | None, bool], list[fx.Node]] = {}
     for m in matches:
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
@@ -188,23 +194,38 @@ def rewrite_packed_attention(
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
+            k_len = k_len_causal if m.causal else k_len_full
+            if spec.comm == "ring":
+                ring_key = (*key, m.causal)
+                if ring_key not in ring_ranges:
+                    ranges = insert(
+                        torch.ops.cpcompile.ring_key_ranges.default,
+                        (gather_index, k_start, k_len, cp_size),
+                        "ring_key_ranges",
+                        m.node,
+                    )
+                    ring_ranges[ring_key] = [
+                        insert(operator.getitem, (ranges, i), f"ring_{f}") for i, f in ((0, "start"), (1, "len"))
+                    ]
+                name, target = "cp_ring_attention", torch.ops.cpcompile.cp_ring_attention.default
+                plan_args = (cu_q, *ring_ranges[ring_key])
+            else:
+                name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
+                plan_args = (gather_index, cu_q, k_start, k_len)
             cp = insert(
-                torch.ops.cpcompile.cp_attention.default,
+                target,
                 (
                     m.q,
                     m.k,
                     m.v,
-                    gather_index,
-                    cu_q,
-                    k_start,
-                    k_len_causal if m.causal else k_len_full,
+                    *plan_args,
                     group_name,
                     m.causal,
                     m.scale,
                     m.max_seqlen,
                     _max_piece_len(graph, spec, cp_size, m.max_seqlen),
                 ),
-                "cp_attention",
+                name,
                 m.node,
             )
         m.node.replace_all_uses_with(cp)

@@ -1,0 +1,148 @@
+"""Ring against all-gather CP attention: bytes moved, steps, and compute per ring step (analytic, CPU).
+
+Bytes are per rank and per attention layer, for K/V of ``--kv-heads`` x ``--head-dim``
+in bf16 and dK/dV sent in float32 (both paths sum gradients in float32):
+
+- all-gather: forward one all-gather of K/V; backward a re-gather of K/V and a
+  reduce-scatter of dK/dV (``cpcompile/ops/attention.py``);
+- ring: forward ``cp - 1`` K/V blocks; backward ``cp - 1`` K/V blocks and ``cp``
+  dK/dV blocks (each block's gradient travels one step behind it and a last step
+  hands it to its owner; ``cpcompile/ops/ring.py``).
+
+Compute per ring step comes from the ring plans (``cpcompile.ring_plan``): the attention
+pairs (query, visible key) rank ``r`` computes at step ``i``, causal. The all-gather
+step costs the slowest rank's total, ``max_r sum_i``; a ring step waits for its
+slowest rank, so the ring costs ``sum_i max_r``. Both are reported over the mean rank
+total (1.0 = perfect balance), on real document-length mixes (``benchmarks/balance.py``'s packs).
+
+    python benchmarks/ring_cost.py [--tokens 131072] [--doclens ../shared/data/doclens] [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import cpcompile
+from cpcompile import StrategySpec
+from cpcompile.ring_plan import make_ring_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from balance import STRATEGIES, cu_of, make_packs  # noqa: E402
+from report import REPO, command, machine, write_section  # noqa: E402
+
+SECTION = "## Ring vs all-gather cost (benchmarks/ring_cost.py)"
+CP_SIZES = (2, 4, 8, 16)
+
+
+def step_pairs(lengths: list[int], spec: StrategySpec, cp: int) -> torch.Tensor:
+    """``[cp, cp]`` int64: causal attention pairs rank ``r`` computes at ring step ``i``."""
+    cu = cu_of(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    pairs = torch.zeros(cp, cp, dtype=torch.long)
+    for rank in range(cp):
+        plan = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+        n = plan.cu_q.diff().long()  # [P] query rows per piece
+        keys = plan.k_len_causal.long()  # [cp, P] keys per block
+        work = n * keys  # other blocks: every row sees all of the piece's keys
+        own = torch.where(keys[rank] > 0, n * keys[rank] - n * (n - 1) // 2, 0)  # bottom-right causal
+        work[rank] = own
+        for src in range(cp):
+            pairs[rank, (rank - src) % cp] = work[src].sum()
+    total = sum(n * (n + 1) // 2 for n in lengths)
+    assert int(pairs.sum()) == total, f"plans cover {int(pairs.sum())} pairs, the pack has {total}"
+    return pairs
+
+
+def compute_rows(packs: dict[str, list[list[int]]]) -> list[str]:
+    rows = []
+    for mix, lengths in ((m, p[0]) for m, p in packs.items()):
+        for cp in CP_SIZES:
+            cells = []
+            for spec in STRATEGIES.values():
+                pairs = step_pairs(lengths, spec, cp).double()
+                mean = pairs.sum() / cp
+                gathered = pairs.sum(1).max() / mean
+                ring = pairs.max(0).values.sum() / mean
+                cells.append(f"{gathered:.3f} / {ring:.3f}")
+            step = sum(n * (n + 1) // 2 for n in lengths) / cp**2 / 1e6  # mean pairs per rank and step
+            rows.append(f"| {mix} | {cp} | {len(lengths)} | {step:.0f} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def byte_rows(tokens: int, kv_heads: int, head_dim: int) -> list[str]:
+    rows = []
+    for cp in CP_SIZES:
+        block = tokens // cp * 2 * kv_heads * head_dim  # K and V values of one rank
+        mb = 2.0**-20
+        ag_fwd, ag_bwd = (cp - 1) * block * 2, (cp - 1) * block * (2 + 4)
+        ring_fwd, ring_bwd = (cp - 1) * block * 2, (cp - 1) * block * 2 + cp * block * 4
+        rows.append(
+            f"| {cp} | {ag_fwd * mb:.0f} | {ag_bwd * mb:.0f} | 1 + 2 | {ring_fwd * mb:.0f} | {ring_bwd * mb:.0f} | "
+            f"{cp - 1} + {2 * cp - 1} | {cp} |"
+        )
+    return rows
+
+
+def report(tokens: int, kv_heads: int, head_dim: int, bytes_table: list[str], compute_table: list[str]) -> str:
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            f"- machine: {machine()}",
+            f"- command: `{command()}`",
+            "",
+            f"Bytes sent per rank per layer (MiB; {tokens // 1024}K tokens, K/V {kv_heads} heads x {head_dim} in bf16,",
+            "dK/dV in float32); steps = forward + backward collectives (all-gather) or p2p steps (ring); kernel",
+            "calls per rank, forward (all-gather: 1):",
+            "",
+            "| cp | AG fwd | AG bwd | AG steps | ring fwd | ring bwd | ring steps | ring calls |",
+            "|---|---|---|---|---|---|---|---|",
+            *bytes_table,
+            "",
+            "Both paths move the same K/V bytes; the ring sends one more float32 dK/dV block per rank (the hand-",
+            "back to the owner) and takes cp - 1 dependent steps instead of one collective, each of which must",
+            "hide behind one step's compute.",
+            "",
+            "Compute balance, causal, one pack per mix: all-gather `max_r total_r / mean` / ring",
+            "`sum_steps max_r step_r / mean` (1.000 = every rank busy all the time). Strategies: DCS",
+            "dual_chunk_swap, NLB no_load_balance, S1 / S128 striped with 1- / 128-token stripes, BAL balanced.",
+            "M pairs / rank-step: the mean per-rank compute of one ring step, in millions of (query, key) pairs",
+            "(x 4 x heads x head_dim FLOP forward); one step's K/V block must arrive within the slowest rank's.",
+            "",
+            "| mix | cp | docs | M pairs / rank-step | DCS | NLB | S1 | S128 | BAL |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *compute_table,
+            "",
+            "A ring step waits for its slowest rank, so a layout must balance every step, not only the total.",
+            "dual_chunk_swap and 1-token stripes do (MaxText's choices for ring with packing); no_load_balance",
+            "is far worse under the ring than under all-gather (early steps idle the first ranks); balanced",
+            "equalizes totals but not steps, since its ranks hold different documents (and `auto`, whose cost",
+            "model prices the all-gather path, does not know about the ring).",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=131072, help="tokens per pack")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--doclens", type=Path, default=REPO.parent / "shared" / "data" / "doclens")
+    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    args = parser.parse_args()
+    bytes_table = byte_rows(args.tokens, args.kv_heads, args.head_dim)
+    compute_table = compute_rows(make_packs(args.doclens, args.tokens, 1))
+    text = report(args.tokens, args.kv_heads, args.head_dim, bytes_table, compute_table)
+    print(text)
+    if args.output != "-":
+        write_section(Path(args.output), SECTION, text)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

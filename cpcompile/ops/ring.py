@@ -1,0 +1,191 @@
+"""Ring CP attention: K/V blocks pass around the ring, partial results merge by log-sum-exp.
+
+``cp_ring_attention`` is the point-to-point alternative to the all-gather
+``cp_attention`` (DESIGN.md section 3; MaxText runs packed sequences this way). At
+step ``i`` rank ``r`` holds rank ``(r - i) % cp``'s K/V block, in that rank's storage
+order, while the next block is already in flight (``batch_isend_irecv``, double
+buffered). Each step is one kernel call over all of the rank's pieces with the
+block's key ranges of the :class:`~cpcompile.ring_plan.RingPlan` (causal only for
+the own block), and its ``(out, lse)`` merges into the running result. Memory per
+layer stays ``O(T_local)``: at most three blocks exist at a time.
+
+Backward runs the ring again with the final ``out`` and ``lse``, so each step's
+kernel backward yields the exact share of the gradients. dQ stays local; each
+block's dK/dV (float32) travels one step behind its block, collecting every rank's
+share, and a last step hands it to its owner.
+
+Each op: ``custom_op`` -> ``register_fake`` -> ``register_autograd``, whose backward
+is again a custom op. Groups travel by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed as cpdist
+from ..ring_plan import block_key_ranges
+from . import kernels
+from .attention import _check_fake_qkv, _out_and_lse, _scale
+from .overlap import _shift
+
+
+@torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
+def ring_key_ranges(
+    gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.ring_plan.block_key_ranges` as an op, fed by ``cp_plan``:
+    ``(k_start, k_len)``, each ``[cp_size, P]`` int32."""
+    return block_key_ranges(gather_index, k_start, (k_len,), cp_size=cp_size)
+
+
+@ring_key_ranges.register_fake
+def _(gather_index, k_start, k_len, cp_size):
+    torch._check(
+        gather_index.shape[0] % cp_size == 0,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, not a multiple of cp_size {cp_size}",
+    )
+    return tuple(k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2))
+
+
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions over disjoint keys (DESIGN.md section 3).
+
+    out ``[Tq, Hq, D]`` float32 and lse ``[Hq, Tq]`` float32 so far; block_out
+    ``[Tq, Hq, D]`` and block_lse ``[Hq, Tq]`` from one kernel call. Rows no key has
+    reached keep ``lse = -inf`` and ``out = 0``.
+    """
+    hi, lo = torch.maximum(lse, block_lse), torch.minimum(lse, block_lse)
+    none = hi == float("-inf")
+    merged = torch.where(none, hi, hi + torch.log1p(torch.exp(lo - hi)))  # lo - hi is NaN only where none
+    ref = torch.where(none, 0.0, merged)  # finite, so rows without keys get weights exp(-inf) = 0
+    w_old = torch.exp(lse - ref).t().unsqueeze(-1)  # [Tq, Hq, 1]
+    w_new = torch.exp(block_lse - ref).t().unsqueeze(-1)
+    return out * w_old + block_out.float() * w_new, merged
+
+
+def _blocks(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(src, x_src)`` for every rank's ``x`` ``[T_local, ...]``, own first, in ring order;
+    the next block is in flight while the caller works on the one yielded."""
+    cp, rank = group.size(), group.rank()
+    spare = [torch.empty_like(x) for _ in range(min(2, cp - 1))]  # the one received, the one arriving
+    current = x
+    for i in range(cp - 1):
+        works = _shift(current, spare[i % 2], group)
+        yield (rank - i) % cp, current
+        for work in works:
+            work.wait()
+        current = spare[i % 2]
+    yield (rank + 1) % cp, current
+
+
+def _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q):
+    """Per ring step, for the block in hand: ``(k_src, v_src, (cu_q, k_start, k_len), kernel keywords)``."""
+    for src, kv in _blocks(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
+        k_src, v_src = kv.split(k.shape[1], dim=1)
+        own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full
+        kw = dict(causal=causal and own, scale=_scale(q, scale), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen)
+        yield k_src, v_src, (cu_q, k_start[src], k_len[src]), kw
+
+
+@torch.library.custom_op("cpcompile::cp_ring_attention", mutates_args=())
+def _ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = cpdist.resolve_group(group_name)
+    kernel = kernels.select(q)
+    out = lse = None
+    steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
+    for k_src, v_src, ranges, kw in steps:
+        block = kernel.forward(q, k_src, v_src, *ranges, **kw)
+        out, lse = (block[0].float(), block[1]) if out is None else merge(out, lse, *block)
+    return out.to(q.dtype), lse
+
+
+@_ring_attention.register_fake
+def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+    _check_fake_qkv(q, k, v)
+    cp = cpdist.resolve_group(group_name).size()
+    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
+    torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
+    torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")
+    return _out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=())
+def _ring_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = cpdist.resolve_group(group_name)
+    kernel = kernels.select(q)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
+    works = []
+    steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
+    for step, (k_src, v_src, ranges, kw) in enumerate(steps):
+        dq_step, dk, dv = kernel.backward(dout, q, k_src, v_src, out, lse, *ranges, **kw)
+        dq += dq_step
+        dkv = torch.cat([dk, dv], dim=1).float()  # this rank's share, float32 (one rounding at the end)
+        if step > 0:
+            for work in works:
+                work.wait()
+            dkv += arrived
+        if group.size() == 1:
+            arrived = dkv
+            break
+        # to rank + 1 (next holder of this block, its owner after the last step); while the
+        # next step computes, the next block's dK/dV arrives from rank - 1
+        arrived = torch.empty_like(dkv) if arrived is None else arrived
+        works = _shift(dkv, arrived, group)
+    for work in works:
+        work.wait()
+    dk, dv = arrived.to(k.dtype).split(k.shape[1], dim=1)
+    return dq.to(q.dtype), dk.contiguous(), dv.contiguous()
+
+
+@_ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, k_start, k_len)
+    ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q)
+    ctx.mark_non_differentiable(lse)
+
+
+def _ring_backward(ctx, dout, _dlse):
+    dq, dk, dv = torch.ops.cpcompile.cp_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -6,7 +6,9 @@ Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) a
 runs one call over a key buffer in which each piece gets its own copy of its keys,
 and the copies' gradients are summed back with ``index_add_``. That buffer holds
 ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
-for small stripes; reading its size is this module's one host sync.
+for small stripes; reading its size is this module's one host sync. When the
+caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
+single-device attention), the backward is one plain call with no copies.
 """
 
 from __future__ import annotations
@@ -28,22 +30,30 @@ def _bounds(q, k, max_seqlen_q, max_seqlen_k):
     return max_q, max_k
 
 
-def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None):
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
+):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
+    if disjoint_keys:  # consecutive key ranges, every row sees a key: torch's own varlen call
+        cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
+        return out, lse
     cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        0.0,
-        causal,
-        False,
-        scale=scale,
-        seqused_k=k_len,
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=k_len
     )
     live = _live_rows(cu_q, k_len, q.shape[0])
     out = out.masked_fill(~live[:, None, None], 0)
@@ -51,33 +61,41 @@ def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_se
     return out, lse
 
 
+def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+    return torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, rng.new_empty(0), scale=scale
+    )
+
+
 def backward(
-    dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
+    if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
+        cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+        dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        return dq, dk.float(), dv.float()
     cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
     total = int(cu_kc[-1])  # host sync: the size of the per-piece key copies
     slots = torch.arange(total, device=q.device)
     piece = torch.searchsorted(cu_kc, slots.to(torch.int32), right=True) - 1
     src = k_start.long()[piece] + slots - cu_kc.long()[piece]  # [total] key row copied into each slot
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-    dq, dkc, dvc = torch.ops.aten._flash_attention_backward(
-        dout.contiguous(),
-        q,
-        k[src],
-        v[src],
-        out,
-        lse,
-        cu_q,
-        cu_kc,
-        max_q,
-        max_k,
-        0.0,
-        causal,
-        rng,
-        rng.new_empty(0),
-        scale=scale,
-    )
+    dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, cu_kc, max_q, max_k, causal, scale)
     # float32 sums, left in float32: callers add them over ranks before the one rounding
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc.float())
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc.float())

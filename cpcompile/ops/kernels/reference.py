@@ -59,10 +59,24 @@ def _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc):
     return s.masked_fill(~mask, float("-inf")), mask
 
 
-def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None):
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys=False,
+):
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32.
 
-    ``max_seqlen_q``/``max_seqlen_k`` (launch bounds for GPU kernels) are not needed here.
+    ``max_seqlen_q``/``max_seqlen_k`` (launch bounds for GPU kernels) and ``disjoint_keys``
+    (key ranges consecutive, in piece order: a GPU fast path) are not needed here.
     """
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -81,10 +95,25 @@ def forward(q, k, v, cu_q, k_start, k_len, *, causal: bool, scale: float, max_se
 
 
 def backward(
-    dout, q, k, v, out, lse, cu_q, k_start, k_len, *, causal: bool, scale: float, max_seqlen_q=None, max_seqlen_k=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
-    in the accumulation dtype (callers sum them over ranks before rounding)."""
+    in the accumulation dtype (callers sum them over ranks before rounding). ``disjoint_keys`` (key
+    ranges consecutive, in piece order) lets GPU kernels skip work; this kernel needs no hint."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]

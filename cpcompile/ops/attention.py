@@ -18,10 +18,9 @@ import torch
 from .. import distributed as cpdist
 from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enabled
 from ..plan import AttentionPlan, make_plan, max_piece_len
-from ..strategy import Strategy, StrategyLike, resolve_strategy
+from ..ring_plan import RingPlan, make_ring_plan
+from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import gathered, kernels
-
-COMMS = ("all_gather",)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -298,11 +297,11 @@ def cp_attention(
     cu_seqlens_padded: torch.Tensor | None = None,
     group=None,
     strategy: StrategyLike = None,
-    comm: str = "all_gather",
+    comm: str | None = None,
     causal: bool = True,
     scale: float | None = None,
     max_seqlen: int | None = None,
-    plan: AttentionPlan | None = None,
+    plan: AttentionPlan | RingPlan | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over packed documents; call it on every rank of ``group``.
 
@@ -314,29 +313,34 @@ def cp_attention(
             :func:`cpcompile.pad_for_cp` of ``cu_seqlens``).
         group: the CP process group, its name, or ``None`` (default group).
         strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`).
-        comm: ``"all_gather"``.
+        comm: ``"all_gather"`` (gather K/V once) or ``"ring"`` (pass K/V blocks around the
+            ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
+            unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
-        plan: a prebuilt :func:`cpcompile.make_plan` for this rank, to share across layers.
+        plan: a prebuilt :func:`cpcompile.make_plan` (all_gather) or
+            :func:`cpcompile.ring_plan.make_ring_plan` (ring) for this rank, to share across layers.
     Returns:
         ``[T_local, Hq, D]`` in layout order; padding rows are 0.
     """
     check_qkv(q, k, v)
-    if comm not in COMMS:
-        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    if comm is not None:
+        check_comm(comm)
     pg = cpdist.resolve_group(group)
     cp, rank = pg.size(), pg.rank()
     error = None
     max_seqlen_q = max_seqlen  # a plan from the caller may be of any strategy: the safe bound
     try:
+        spec = resolve_strategy(strategy)
+        comm = comm or spec.comm
         if plan is None:
-            spec = resolve_strategy(strategy)
-            plan = make_plan(
+            build = make_ring_plan if comm == "ring" else make_plan
+            plan = build(
                 cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=q.shape[0] * cp
             )
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
-        elif plan.gather_index.shape[0] != q.shape[0] * cp:
-            raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp_size {cp}")
+        else:
+            _check_plan(plan, comm, q.shape[0], cp)
     except (ValueError, TypeError) as e:
         error = e
     if data_checks_enabled(q) and data_checks_enabled(cu_seqlens):
@@ -353,6 +357,9 @@ def cp_attention(
         )
     elif error is not None:
         raise error
+    if comm == "ring":
+        args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
+        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q)[0]
     out, _ = torch.ops.cpcompile.cp_attention(
         q,
         k,
@@ -368,3 +375,14 @@ def cp_attention(
         max_seqlen_q,
     )
     return out
+
+
+def _check_plan(plan: AttentionPlan | RingPlan, comm: str, local_tokens: int, cp: int) -> None:
+    """A caller's plan must be of the kind ``comm`` runs, and made for this rank's token count and cp."""
+    kind = RingPlan if comm == "ring" else AttentionPlan
+    if not isinstance(plan, kind):
+        raise TypeError(f"plan must be a {kind.__name__} for comm={comm!r}, got {type(plan).__name__}")
+    if comm == "ring" and plan.k_start.shape[0] != cp:
+        raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")
+    if comm != "ring" and plan.gather_index.shape[0] != local_tokens * cp:
+        raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {local_tokens} x cp_size {cp}")

@@ -249,3 +249,12 @@ def test_bad_arguments(call, error, message):
 def test_auto_needs_values_not_tracing():
     with FakeTensorMode(), pytest.raises(ValueError, match="not available while tracing"):
         choose_strategy(torch.empty(4, dtype=torch.int32), cp_size=2)
+
+
+def test_auto_keeps_the_requested_comm():
+    """auto picks a layout; how K/V travel (ring or all-gather) stays the caller's choice."""
+    cu = torch.tensor([0, 5, 300, 310, 900], dtype=torch.int32)
+    with cpcompile.strategy("auto", comm="ring"):
+        batch = cpcompile.shard_batch({"x": torch.arange(900)}, cu, cp_size=2, rank=0)
+    assert batch.spec.strategy is not Strategy.AUTO
+    assert batch.spec.comm == "ring"

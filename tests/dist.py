@@ -56,3 +56,17 @@ def run_ranks(fn, world_size: int, *args) -> None:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
     if crash is not None and finished != set(range(world_size)):
         raise AssertionError(f"ranks {sorted(set(range(world_size)) - finished)} did not finish: {crash}")
+
+
+def assert_matches_summed_over_ranks(loss, want, model, reference, label: str, tolerance: float) -> None:
+    """Each rank holds part of a summed loss: add the loss and every parameter gradient over
+    the group and compare them with the single-process ``want`` and ``reference`` gradients."""
+    from tests.reference import relative_error
+
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    assert relative_error(loss, want) < tolerance, f"loss {label}: {loss} vs {want}"
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        assert relative_error(grad, p_ref.grad) < tolerance, f"grad of {name} {label}"

@@ -15,13 +15,11 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import cpcompile
 from examples.packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
-from tests.dist import run_ranks
-from tests.reference import relative_error
+from tests.dist import assert_matches_summed_over_ranks, run_ranks
 
 TOLERANCE = 1e-4
 SPECS = [
@@ -78,14 +76,7 @@ def _compare_step(reference, model, compiled, pack, max_seqlen, world, rank, lab
     model.zero_grad()
     loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
     loss.backward()
-    # each rank holds part of the sum: add losses and gradients over the CP group
-    loss = loss.detach().clone()
-    dist.all_reduce(loss)
-    assert relative_error(loss, want) < TOLERANCE, f"loss {label}: {loss} vs {want}"
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad)
-        assert relative_error(grad, p_ref.grad) < TOLERANCE, f"grad of {name} {label}"
+    assert_matches_summed_over_ranks(loss, want, model, reference, label, TOLERANCE)
 
 
 @pytest.mark.parametrize("world", [2, 3])

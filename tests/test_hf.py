@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import cpcompile
-from tests.dist import run_ranks
+from tests.dist import assert_matches_summed_over_ranks, run_ranks
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
@@ -93,13 +92,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str]) -> None:
             with cpcompile.strategy(sharded.spec):
                 loss = compiled(**inputs).loss  # this rank's share of the pack's mean
             (loss * labelled).backward()
-            loss_sum = loss.detach() * labelled
-            dist.all_reduce(loss_sum)
-            assert relative_error(loss_sum, want) < TOLERANCE, f"loss {label}: {loss_sum} vs {want}"
-            for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
-                assert relative_error(grad, p_ref.grad) < TOLERANCE, f"grad of {name} {label}"
+            assert_matches_summed_over_ranks(loss * labelled, want, model, reference, label, TOLERANCE)
             if step == 0:
                 graphs_after_first = counters["stats"]["unique_graphs"]
         # new lengths and document counts reuse the graphs compiled for the first pack

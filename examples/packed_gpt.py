@@ -107,7 +107,7 @@ def sample_lengths(num_tokens: int, generator: torch.Generator, lengths: list[in
 
 
 def synthetic_pack(doc_lengths: list[int], vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Documents that repeat a random pattern of 2-8 tokens: learnable by attending back.
+    """Documents that repeat a random pattern of 2-4 tokens: learnable by attending back.
 
     Returns ``cu_seqlens [B + 1]`` int32 and ``input_ids, labels, position_ids [T]`` int64;
     labels are the next token of the same document (-100 on each document's last token).
@@ -116,7 +116,7 @@ def synthetic_pack(doc_lengths: list[int], vocab: int, generator: torch.Generato
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
     doc = torch.repeat_interleave(torch.arange(len(doc_lengths)), lengths)
     position = torch.arange(int(cu[-1])) - cu[:-1].long()[doc]
-    period = torch.randint(2, 9, (len(doc_lengths),), generator=generator)[doc]
+    period = torch.randint(2, 5, (len(doc_lengths),), generator=generator)[doc]
     patterns = torch.randint(vocab, (len(doc_lengths), 8), generator=generator)
     ids = patterns[doc, position % period]
     labels = torch.where(position + 1 < lengths[doc], patterns[doc, (position + 1) % period], -100)

@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per packed batch (whole CP group)")
     p.add_argument("--doclens", default=None, help="JSON list of document lengths (default: a ProLong-like mix)")
     p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor or aot_eager")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--no-check", action="store_true", help="skip the single-process reference run")
     return p.parse_args()
 

@@ -1,8 +1,10 @@
-"""Tier 5 (CUDA only, skipped elsewhere): the flash kernel path in bf16 against float64.
+"""Tier 5 (CUDA only, skipped elsewhere): the GPU kernels (flash, cuDNN, auto) in bf16 against float64.
 
 The rule of the flash-attention tests: our error against a float64 reference must
-be at most twice the error of the single-GPU kernel (torch's own varlen attention)
-against the same reference, and never above 2.5e-2.
+be at most twice the error of the single-GPU kernel against the same reference,
+and never above 2.5e-2. The single-GPU kernel is torch's own varlen attention for
+``packed_attention``; for a rank's pieces it is the same backend on the whole pack
+(the error CP adds must stay within twice the kernel's own).
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.ops.kernels import flash
+from cpcompile.ops import kernels
+from cpcompile.ops.kernels import cudnn, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
 from examples.packed_gpt import VARLEN_GQA
 from tests.reference import attention_fp64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+_needs_cudnn = pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")
+GPU_KERNELS = ["flash", pytest.param("cudnn", marks=_needs_cudnn), pytest.param("auto", marks=_needs_cudnn)]
 
 
 def _case(lengths, hq=8, hkv=2, d=128, seed=0):
@@ -47,8 +52,10 @@ def _torch_varlen(q, k, v, dout, cu, causal):
     return out, torch.autograd.grad(out, leaves, dout)
 
 
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_attention_bf16_within_twice_the_kernel_error(causal):
+def test_packed_attention_bf16_within_twice_the_kernel_error(causal, kernel, monkeypatch):
+    monkeypatch.setenv("CPCOMPILE_KERNEL", kernel)
     cu, q, k, v, dout = _case([1, 700, 129, 2048, 64])
     ref, ref_grads = _reference(q, k, v, dout, cu, causal)
     base, base_grads = _torch_varlen(q, k, v, dout, cu, causal)
@@ -60,10 +67,22 @@ def test_packed_attention_bf16_within_twice_the_kernel_error(causal):
         assert _err(got, want) / want.abs().max().item() < 2.5e-2
 
 
-@pytest.mark.parametrize("strategy", ["dual_chunk_swap", "no_load_balance", "striped"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_simulated_ranks_bf16(strategy, causal):
-    """Each rank's pieces through the flash kernel, against K/V gathered by hand."""
+# Known defect: both GPU backends return each piece's dK/dV rounded to bf16 (neither
+# kernel writes float32 gradients), and balanced cuts the 2048-token document of
+# this case into 6 causal pieces, so dV's sum carries ~1 ulp more than one rounding:
+# 0.066 against twice the kernel's own 0.030 on the H200.
+_BF16_PARTIALS = pytest.mark.xfail(strict=True, reason="bf16 partial dK/dV per piece (see comment)")
+LAYOUT_CASES = [(s, c) for s in ("dual_chunk_swap", "no_load_balance", "striped") for c in (True, False)] + [
+    pytest.param("balanced", True, marks=_BF16_PARTIALS),
+    ("balanced", False),
+]
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize(("strategy", "causal"), LAYOUT_CASES)
+def test_simulated_ranks_bf16(strategy, causal, kernel):
+    """Each rank's pieces through the kernel, against K/V gathered by hand."""
+    kernel = kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cp = 4
     lengths = [1, 700, 129, 2048, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -75,7 +94,7 @@ def test_simulated_ranks_bf16(strategy, causal):
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=padded)
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-    base, base_grads = _torch_varlen_padded(q, k, v, dout, cu, padded, causal)
+    base, base_grads = _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal)
 
     out = torch.zeros_like(q)
     dq = torch.zeros_like(q)
@@ -87,9 +106,9 @@ def test_simulated_ranks_bf16(strategy, causal):
         plan = cpcompile.AttentionPlan(*(t.cuda() for t in plan))
         idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
         args = (plan.cu_q, plan.k_start, plan.k_len(causal))
-        o, lse = flash.forward(q[idx], k, v, *args, causal=causal, scale=128**-0.5, **bounds)
+        o, lse = kernel.forward(q[idx], k, v, *args, causal=causal, scale=128**-0.5, **bounds)
         out[idx] = o
-        gq, gk, gv = flash.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
+        gq, gk, gv = kernel.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
         dq[idx] = gq
         dk += gk
         dv += gv
@@ -98,13 +117,24 @@ def test_simulated_ranks_bf16(strategy, causal):
         assert _err(got, want) <= max(2 * _err(baseline, want), 1e-3)
 
 
-def _torch_varlen_padded(q, k, v, dout, cu, padded, causal):
-    """torch's kernel on the real tokens only, scattered back to the padded buffer."""
+def _whole_pack(kernel, q, k, v, dout, cu, causal):
+    """``kernel`` on one device: the documents are the pieces (torch's varlen_attn for flash)."""
+    if kernel is flash:
+        return _torch_varlen(q, k, v, dout, cu, causal)
+    n = cu[1:] - cu[:-1]
+    args = (cu, cu[:-1], n)
+    bounds = {"max_seqlen_q": int(n.max()), "max_seqlen_k": int(n.max()), "disjoint_keys": True}
+    out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=128**-0.5, **bounds)
+    return out, kernel.backward(dout, q, k, v, out, lse, *args, causal=causal, scale=128**-0.5, **bounds)
+
+
+def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
+    """The whole-pack kernel on the real tokens only, scattered back to the padded buffer."""
     real = cpcompile.batch.physical_positions(cu, padded).cuda()
-    out, grads = _torch_varlen(q[real], k[real], v[real], dout[real], cu.cuda(), causal)
+    out, grads = _whole_pack(kernel, q[real], k[real], v[real], dout[real], cu.cuda(), causal)
     full = [torch.zeros_like(t) for t in (q, q, k, v)]
     for f, t in zip(full, [out, *grads]):
-        f[real] = t
+        f[real] = t.to(f.dtype)
     return full[0], full[1:]
 
 
@@ -119,3 +149,17 @@ def test_cp_attention_on_one_nccl_rank():
         assert torch.equal(got, want)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")
+def test_cudnn_graphs_are_reused_across_pack_sizes():
+    """Packs whose piece count and longest piece fall into the same buckets share one cached graph."""
+    before = cudnn._forward_graph.cache_info().misses
+    for lengths in ([300, 200, 100], [290, 250, 60], [5, 310, 285]):  # 3 pieces, longest in (288, 320]
+        cu, q, k, v, _ = _case(lengths)
+        n = cu[1:] - cu[:-1]
+        bounds = {"max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+        out, _ = cudnn.forward(q, k, v, cu, cu[:-1], n, causal=True, scale=0.1, **bounds)
+        want, _ = kernels.reference.forward(q, k, v, cu, cu[:-1], n, causal=True, scale=0.1)
+        assert (out.float() - want.float()).abs().max() < 2e-2
+    assert cudnn._forward_graph.cache_info().misses - before == 1

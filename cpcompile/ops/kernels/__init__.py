@@ -1,8 +1,10 @@
 """Attention kernels behind the ops, all with the piece contract of ``reference``.
 
-``select(device, name)`` picks one: the ``CPCOMPILE_KERNEL`` environment variable or
-``name`` overrides; otherwise CUDA tensors use torch's varlen flash kernel when
-the dtype allows it, and everything else the exact reference.
+``select(q, name)`` picks one: ``name`` or the ``CPCOMPILE_KERNEL`` environment
+variable overrides. Otherwise CUDA fp16/bf16 tensors use ``auto`` (cuDNN's forward
+and the faster backward per call, see ``auto``) when cudnn-frontend is installed
+(the ``gpu`` extra), else torch's varlen flash kernel (``flash``); everything else
+uses the exact ``reference``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from . import reference
 
-KERNELS = ("reference", "flash")
+KERNELS = ("reference", "flash", "cudnn", "auto")
 
 
 def select(q: torch.Tensor, name: str | None = None) -> ModuleType:
@@ -25,10 +27,18 @@ def select(q: torch.Tensor, name: str | None = None) -> ModuleType:
     if name == "reference":
         return reference
     usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    if name == "flash" and not usable:
-        raise ValueError(f"kernel 'flash' needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
-    if usable:
-        from . import flash
+    if name is not None and not usable:
+        raise ValueError(f"kernel {name!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+    if not usable:
+        return reference
+    from . import cudnn, flash
 
+    if name in ("cudnn", "auto") and not cudnn.available():
+        raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
+    if name == "cudnn":
+        return cudnn
+    if name == "flash" or not cudnn.available():
         return flash
-    return reference
+    from . import auto
+
+    return auto

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[Tq]`` bool: rows whose piece sees at least one key."""
-    q_len = (cu_q[1:] - cu_q[:-1]).long()
-    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
+from .reference import live_rows
 
 
 def _bounds(q, k, max_seqlen_q, max_seqlen_k):
@@ -55,7 +51,7 @@ def forward(
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=k_len
     )
-    live = _live_rows(cu_q, k_len, q.shape[0])
+    live = live_rows(cu_q, k_len, q.shape[0])
     out = out.masked_fill(~live[:, None, None], 0)
     lse = lse.masked_fill(~live[None, :], float("-inf"))
     return out, lse
@@ -99,5 +95,5 @@ def backward(
     # float32 sums, left in float32: callers add them over ranks before the one rounding
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc.float())
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc.float())
-    live = _live_rows(cu_q, k_len, q.shape[0])
+    live = live_rows(cu_q, k_len, q.shape[0])
     return dq.masked_fill(~live[:, None, None], 0), dk, dv

@@ -23,6 +23,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[Tq]`` bool: rows whose piece sees at least one key (the others output 0)."""
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
+
+
 def _row_bounds(cu_q, k_start, k_len, causal: bool, num_rows: int):
     """Per query row: first visible key and one past the last, ``[Tq]`` int64 each."""
     cu = cu_q.long()

@@ -1,0 +1,369 @@
+"""cuDNN's fused attention (cudnn-frontend graph API) with the piece contract.
+
+Pieces map one to one onto cuDNN's ragged (THD) batch: entry p reads its query
+rows at ``cu_q[p]`` and its keys at ``k_start[p]`` through per-entry ragged
+offsets, with ``seq_len_q = q_len`` and ``seq_len_kv = k_len``, and the causal
+band is aligned bottom-right per entry, which is exactly ``reference``'s mask. So
+the forward is one call that copies nothing, even where pieces' key ranges
+overlap (they are only read).
+
+The backward writes dK/dV at their own ragged offsets. Where key ranges are
+consecutive (``disjoint_keys``) those are the keys' rows; otherwise each piece
+writes into its own rows of a scratch buffer (``sum(k_len)`` rows: reading that
+size is this module's one host sync) whose sums go back with ``index_add_``.
+Unlike the flash backend, K and V themselves are never copied. cuDNN writes dK/dV
+in the input dtype only (its planner declines float32 gradients), so, as with
+flash, each piece's partial sum is rounded once before the float32 sums.
+
+A cuDNN graph is fixed to its dimensions and takes a while to build, so graphs
+are cached, and the dimensions that change from pack to pack are rounded up
+(:func:`bucket`): the number of pieces (extra entries have length 0), the longest
+piece's query and key rows, and the token totals the backward's dQ accumulator is
+sized by. A few graphs then serve every pack. The rounding is fine (at most 1/8
+over) because the grids are sized by these bounds: on the H200, a 17K-row
+longest document launched as 32K made the backward 20 % slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import NamedTuple
+
+import torch
+
+from .reference import live_rows
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_tls = threading.local()  # cuDNN handles must not be shared between threads
+
+
+def bucket(n: int, floor: int = 64) -> int:
+    """``max(n, floor)`` rounded up to a multiple of 1/8 of its power of two (at most 1/8 more).
+
+    A graph dimension that varies per pack: 8 values per doubling.
+    """
+    n = max(int(n), floor)
+    step = 1 << max(n.bit_length() - 4, 0)  # n in [8 step, 16 step)
+    return -(-n // step) * step
+
+
+class Ragged(NamedTuple):
+    """Per-entry metadata of one call, ``B = bucket(P)`` entries (pieces, then empty ones).
+
+    ``seq_q``/``seq_kv`` ``[B, 1, 1, 1]`` int32; ``q_rows``/``k_rows``/``dk_rows``
+    ``[B + 1]`` int64 first row of each entry (last: the buffer's end) in Q/O, K/V
+    and dK/dV; ``q_len`` ``[P]`` int64.
+    """
+
+    seq_q: torch.Tensor
+    seq_kv: torch.Tensor
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    dk_rows: torch.Tensor
+    q_len: torch.Tensor
+
+
+def ragged(cu_q, k_start, k_len, num_keys: int, dk_start=None, num_dk: int | None = None) -> Ragged:
+    """:class:`Ragged` for pieces ``cu_q [P + 1]``, ``k_start``/``k_len [P]`` over ``num_keys`` key rows.
+
+    ``dk_start [P]``: first dK/dV row of each piece in a buffer of ``num_dk`` rows;
+    default: the keys' own rows.
+    """
+    p = k_len.shape[0]
+    b = bucket(p, floor=1)
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+
+    def entries(values: torch.Tensor, fill: int, end: int) -> torch.Tensor:
+        out = values.new_full((b + 1,), fill, dtype=torch.int64)
+        out[:p] = values
+        out[b] = end
+        return out
+
+    t_q = cu_q[-1:].long()
+    seq_q = entries(q_len, 0, 0)[:b].to(torch.int32).view(b, 1, 1, 1)
+    seq_kv = entries(k_len.long(), 0, 0)[:b].to(torch.int32).view(b, 1, 1, 1)
+    # empty entries point at the end of Q: no row is read, every offset stays in bounds
+    q_rows = torch.cat([cu_q[:-1].long(), t_q.expand(b + 1 - p)])
+    k_rows = entries(k_start.long(), 0, num_keys)
+    dk_rows = k_rows if dk_start is None else entries(dk_start.long(), 0, num_dk)
+    return Ragged(seq_q, seq_kv, q_rows, k_rows, dk_rows, q_len)
+
+
+def padded_lse(lse: torch.Tensor, cu_q: torch.Tensor, q_len: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
+    """``lse [Hq, Tq]`` -> ``[B, Hq, S_q, 1]`` (entry, head, row of the piece): the backward's layout.
+
+    Rows past a piece's end (and empty entries) hold 0; the kernel never reads them.
+    """
+    p = q_len.shape[0]
+    rows = torch.arange(s_q, device=lse.device)
+    index = cu_q[:-1].long()[:, None] + rows  # [P, S_q]
+    valid = rows < q_len[:, None]
+    picked = lse[:, index.clamp(max=max(lse.shape[1] - 1, 0))].masked_fill(~valid, 0)  # [Hq, P, S_q]
+    out = lse.new_zeros(b, lse.shape[0], s_q)
+    out[:p] = picked.permute(1, 0, 2)
+    return out.unsqueeze(-1)
+
+
+def available() -> bool:
+    """Whether cudnn-frontend imports (the ``gpu`` extra)."""
+    try:
+        import cudnn  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _handle(device: torch.device):
+    import cudnn
+
+    handles = _tls.__dict__.setdefault("handles", {})
+    if device not in handles:
+        with torch.cuda.device(device):
+            handles[device] = cudnn.create_handle()
+    cudnn.set_stream(handle=handles[device], stream=torch.cuda.current_stream(device).cuda_stream)
+    return handles[device]
+
+
+# tensor uids of both graphs
+_Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
+_SEQ_Q, _SEQ_KV, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DQ, _OFF_DK, _OFF_DV = range(20, 30)
+
+
+class _Shape(NamedTuple):
+    dtype: torch.dtype
+    b: int
+    hq: int
+    hkv: int
+    d: int
+    s_q: int
+    s_kv: int
+    causal: bool
+    scale: float
+    device: torch.device
+
+
+def _graph(shape: _Shape):
+    """An empty graph, and a ``rows(name, uid, heads, s, offset_uid)`` maker of ragged row tensors."""
+    import cudnn
+
+    io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[shape.dtype]
+    g = cudnn.pygraph(
+        handle=_handle(shape.device),
+        io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
+    offsets = {}
+
+    def rows(name, uid, heads, s, offset_uid):
+        # [B, H, S, D] over packed [T, H, D] rows: token stride H*D, and each entry's
+        # first row from its ragged offset (in elements), so the batch stride is unused
+        dim = [shape.b, heads, s, shape.d]
+        t = g.tensor(name=name, dim=dim, stride=_stride(heads, s, shape.d), data_type=io, uid=uid)
+        if offset_uid not in offsets:
+            offsets[offset_uid] = _column(g, offset_uid, shape.b + 1, cudnn.data_type.INT64)
+        t.set_ragged_offset(offsets[offset_uid])
+        return t
+
+    return g, rows
+
+
+def _stride(heads: int, s: int, d: int) -> list[int]:
+    return [s * heads * d, d, heads * d, 1]
+
+
+def _column(g, uid: int, length: int, dtype):
+    return g.tensor(name=f"column_{uid}", dim=[length, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype, uid=uid)
+
+
+def _sdpa_args(g, shape: _Shape) -> dict:
+    """Lengths, padding mask and the bottom-right causal band: shared by both graphs."""
+    import cudnn
+
+    args = {
+        "attn_scale": shape.scale,
+        "use_padding_mask": True,
+        "seq_len_q": _column(g, _SEQ_Q, shape.b, cudnn.data_type.INT32),
+        "seq_len_kv": _column(g, _SEQ_KV, shape.b, cudnn.data_type.INT32),
+    }
+    if shape.causal:
+        args |= {"diagonal_alignment": cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
+    return args
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_graph(shape: _Shape):
+    import cudnn
+
+    g, rows = _graph(shape)
+    b, hq, hkv, d, s_q, s_kv = shape.b, shape.hq, shape.hkv, shape.d, shape.s_q, shape.s_kv
+    q, k, v = rows("q", _Q, hq, s_q, _OFF_Q), rows("k", _K, hkv, s_kv, _OFF_K), rows("v", _V, hkv, s_kv, _OFF_V)
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, **_sdpa_args(g, shape))
+    o.set_uid(_O).set_output(True).set_dim([b, hq, s_q, d]).set_stride(_stride(hq, s_q, d))
+    o.set_ragged_offset(_column(g, _OFF_O, b + 1, cudnn.data_type.INT64))
+    # statistics [T, H, 1] token-major, like the rows
+    stats.set_uid(_STATS).set_output(True).set_dim([b, hq, s_q, 1]).set_stride([s_q * hq, 1, hq, 1])
+    stats.set_data_type(cudnn.data_type.FLOAT)
+    stats.set_ragged_offset(_column(g, _OFF_STATS, b + 1, cudnn.data_type.INT64))
+    return _built(g)
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_graph(shape: _Shape, total_q: int, total_kv: int):
+    import cudnn
+
+    g, rows = _graph(shape)
+    b, hq, hkv, d, s_q, s_kv = shape.b, shape.hq, shape.hkv, shape.d, shape.s_q, shape.s_kv
+    q, k, v = rows("q", _Q, hq, s_q, _OFF_Q), rows("k", _K, hkv, s_kv, _OFF_K), rows("v", _V, hkv, s_kv, _OFF_V)
+    o, do = rows("o", _O, hq, s_q, _OFF_O), rows("do", _DO, hq, s_q, _OFF_O)
+    # the backward takes padded statistics [B, H, S_q, 1] (packed ones are not accepted on every GPU)
+    stats = g.tensor(
+        name="stats", dim=[b, hq, s_q, 1], stride=[hq * s_q, s_q, 1, 1], data_type=cudnn.data_type.FLOAT, uid=_STATS
+    )
+    dq, dk, dv = g.sdpa_backward(
+        name="sdpa_backward",
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=do,
+        stats=stats,
+        max_total_seq_len_q=total_q,
+        max_total_seq_len_kv=total_kv,
+        **_sdpa_args(g, shape),
+    )
+    grads = ((dq, _DQ, hq, s_q, _OFF_DQ), (dk, _DK, hkv, s_kv, _OFF_DK), (dv, _DV, hkv, s_kv, _OFF_DV))
+    for t, uid, heads, s, off in grads:
+        t.set_uid(uid).set_output(True).set_dim([b, heads, s, d]).set_stride(_stride(heads, s, d))
+        t.set_ragged_offset(_column(g, off, b + 1, cudnn.data_type.INT64))
+    return _built(g)
+
+
+def _built(g):
+    import cudnn
+
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, g.get_workspace_size()
+
+
+def _run(graph_and_workspace, buffers: dict, device: torch.device) -> None:
+    g, workspace_size = graph_and_workspace
+    workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=device)
+    g.execute(buffers, workspace, handle=_handle(device))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor) -> None:
+    if not q.is_cuda or q.dtype not in _DTYPES:
+        raise ValueError(f"kernel 'cudnn' needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+    if q.shape[-1] != k.shape[-1] or q.shape[-1] % 8:
+        raise ValueError(f"kernel 'cudnn' needs one head dim, a multiple of 8, got q {q.shape[-1]}, k {k.shape[-1]}")
+
+
+def _shape(q, k, meta: Ragged, causal, scale, max_seqlen_q, max_seqlen_k) -> _Shape:
+    # bounds: tight ones shrink the grid, bucketing keeps the graph count small
+    s_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
+    s_kv = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
+    return _Shape(
+        q.dtype, meta.seq_q.shape[0], q.shape[1], k.shape[1], q.shape[2], bucket(s_q), bucket(s_kv),
+        causal, float(scale), q.device,
+    )  # fmt: skip
+
+
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
+):
+    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32."""
+    _check(q, k)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    tq, hq, d = q.shape
+    meta = ragged(cu_q, k_start, k_len, k.shape[0])
+    shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    stats = torch.empty(tq, hq, 1, dtype=torch.float32, device=q.device)
+    q_offset = meta.q_rows * (hq * d)
+    k_offset = meta.k_rows * k.stride(0)
+    _run(
+        _forward_graph(shape),
+        {
+            _Q: q, _K: k, _V: v, _O: out, _STATS: stats, _SEQ_Q: meta.seq_q, _SEQ_KV: meta.seq_kv,
+            _OFF_Q: q_offset, _OFF_K: k_offset, _OFF_V: k_offset, _OFF_O: q_offset, _OFF_STATS: meta.q_rows * hq,
+        },
+        q.device,
+    )  # fmt: skip
+    lse = stats.view(tq, hq).t().contiguous()
+    if disjoint_keys:  # every row sees a key
+        return out, lse
+    live = live_rows(cu_q, k_len, tq)
+    return out.masked_fill(~live[:, None, None], 0), lse.masked_fill(~live[None, :], float("-inf"))
+
+
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
+):
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32."""
+    _check(q, k)
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    tq, hq, d = q.shape
+    if disjoint_keys:
+        dk_start, rows = None, k.shape[0]
+    else:
+        cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).long()  # [P + 1]
+        dk_start, rows = cu_kc[:-1], int(cu_kc[-1])  # host sync: the scratch buffer's size
+    meta = ragged(cu_q, k_start, k_len, k.shape[0], dk_start, rows)
+    shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
+    dq = torch.empty_like(q)
+    dkc = torch.zeros(max(rows, 1), *k.shape[1:], dtype=k.dtype, device=k.device)
+    dvc = torch.zeros(max(rows, 1), *v.shape[1:], dtype=v.dtype, device=v.device)
+    q_offset = meta.q_rows * (hq * d)
+    k_offset = meta.k_rows * k.stride(0)
+    dk_offset = meta.dk_rows * dkc.stride(0)
+    stats = padded_lse(lse, cu_q, meta.q_len, shape.b, shape.s_q)
+    _run(
+        _backward_graph(shape, bucket(tq), bucket(max(k.shape[0], rows))),
+        {
+            _Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dkc, _DV: dvc,
+            _SEQ_Q: meta.seq_q, _SEQ_KV: meta.seq_kv, _OFF_Q: q_offset, _OFF_K: k_offset, _OFF_V: k_offset,
+            _OFF_O: q_offset, _OFF_DQ: q_offset, _OFF_DK: dk_offset, _OFF_DV: dk_offset,
+        },
+        q.device,
+    )  # fmt: skip
+    live = live_rows(cu_q, k_len, tq)
+    dq = dq.masked_fill(~live[:, None, None], 0)
+    if disjoint_keys:
+        return dq, dkc.float(), dvc.float()
+    src = torch.repeat_interleave(k_start.long() - dk_start, k_len.long(), output_size=rows) + torch.arange(
+        rows, device=k.device
+    )  # [rows] key row behind each scratch row
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc[:rows].float())
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc[:rows].float())
+    return dq, dk, dv

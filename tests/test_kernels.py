@@ -1,0 +1,98 @@
+"""Tier 1: kernel selection and the cuDNN backend's host-side metadata (no GPU needed).
+
+The cuDNN kernel itself runs in tests/test_gpu.py; here its ragged offsets, lengths
+and padded statistics are checked against loops over the pieces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile.ops import kernels
+from cpcompile.ops.kernels import cudnn, reference
+
+
+def _pieces(seed: int):
+    """Random pieces: lengths (some 0), key starts anywhere in ``num_keys`` rows, overlaps allowed."""
+    g = torch.Generator().manual_seed(seed)
+    p = int(torch.randint(1, 20, (1,), generator=g))
+    q_len = torch.randint(0, 50, (p,), generator=g)
+    cu_q = torch.cat([q_len.new_zeros(1), q_len.cumsum(0)]).to(torch.int32)
+    num_keys = 300
+    k_len = torch.randint(0, 80, (p,), generator=g).to(torch.int32)
+    k_start = (torch.rand(p, generator=g) * (num_keys - k_len)).to(torch.int32)
+    return cu_q, k_start, k_len, num_keys
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ragged_entries_match_the_pieces(seed):
+    cu_q, k_start, k_len, num_keys = _pieces(seed)
+    p = k_len.shape[0]
+    dk_start = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)[:-1]])
+    meta = cudnn.ragged(cu_q, k_start, k_len, num_keys, dk_start, int(k_len.sum()))
+    b = meta.seq_q.shape[0]
+    assert b == cudnn.bucket(p, floor=1) and b >= p and meta.q_rows.shape == (b + 1,)
+    for i in range(b):
+        if i < p:
+            want = (int(cu_q[i + 1] - cu_q[i]), int(k_len[i]), int(cu_q[i]), int(k_start[i]), int(dk_start[i]))
+        else:  # empty entries: no rows, offsets in bounds
+            want = (0, 0, int(cu_q[-1]), 0, 0)
+        got = (int(meta.seq_q[i]), int(meta.seq_kv[i]), int(meta.q_rows[i]), int(meta.k_rows[i]), int(meta.dk_rows[i]))
+        assert got == want, i
+    assert (int(meta.q_rows[b]), int(meta.k_rows[b]), int(meta.dk_rows[b])) == (int(cu_q[-1]), num_keys, k_len.sum())
+    assert meta.seq_q.dtype == meta.seq_kv.dtype == torch.int32 and meta.q_rows.dtype == torch.int64
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_lse_places_each_row(seed):
+    cu_q, k_start, k_len, _ = _pieces(seed)
+    tq, hq = int(cu_q[-1]), 3
+    lse = torch.randn(hq, tq)
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    b, s_q = cudnn.bucket(q_len.shape[0], floor=1), cudnn.bucket(int(q_len.max()))
+    got = cudnn.padded_lse(lse, cu_q, q_len, b, s_q)
+    want = torch.zeros(b, hq, s_q, 1)
+    for i, n in enumerate(q_len.tolist()):
+        want[i, :, :n, 0] = lse[:, int(cu_q[i]) : int(cu_q[i]) + n]
+    assert torch.equal(got, want)
+
+
+def test_bucket_rounds_up_by_less_than_an_eighth():
+    assert [cudnn.bucket(n) for n in (1, 64, 65, 128, 1000, 17410)] == [64, 64, 72, 128, 1024, 18432]
+    assert [cudnn.bucket(n, floor=1) for n in (3, 17)] == [3, 18]
+    sizes = range(1, 5000)
+    assert all(n <= cudnn.bucket(n, 1) < n * 1.125 + 1 for n in sizes)
+    assert len({cudnn.bucket(n, 1) for n in range(1025, 2049)}) == 8  # graphs per doubling
+
+
+def test_live_rows_marks_rows_that_see_a_key():
+    cu_q = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    k_len = torch.tensor([0, 4, 1], dtype=torch.int32)
+    assert reference.live_rows(cu_q, k_len, 5).tolist() == [False, False, True, True, True]
+
+
+def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
+    q = torch.zeros(4, 2, 8)
+    assert kernels.select(q) is reference
+    accepted = r"\('reference', 'flash', 'cudnn', 'auto'\)"
+    with pytest.raises(ValueError, match=rf"kernel must be one of {accepted}, got 'fast'"):
+        kernels.select(q, "fast")
+    monkeypatch.setenv("CPCOMPILE_KERNEL", "cudnn")
+    with pytest.raises(ValueError, match="kernel 'cudnn' needs CUDA fp16/bf16 tensors, got torch.float32 on cpu"):
+        kernels.select(q)
+    with pytest.raises(ValueError, match="kernel 'cudnn' needs CUDA"):
+        cpcompile.packed_attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32))
+
+
+def test_auto_takes_cudnns_backward_where_pieces_read_many_keys_per_row_within_memory():
+    from cpcompile.ops.kernels import auto
+
+    t = 131072
+    assert auto.use_cudnn_backward(int(1.06 * t), t // 8, t)  # dual_chunk_swap at cp=8
+    assert auto.use_cudnn_backward(int(1.12 * t), t // 4, t)  # dual_chunk_swap at cp=4
+    assert auto.use_cudnn_backward(int(2.5 * t / 4), t // 4, t)  # its last rank (merged middle chunks)
+    assert not auto.use_cudnn_backward(int(0.24 * t), t // 8, t)  # balanced at cp=8
+    assert not auto.use_cudnn_backward(t, t, t)  # one device
+    assert not auto.use_cudnn_backward(int(3.8 * t), t // 8, t)  # 128-token stripes: cuDNN's scratch too big

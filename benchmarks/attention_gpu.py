@@ -5,12 +5,16 @@ the real kernel against the full K/V (communication excluded: DESIGN.md section 
 Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072]
+
+Every GPU kernel backend present is measured: flash always; with the ``gpu`` extra also
+cudnn and auto (cuDNN's forward, the backward chosen per call; the default then).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +27,8 @@ from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
 from report import REPO, command, machine, write_section  # noqa: E402
 
 import cpcompile  # noqa: E402
-from cpcompile.ops.kernels import flash  # noqa: E402
+from cpcompile.ops import kernels  # noqa: E402
+from cpcompile.ops.kernels import cudnn  # noqa: E402
 from cpcompile.plan import max_piece_len  # noqa: E402
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
@@ -55,24 +60,25 @@ def causal_flops(lengths: list[int], hq: int, d: int) -> float:
     return 4.0 * d * hq * sum(n * (n + 1) / 2 for n in lengths)
 
 
-def kernel_step(q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None):
+def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None):
     args = (plan.cu_q, plan.k_start, plan.k_len(causal))
     scale = q.shape[-1] ** -0.5
 
     def run():
         bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
-        out, lse = flash.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
+        out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
-            flash.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **bounds)
+            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **bounds)
 
     return run
 
 
-def packed_step(q, k, v, cu, max_seqlen, backward: bool):
+def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
 
     def run():
+        os.environ["CPCOMPILE_KERNEL"] = kernel
         out = cpcompile.packed_attention(*leaves, cu, max_seqlen=max_seqlen)
         if backward:
             out.backward(out)
@@ -93,8 +99,10 @@ def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
     return run
 
 
-def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool) -> tuple[list[dict], list]:
-    """Table rows, and ``(predicted cost, measured ms)`` of every rank for the cost model check."""
+def measure(
+    lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool, names: list[str]
+) -> tuple[list[dict], dict]:
+    """Table rows, and per kernel ``(predicted cost, measured ms)`` of every rank for the cost model check."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -105,43 +113,44 @@ def measure(lengths: list[int], hq: int, hkv: int, cps: list[int], backward: boo
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     flops = causal_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
 
-    ours = timed(packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward))
     base = timed(torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward))
-    best = min(ours, base)
-    rows = [
-        {"what": "single GPU, torch varlen_attn", "ms": base, "tflops": flops / base / 1e9},
-        {"what": "single GPU, cpcompile.packed_attention", "ms": ours, "tflops": flops / ours / 1e9},
-    ]
-    samples = []
-    for cp in cps:
-        for spec in STRATEGIES:
-            padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-            n = int(padded[-1])
-            per_rank, short = [], 0
-            for rank in range(cp):
-                plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
-                q_len = plan.cu_q.diff()
-                short += int(((q_len > 0) & (q_len < 128) & (plan.k_len_causal > 0)).sum())
-                plan = cpcompile.AttentionPlan(*(x.to(dev) for x in plan))
-                q_local = q[: n // cp]  # values do not matter, sizes and pieces do
-                bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
-                per_rank.append(timed(kernel_step(q_local, k[:n], v[:n], plan, True, max_len, backward, bound)))
-            predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
-            # the forward is modelled by kernel tiles; the step cost adds tokens and backward key copies
-            samples += zip((predicted.cost if backward else predicted.tiles).tolist(), per_rank)
-            slowest = max(per_rank)
-            rows.append(
-                {
-                    "what": f"cp={cp} {spec.strategy.value}"
-                    + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else ""),
-                    "ms": slowest,
-                    "tflops": flops / cp / slowest / 1e9,
-                    "efficiency": best / (cp * slowest),
-                    "imbalance": slowest / statistics.mean(per_rank),
-                    "short_pieces": short / cp,
-                    "padding": n - t,
-                }
-            )
+    rows = [{"what": "single GPU, torch varlen_attn", "ms": base, "tflops": flops / base / 1e9}]
+    for name in names:
+        ms = timed(packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward, name))
+        rows.append({"what": f"single GPU, cpcompile.packed_attention [{name}]", "ms": ms, "tflops": flops / ms / 1e9})
+    best = min(row["ms"] for row in rows)
+    samples = {name: [] for name in names}
+    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in STRATEGIES for name in names):
+        kernel = kernels.select(q, name)
+        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        n = int(padded[-1])
+        per_rank, short = [], 0
+        for rank in range(cp):
+            plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            q_len = plan.cu_q.diff()
+            short += int(((q_len > 0) & (q_len < 128) & (plan.k_len_causal > 0)).sum())
+            plan = cpcompile.AttentionPlan(*(x.to(dev) for x in plan))
+            q_local = q[: n // cp]  # values do not matter, sizes and pieces do
+            bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
+            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound)
+            per_rank.append(timed(step))
+        predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
+        # the forward is modelled by kernel tiles; the step cost adds tokens and backward key copies
+        samples[name] += zip((predicted.cost if backward else predicted.tiles).tolist(), per_rank)
+        slowest = max(per_rank)
+        rows.append(
+            {
+                "what": f"cp={cp} {spec.strategy.value}"
+                + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                + f" [{name}]",
+                "ms": slowest,
+                "tflops": flops / cp / slowest / 1e9,
+                "efficiency": best / (cp * slowest),
+                "imbalance": slowest / statistics.mean(per_rank),
+                "short_pieces": short / cp,
+                "padding": n - t,
+            }
+        )
     return rows, samples
 
 
@@ -158,6 +167,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--cp", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--packs", type=int, default=3, help="packs sampled; medians are reported")
+    default_kernels = ["flash"] + (["cudnn", "auto"] if cudnn.available() else [])
+    parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "auto"])
     parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
@@ -173,12 +184,13 @@ def main() -> None:
     ]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
-            per_pack, samples = [], []
+            per_pack, samples = [], {name: [] for name in args.kernels}
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
-                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward)
+                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward, args.kernels)
                 per_pack.append(rows)
-                samples += pack_samples
+                for name in args.kernels:
+                    samples[name] += pack_samples[name]
             title = f"{'forward+backward' if backward else 'forward'}, heads {hq}/{hkv}"
             lines += [
                 f"### {title}",
@@ -199,10 +211,11 @@ def main() -> None:
                 )
                 lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")
             model = "step cost" if backward else "kernel tiles"
+            fits = ", ".join(f"{name} r = {correlation(pairs):.3f}" for name, pairs in samples.items())
             lines += [
                 "",
-                f"Cost model ({model} of `cpcompile.predict_rank_costs`) against the measured per-rank time: "
-                f"Pearson r = {correlation(samples):.3f} over {len(samples)} ranks.",
+                f"Cost model ({model} of `cpcompile.predict_rank_costs`) against the measured per-rank time, "
+                f"Pearson's r over {len(next(iter(samples.values())))} ranks: {fits}.",
                 "",
             ]
             print("\n".join(lines[-len(per_pack[0]) - 6 :]), flush=True)

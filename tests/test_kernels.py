@@ -96,3 +96,19 @@ def test_auto_takes_cudnns_backward_where_pieces_read_many_keys_per_row_within_m
     assert not auto.use_cudnn_backward(int(0.24 * t), t // 8, t)  # balanced at cp=8
     assert not auto.use_cudnn_backward(t, t, t)  # one device
     assert not auto.use_cudnn_backward(int(3.8 * t), t // 8, t)  # 128-token stripes: cuDNN's scratch too big
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed):
+    from cpcompile.ops.kernels import scratch
+
+    _, k_start, k_len, num_keys = _pieces(seed)
+    s = scratch.scratch_rows(k_start, k_len)
+    want = [r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]
+    assert s.src.tolist() == want and s.rows == len(want)
+    assert s.cu.tolist() == [0, *k_len.cumsum(0).tolist()] and s.cu.dtype == torch.int32
+    partial = torch.randn(s.rows, 2, 3, dtype=torch.float64).to(torch.bfloat16)
+    summed = torch.zeros(num_keys, 2, 3, dtype=torch.float32)
+    for row, key in enumerate(want):
+        summed[key] += partial[row].float()
+    assert torch.allclose(scratch.add_back(partial, s, num_keys), summed)

@@ -18,6 +18,7 @@ The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forwar
 from __future__ import annotations
 
 from . import cudnn, flash
+from .scratch import scratch_rows
 
 KEYS_PER_QUERY = 2.2  # above this, cuDNN's backward (measured: flash wins at <= 1.9, cuDNN at >= 2.5)
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
@@ -34,9 +35,12 @@ def use_cudnn_backward(key_rows: int, query_rows: int, num_keys: int) -> bool:
 def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs):
     """Gradients of :func:`forward` from the backend :func:`use_cudnn_backward` picks.
 
-    With ``disjoint_keys`` every key is read once, so flash; otherwise reading
-    ``sum(k_len)`` is a host sync (both backends make one there anyway).
+    With ``disjoint_keys`` every key is read once, so flash. Otherwise both backends
+    need the pieces' scratch rows, whose count decides: made once here (its host
+    sync) and handed on.
     """
-    key_rows = k.shape[0] if kwargs.get("disjoint_keys") else int(k_len.sum())
-    kernel = cudnn if use_cudnn_backward(key_rows, q.shape[0], k.shape[0]) else flash
-    return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
+    if kwargs.get("disjoint_keys"):
+        return flash.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
+    scratch = scratch_rows(k_start, k_len)
+    kernel = cudnn if use_cudnn_backward(scratch.rows, q.shape[0], k.shape[0]) else flash
+    return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, scratch=scratch, **kwargs)

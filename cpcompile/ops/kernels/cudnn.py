@@ -9,8 +9,8 @@ overlap (they are only read).
 
 The backward writes dK/dV at their own ragged offsets. Where key ranges are
 consecutive (``disjoint_keys``) those are the keys' rows; otherwise each piece
-writes into its own rows of a scratch buffer (``sum(k_len)`` rows: reading that
-size is this module's one host sync) whose sums go back with ``index_add_``.
+writes into its own rows of a scratch buffer (``scratch``: ``sum(k_len)`` rows,
+reading that size is this module's one host sync) whose sums go back to the keys.
 Unlike the flash backend, K and V themselves are never copied. cuDNN writes dK/dV
 in the input dtype only (its planner declines float32 gradients), so, as with
 flash, each piece's partial sum is rounded once before the float32 sums.
@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .reference import live_rows
+from .scratch import Scratch, add_back, scratch_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads
@@ -329,16 +330,21 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
+    scratch: Scratch | None = None,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32."""
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32.
+
+    ``scratch``: :func:`scratch_rows` of the pieces if the caller already made it.
+    """
     _check(q, k)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     tq, hq, d = q.shape
     if disjoint_keys:
         dk_start, rows = None, k.shape[0]
     else:
-        cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).long()  # [P + 1]
-        dk_start, rows = cu_kc[:-1], int(cu_kc[-1])  # host sync: the scratch buffer's size
+        if scratch is None:
+            scratch = scratch_rows(k_start, k_len)
+        dk_start, rows = scratch.cu[:-1], scratch.rows
     meta = ragged(cu_q, k_start, k_len, k.shape[0], dk_start, rows)
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     dq = torch.empty_like(q)
@@ -361,9 +367,4 @@ def backward(
     dq = dq.masked_fill(~live[:, None, None], 0)
     if disjoint_keys:
         return dq, dkc.float(), dvc.float()
-    src = torch.repeat_interleave(k_start.long() - dk_start, k_len.long(), output_size=rows) + torch.arange(
-        rows, device=k.device
-    )  # [rows] key row behind each scratch row
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc[:rows].float())
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc[:rows].float())
-    return dq, dk, dv
+    return dq, add_back(dkc, scratch, k.shape[0]), add_back(dvc, scratch, v.shape[0])

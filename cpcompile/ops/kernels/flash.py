@@ -3,8 +3,8 @@
 Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) and
 ``seqused_k`` its length, so no key is copied. The backward kernel has no
 ``seqused_k``, and two pieces whose key ranges overlap would race on dK/dV; so it
-runs one call over a key buffer in which each piece gets its own copy of its keys,
-and the copies' gradients are summed back with ``index_add_``. That buffer holds
+runs one call over a key buffer in which each piece gets its own copy of its keys
+(``scratch``), and the copies' gradients are summed back. That buffer holds
 ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
 for small stripes; reading its size is this module's one host sync. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .reference import live_rows
+from .scratch import Scratch, add_back, scratch_rows
 
 
 def _bounds(q, k, max_seqlen_q, max_seqlen_k):
@@ -80,20 +81,18 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
+    scratch: Scratch | None = None,
 ):
+    """``scratch``: :func:`scratch_rows` of the pieces if the caller already made it."""
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
         cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk.float(), dv.float()
-    cu_kc = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
-    total = int(cu_kc[-1])  # host sync: the size of the per-piece key copies
-    slots = torch.arange(total, device=q.device)
-    piece = torch.searchsorted(cu_kc, slots.to(torch.int32), right=True) - 1
-    src = k_start.long()[piece] + slots - cu_kc.long()[piece]  # [total] key row copied into each slot
-    dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, cu_kc, max_q, max_k, causal, scale)
-    # float32 sums, left in float32: callers add them over ranks before the one rounding
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, src, dkc.float())
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, src, dvc.float())
+    if scratch is None:
+        scratch = scratch_rows(k_start, k_len)
+    src = scratch.src  # each piece's own copy of its keys
+    dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
+    dk, dv = add_back(dkc, scratch, k.shape[0]), add_back(dvc, scratch, v.shape[0])
     live = live_rows(cu_q, k_len, q.shape[0])
     return dq.masked_fill(~live[:, None, None], 0), dk, dv

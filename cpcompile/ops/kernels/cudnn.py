@@ -142,10 +142,11 @@ class _Shape(NamedTuple):
     causal: bool
     scale: float
     device: torch.device
+    kv_stride: tuple[int, int]  # (token, head) strides of K and V
 
 
 def _graph(shape: _Shape):
-    """An empty graph, and a ``rows(name, uid, heads, s, offset_uid)`` maker of ragged row tensors."""
+    """An empty graph, and a ``rows(name, uid, heads, s, offset_uid[, stride])`` maker of ragged row tensors."""
     import cudnn
 
     io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[shape.dtype]
@@ -157,11 +158,13 @@ def _graph(shape: _Shape):
     )
     offsets = {}
 
-    def rows(name, uid, heads, s, offset_uid):
-        # [B, H, S, D] over packed [T, H, D] rows: token stride H*D, and each entry's
-        # first row from its ragged offset (in elements), so the batch stride is unused
+    def rows(name, uid, heads, s, offset_uid, stride=None):
+        # [B, H, S, D] over [T, H, D] rows (token and head strides: ``stride``, default
+        # packed), each entry's first row from its ragged offset (in elements), so the
+        # batch stride is unused
+        token, head = stride or (heads * shape.d, shape.d)
         dim = [shape.b, heads, s, shape.d]
-        t = g.tensor(name=name, dim=dim, stride=_stride(heads, s, shape.d), data_type=io, uid=uid)
+        t = g.tensor(name=name, dim=dim, stride=[s * token, head, token, 1], data_type=io, uid=uid)
         if offset_uid not in offsets:
             offsets[offset_uid] = _column(g, offset_uid, shape.b + 1, cudnn.data_type.INT64)
         t.set_ragged_offset(offsets[offset_uid])
@@ -199,7 +202,8 @@ def _forward_graph(shape: _Shape):
 
     g, rows = _graph(shape)
     b, hq, hkv, d, s_q, s_kv = shape.b, shape.hq, shape.hkv, shape.d, shape.s_q, shape.s_kv
-    q, k, v = rows("q", _Q, hq, s_q, _OFF_Q), rows("k", _K, hkv, s_kv, _OFF_K), rows("v", _V, hkv, s_kv, _OFF_V)
+    q = rows("q", _Q, hq, s_q, _OFF_Q)
+    k, v = (rows(n, uid, hkv, s_kv, off, shape.kv_stride) for n, uid, off in (("k", _K, _OFF_K), ("v", _V, _OFF_V)))
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, **_sdpa_args(g, shape))
     o.set_uid(_O).set_output(True).set_dim([b, hq, s_q, d]).set_stride(_stride(hq, s_q, d))
     o.set_ragged_offset(_column(g, _OFF_O, b + 1, cudnn.data_type.INT64))
@@ -216,7 +220,8 @@ def _backward_graph(shape: _Shape, total_q: int, total_kv: int):
 
     g, rows = _graph(shape)
     b, hq, hkv, d, s_q, s_kv = shape.b, shape.hq, shape.hkv, shape.d, shape.s_q, shape.s_kv
-    q, k, v = rows("q", _Q, hq, s_q, _OFF_Q), rows("k", _K, hkv, s_kv, _OFF_K), rows("v", _V, hkv, s_kv, _OFF_V)
+    q = rows("q", _Q, hq, s_q, _OFF_Q)
+    k, v = (rows(n, uid, hkv, s_kv, off, shape.kv_stride) for n, uid, off in (("k", _K, _OFF_K), ("v", _V, _OFF_V)))
     o, do = rows("o", _O, hq, s_q, _OFF_O), rows("do", _DO, hq, s_q, _OFF_O)
     # the backward takes padded statistics [B, H, S_q, 1] (packed ones are not accepted on every GPU)
     stats = g.tensor(
@@ -265,13 +270,22 @@ def _check(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"kernel 'cudnn' needs one head dim, a multiple of 8, got q {q.shape[-1]}, k {k.shape[-1]}")
 
 
+def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as the graphs read them: with their own strides when they share them (the
+    halves of one gathered ``[T, 2 Hkv, D]`` buffer: no copy), else made contiguous."""
+    aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 for t in (k, v))
+    if aligned and k.stride() == v.stride():
+        return k, v
+    return k.contiguous(), v.contiguous()
+
+
 def _shape(q, k, meta: Ragged, causal, scale, max_seqlen_q, max_seqlen_k) -> _Shape:
     # bounds: tight ones shrink the grid, bucketing keeps the graph count small
     s_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
     s_kv = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
     return _Shape(
         q.dtype, meta.seq_q.shape[0], q.shape[1], k.shape[1], q.shape[2], bucket(s_q), bucket(s_kv),
-        causal, float(scale), q.device,
+        causal, float(scale), q.device, (k.stride(0), k.stride(1)),
     )  # fmt: skip
 
 
@@ -291,7 +305,7 @@ def forward(
 ):
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32."""
     _check(q, k)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
     meta = ragged(cu_q, k_start, k_len, k.shape[0])
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
@@ -337,7 +351,8 @@ def backward(
     ``scratch``: :func:`scratch_rows` of the pieces if the caller already made it.
     """
     _check(q, k)
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    q, out, dout = (t.contiguous() for t in (q, out, dout))
+    k, v = _kv(k, v)
     tq, hq, d = q.shape
     if disjoint_keys:
         dk_start, rows = None, k.shape[0]

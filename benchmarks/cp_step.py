@@ -2,7 +2,9 @@
 
 Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
 and in backward the re-gather and dK/dV reduce-scatter) on its shard of one pack;
-CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank).
+CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
+(``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
+timed beside it for dual_chunk_swap and balanced.
 
     torchrun --nproc-per-node 2 benchmarks/cp_step.py --doclens .../prolong.json [--tokens 131072]
 """
@@ -29,11 +31,13 @@ import cpcompile  # noqa: E402
 from cpcompile.ops import kernels  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
+RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with comm="ring"
 
 
-def step(q, k, v, cu, padded, spec, max_len, backward: bool):
+def step(q, k, v, cu, padded, spec, max_len, backward: bool, comm: str = "all_gather"):
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-    plan = cpcompile.make_plan(
+    build = cpcompile.ring_plan.make_ring_plan if comm == "ring" else cpcompile.make_plan
+    plan = build(
         cu.cpu(),
         padded.cpu(),
         cp_size=dist.get_world_size(),
@@ -41,11 +45,11 @@ def step(q, k, v, cu, padded, spec, max_len, backward: bool):
         strategy=spec,
         num_tokens=q.shape[0] * dist.get_world_size(),
     )
-    plan = cpcompile.AttentionPlan(*(t.to(q.device) for t in plan))  # built once per step, shared by layers
+    plan = type(plan)(*(t.to(q.device) for t in plan))  # built once per step, shared by layers
 
     def run():
         out = cpcompile.cp_attention(
-            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan
+            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm
         )
         if backward:
             out.backward(out)
@@ -69,7 +73,7 @@ def main() -> None:
     kernel = kernels.select(torch.empty(0, device=device, dtype=torch.bfloat16)).__name__.rsplit(".", 1)[-1]
     g = torch.Generator(device=device).manual_seed(0)
     rows = [
-        "| heads | pass | layout | K/V chunks | single GPU ms | slowest rank ms | efficiency |",
+        "| heads | pass | layout | K/V | single GPU ms | slowest rank ms | efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for hq, hkv in ((32, 8), (16, 16)):
@@ -91,30 +95,39 @@ def main() -> None:
                     dict(zip("qkv", (t.cpu() for t in full))), cu, cp_size=cp, rank=rank, strategy=spec
                 )
                 local = [batch.tensors[n].to(device) for n in "qkv"]
+                comms = ("all_gather", "ring") if spec.strategy.value in RING_LAYOUTS else ("all_gather",)
                 if not backward:  # correctness with real communication: each rank's rows, bf16 bound of TE
-                    got = cpcompile.cp_attention(
-                        *local,
-                        cu.to(device),
-                        cu_seqlens_padded=batch.cu_seqlens_padded.to(device),
-                        strategy=spec,
-                        max_seqlen=max_len,
-                    )
                     real = cpcompile.batch.physical_positions(cu, batch.cu_seqlens_padded)
                     where = torch.full((int(batch.cu_seqlens_padded[-1]),), -1, dtype=torch.long)
                     where[real] = torch.arange(args.tokens)
                     src = where[batch.indices]
                     rows_real = (src >= 0).to(device)
-                    diff = (got[rows_real].float() - want[src[src >= 0].to(device)].float()).abs().max()
-                    assert diff / want.abs().max() < 2.5e-2, f"{spec}: CP output differs from one GPU by {diff}"
-                # the K/V gather pipelined over head groups (CPCOMPILE_KV_CHUNKS) against one collective
-                for chunks in (1, 2) if spec == STRATEGIES[0] else (1,):
+                    for comm in comms:
+                        got = cpcompile.cp_attention(
+                            *local,
+                            cu.to(device),
+                            cu_seqlens_padded=batch.cu_seqlens_padded.to(device),
+                            strategy=spec,
+                            max_seqlen=max_len,
+                            comm=comm,
+                        )
+                        diff = (got[rows_real].float() - want[src[src >= 0].to(device)].float()).abs().max()
+                        assert diff / want.abs().max() < 2.5e-2, f"{spec} {comm}: CP output differs by {diff}"
+                variants = [("all_gather", 1)]
+                if spec == STRATEGIES[0]:  # the K/V gather pipelined over head groups
+                    variants.append(("all_gather", 2))
+                if "ring" in comms:
+                    variants.append(("ring", 1))
+                for comm, chunks in variants:
                     os.environ["CPCOMPILE_KV_CHUNKS"] = str(chunks)
-                    run = step(*local, cu.to(device), batch.cu_seqlens_padded.to(device), spec, max_len, backward)
+                    padded = batch.cu_seqlens_padded.to(device)
+                    run = step(*local, cu.to(device), padded, spec, max_len, backward, comm)
                     ms = torch.tensor(timed(run), device=device)
                     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
                     name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
                     rows.append(
-                        f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | {chunks} | {single_ms:.2f} | "
+                        f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
+                        f"{'ring' if comm == 'ring' else f'all-gather, {chunks} chunk(s)'} | {single_ms:.2f} | "
                         f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
                     )
                     if rank == 0:

@@ -10,11 +10,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "== $n GPUs"
 # 1. compiled CP training on NCCL equals one process (fp32: the exact reference kernel on GPU)
-for s in dual_chunk_swap no_load_balance striped; do
-  timeout 240 torchrun --nproc-per-node "$n" examples/train_packed.py --strategy "$s" --steps 8 --tokens 2048 \
-    --inner aot_eager 2>&1 | tr '\r' '\n' | grep -E "step 8/|graphs|curves|Error|error" | tee -a "$out/train.log"
+for run in "dual_chunk_swap all_gather" "no_load_balance all_gather" "striped all_gather" "dual_chunk_swap ring"; do
+  read -r strategy comm <<< "$run"
+  timeout 240 torchrun --nproc-per-node "$n" examples/train_packed.py --strategy "$strategy" --comm "$comm" --steps 8 \
+    --tokens 2048 --inner aot_eager 2>&1 | tr '\r' '\n' | grep -E "step 8/|graphs|curves|Error|error" | tee -a "$out/train.log"
 done
-# 2. CP attention step with real communication, bf16 flash, checked against one GPU
+# 2. CP attention step with real communication (all-gather and ring), bf16, checked against one GPU
 timeout 300 torchrun --nproc-per-node "$n" benchmarks/cp_step.py --doclens "$doclens" --output "$out/cp_step.md" 2>&1 \
   | grep -v Warning | tee "$out/cp_step.log" | tail -20
 # 3. TP overlap: sequential vs ag_gemm vs torch's fused op

@@ -7,6 +7,7 @@ the same packs, and checks that the two loss curves match.
 
     torchrun --nproc-per-node 2 examples/train_packed.py --strategy dual_chunk_swap
     torchrun --nproc-per-node 3 examples/train_packed.py --doclens ../shared/data/doclens/prolong.json
+    torchrun --nproc-per-node 2 examples/train_packed.py --strategy striped --comm ring
 
 Runs on CPU with gloo, or on GPUs with nccl (one per rank) when CUDA is available.
 """
@@ -34,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="dual_chunk_swap", help="dual_chunk_swap, no_load_balance, striped, ...")
     p.add_argument("--stripe-size", type=int, default=None, help="tokens per stripe for --strategy striped")
+    p.add_argument("--comm", default="all_gather", choices=["all_gather", "ring"], help="how K/V travel")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per packed batch (whole CP group)")
     p.add_argument("--doclens", default=None, help="JSON list of document lengths (default: a ProLong-like mix)")
@@ -102,8 +104,8 @@ def main() -> None:
         dist.all_reduce(loss := loss.detach())
         return loss.item()
 
-    with cpcompile.strategy(args.strategy, stripe_size=args.stripe_size):
-        label = f"cp={world} {cpcompile.current_spec().strategy.value}"
+    with cpcompile.strategy(args.strategy, stripe_size=args.stripe_size, comm=args.comm):
+        label = f"cp={world} {cpcompile.current_spec().strategy.value} {args.comm}"
         cp_losses = train(model, cp_step, data, torch.optim.AdamW(model.parameters(), lr=args.lr), label, rank == 0)
     graphs = counters["stats"]["unique_graphs"]
 

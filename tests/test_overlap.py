@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import cpcompile
-from cpcompile.ops import overlap
+from cpcompile.ops import ring_comm
 from tests.dist import run_ranks
 from tests.reference import relative_error
 from tests.test_overlap_pass import OverlapBackend, sp_mlp
@@ -113,9 +113,9 @@ def _check_compiled_block(tp, rank, group, *, capacity, seed):
         grads = torch.autograd.grad(out, leaves, douts[rank].float())
         _assert_close([out, *grads], [refs[rank], *ref_grads[rank]], f"compiled sp_mlp tp={tp} rank={rank} t={t}")
         if i == 0:
-            allocations = overlap.BUFFERS.allocations
+            allocations = ring_comm.BUFFERS.allocations
     assert backend.rewrites == [2], f"one compilation, both matmuls rewritten: {backend.rewrites}"
-    assert overlap.BUFFERS.allocations == allocations, "a call within capacity reallocated a buffer"
+    assert ring_comm.BUFFERS.allocations == allocations, "a call within capacity reallocated a buffer"
 
 
 def _check_errors(tp, rank, group):
@@ -136,17 +136,17 @@ def _check_errors(tp, rank, group):
 
 def _check_rank(rank: int, tp: int) -> None:
     group = dist.group.WORLD
-    overlap.BUFFERS.clear()
+    ring_comm.BUFFERS.clear()
     _check_ops(tp, rank, group, capacity=16, seed=0)
-    allocations = overlap.BUFFERS.allocations
+    allocations = ring_comm.BUFFERS.allocations
     _check_ops(tp, rank, group, capacity=16, seed=7)  # t within capacity: the same buffers
-    assert overlap.BUFFERS.allocations == allocations, (allocations, overlap.BUFFERS.allocations)
+    assert ring_comm.BUFFERS.allocations == allocations, (allocations, ring_comm.BUFFERS.allocations)
     # Without capacity the buffer grows to a power of two: t = 3 -> 4 rows, t = 5 -> 8 rows.
-    overlap.BUFFERS.clear()
+    ring_comm.BUFFERS.clear()
     counts = []
     for t in (3, 4, 5, 8, 2):
         cpcompile.ag_gemm(torch.randn(t, K), torch.randn(N, K), group=group)
-        counts.append(overlap.BUFFERS.allocations - allocations)
+        counts.append(ring_comm.BUFFERS.allocations - allocations)
     assert counts == [1, 1, 2, 2, 2], counts
     _check_ops(tp, rank, group, capacity=None, seed=3)
     _check_compiled_block(tp, rank, group, capacity=8, seed=11)

@@ -2,22 +2,9 @@
 
 ``ag_gemm(x, w)`` is ``all_gather(x) @ w.T`` and ``gemm_rs(x, w)`` is
 ``reduce_scatter(x @ w.T)``, both along dim 0 (the tokens of sequence parallelism).
-
-Design constraint: the token count ``t`` changes every microbatch and stays symbolic
-in compiled graphs, so the communication buffer can neither be registered at one
-fixed shape (TransformerEngine's comm/GEMM overlap) nor be allocated per call in the
-hot loop. One buffer per (role, group, dtype, device, feature size) is allocated at
-capacity; each call uses a contiguous prefix of it, the active shape.
-
-Ring: rank r multiplies the chunk it holds while the next chunk is in flight.
-Two transports, same numbers:
-
-- CUDA on NCCL (default): torch's symmetric memory. Peers' chunks are copied by the
-  copy engine on a side stream, which takes no SMs from the matmuls on the current
-  stream (NCCL's p2p kernels were seen to serialize with a concurrent GEMM on H200).
-  ``CPCOMPILE_TP_COMM=p2p`` selects the other transport.
-- Otherwise (CPU/gloo, or ``CPCOMPILE_TP_COMM=p2p``): ``batch_isend_irecv`` to r + 1
-  and from r - 1, exact and plain.
+Rank r multiplies the chunk it holds while the next one travels the ring of
+``ring_comm`` (capacity buffers, since the token count is symbolic; symmetric memory
+on CUDA, p2p otherwise).
 
 The backward of one op runs the other's ring: ag_gemm's dx is ``gemm_rs(dy, w.T)``,
 gemm_rs's dx is ``ag_gemm(dy, w.T)``; the weight gradient is accumulated (in float32
@@ -26,225 +13,16 @@ for 16-bit dtypes) from the chunks as they pass.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from .. import distributed as cpdist
-from ..checks import data_checks_enabled
-
-
-class CapacityBuffers:
-    """Communication buffers, one per (role, group, dtype, device, features), allocated at capacity.
-
-    ``allocations`` counts every allocation (tests pin that it stays flat in the loop).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, tuple[torch.Tensor, object]] = {}
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.allocations = 0
-
-    def prefix(
-        self,
-        role: str,
-        group_name: str,
-        like: torch.Tensor,
-        *,
-        slots: int,
-        rows: int,
-        features: int,
-        capacity: int | None,
-        symmetric: bool = False,
-    ) -> tuple[torch.Tensor, object]:
-        """The active prefix ``[slots, rows, features]`` of the buffer for this key, and its handle.
-
-        With ``capacity`` the buffer holds ``slots * capacity`` rows; without, it holds
-        the largest ``rows`` seen so far rounded up to a power of two. ``symmetric``:
-        torch symmetric memory that peers read and write (the handle); allocating it is
-        collective, which holds because every rank calls with the same ``rows``.
-        """
-        key = (role, symmetric, group_name, like.dtype, like.device, features)
-        entry = self._buffers.get(key)
-        if entry is None or entry[0].shape[0] < slots * max(rows, capacity or 0):
-            per_slot = capacity if capacity is not None else 1 << (rows - 1).bit_length()
-            if entry is not None and symmetric:  # peers may still be reading the old buffer
-                entry[1].barrier(channel=0)
-                torch.cuda.synchronize(like.device)
-            if symmetric:
-                from torch.distributed import _symmetric_memory as symm_mem  # only the CUDA transport needs it
-
-                buf = symm_mem.empty(slots * per_slot, features, dtype=like.dtype, device=like.device)
-                entry = (buf, symm_mem.rendezvous(buf, group_name))
-            else:
-                entry = (like.new_empty((slots * per_slot, features)), None)
-            self._buffers[key] = entry
-            self.allocations += 1
-        buf, handle = entry
-        return buf[: slots * rows].view(slots, rows, features), handle
-
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device)
-        return self._side_streams[device]
-
-    def clear(self) -> None:
-        """Free every buffer (the next call allocates again)."""
-        self._buffers.clear()
-
-
-BUFFERS = CapacityBuffers()
+from .ring_comm import gather_ring, reduce_scatter_ring
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``[d0, ..., F]`` -> contiguous ``[d0 * ..., F]``: p2p ops need contiguous rows."""
     return t.reshape(-1, t.shape[-1]).contiguous()
-
-
-def _enter_ring(pg: dist.ProcessGroup, rows: int, capacity: int | None, like: torch.Tensor) -> None:
-    """Raise on every rank, before any p2p, if ``rows`` exceeds capacity or ranks disagree on it.
-
-    The agreement check is one min/max all-reduce; it runs where data checks run (CPU
-    always, CUDA with ``CPCOMPILE_VALIDATE=1``) because on CUDA it costs a host sync.
-    """
-    error = None
-    if capacity is not None and rows > capacity:
-        error = ValueError(
-            f"{rows} tokens per rank exceed capacity_tokens={capacity}: the buffer is allocated once at "
-            "capacity and never grown in the loop; pass capacity_tokens >= the largest token count"
-        )
-    if pg.size() > 1 and data_checks_enabled(like):
-        _agree_on_rows(pg, rows, error)
-    elif error is not None:
-        raise error
-
-
-def _agree_on_rows(pg: dist.ProcessGroup, rows: int, error: Exception | None) -> None:
-    device = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
-    stats = torch.tensor([int(error is not None), rows, -rows], dtype=torch.int64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pg)  # max(-x) = -min(x)
-    failed, hi, neg_lo = stats.tolist()
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"another rank of TP group {pg.group_name!r} rejected its token count (see its error)")
-    if hi != -neg_lo:
-        # Every rank saw the same min/max, so every rank joins this second collective.
-        counts = cpdist.all_gather_rows(torch.tensor([rows], device=device), pg).tolist()
-        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-        raise ValueError(
-            f"ranks of TP group {pg.group_name!r} disagree on the token count ({listed}); "
-            "all ranks must pass the same number of tokens"
-        )
-
-
-def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    return t.is_cuda and dist.get_backend(pg) == "nccl" and os.environ.get("CPCOMPILE_TP_COMM", "symm_mem") != "p2p"
-
-
-def _shift(send: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> list:
-    """Start sending ``send`` to rank + 1 and receiving ``recv`` from rank - 1."""
-    tp, rank = pg.size(), pg.rank()
-    return dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send, group=pg, group_peer=(rank + 1) % tp),
-            dist.P2POp(dist.irecv, recv, group=pg, group_peer=(rank - 1) % tp),
-        ]
-    )
-
-
-def _gather_ring(
-    x: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, consume: Callable[[int, torch.Tensor], None]
-) -> None:
-    """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile."""
-    tp, rank = pg.size(), pg.rank()
-    _enter_ring(pg, x.shape[0], capacity, x)
-    if tp == 1:
-        return consume(rank, x)
-    shape = dict(rows=x.shape[0], features=x.shape[1], capacity=capacity)
-    buf, _ = BUFFERS.prefix("gather", pg.group_name, x, slots=tp, **shape)  # [tp, rows, F]
-    if _copy_engine(pg, x):
-        return _gather_copy_engine(x, pg, buf, shape, consume)
-    chunk = x
-    for i in range(tp):
-        src = (rank - i) % tp
-        works = _shift(chunk, buf[(src - 1) % tp], pg) if i < tp - 1 else []
-        consume(src, chunk)
-        for work in works:
-            work.wait()
-        chunk = buf[(src - 1) % tp]
-
-
-def _gather_copy_engine(x, pg, buf, shape, consume) -> None:
-    """Peers' chunks copied from their symmetric buffers on a side stream, consumed in arrival order."""
-    tp, rank = pg.size(), pg.rank()
-    mine, handle = BUFFERS.prefix("gather", pg.group_name, x, slots=1, symmetric=True, **shape)
-    current, side = torch.cuda.current_stream(), BUFFERS.side_stream(x.device)
-    handle.barrier(channel=0)  # every peer is done reading `mine` from the previous call
-    mine[0].copy_(x)
-    handle.barrier(channel=1)  # every rank's chunk is readable
-    side.wait_stream(current)
-    arrivals = []
-    with torch.cuda.stream(side):
-        for step in range(1, tp):
-            src = (rank + step) % tp
-            buf[src].copy_(handle.get_buffer(src, tuple(x.shape), x.dtype, 0))
-            arrivals.append((src, side.record_event()))
-    consume(rank, x)
-    for src, arrived in arrivals:
-        current.wait_event(arrived)
-        consume(src, buf[src])
-
-
-def _reduce_scatter_ring(
-    out: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, produce: Callable[[int, torch.Tensor], None]
-) -> None:
-    """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank.
-
-    The partial sum for rank d starts at d + 1 and travels the ring, each rank adding
-    its own partial while the previous sum is in flight; it ends at d after tp - 1 hops.
-    """
-    tp, rank = pg.size(), pg.rank()
-    _enter_ring(pg, out.shape[0], capacity, out)
-    if tp == 1:
-        return produce(rank, out)
-    shape = dict(rows=out.shape[0], features=out.shape[1], capacity=capacity)
-    if _copy_engine(pg, out):
-        return _reduce_scatter_copy_engine(out, pg, shape, produce)
-    # [3, rows, F]: two partial sums alternating, one receive slot
-    buf, _ = BUFFERS.prefix("reduce_scatter", pg.group_name, out, slots=3, **shape)
-    works: list = []
-    for i in range(tp):
-        acc = out if i == tp - 1 else buf[i % 2]
-        produce((rank - 1 - i) % tp, acc)
-        for work in works:
-            work.wait()
-        if i:
-            acc.add_(buf[2])
-        if i < tp - 1:
-            works = _shift(acc, buf[2], pg)
-
-
-def _reduce_scatter_copy_engine(out, pg, shape, produce) -> None:
-    """Each partial is written into its owner's symmetric inbox on a side stream while the next is computed."""
-    tp, rank = pg.size(), pg.rank()
-    rows, features = out.shape
-    inbox, handle = BUFFERS.prefix("reduce_scatter", pg.group_name, out, slots=tp, symmetric=True, **shape)
-    outgoing, _ = BUFFERS.prefix("reduce_scatter", pg.group_name, out, slots=tp, **shape)  # [tp, rows, F]
-    current, side = torch.cuda.current_stream(), BUFFERS.side_stream(out.device)
-    handle.barrier(channel=0)  # every peer has summed its inbox of the previous call
-    for step in range(1, tp):
-        dest = (rank + step) % tp
-        produce(dest, outgoing[dest])
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # into slot `rank` of dest's inbox
-            handle.get_buffer(dest, (rows, features), out.dtype, rank * rows * features).copy_(outgoing[dest])
-    produce(rank, inbox[rank])
-    current.wait_stream(side)
-    handle.barrier(channel=1)  # every partial has landed
-    out.copy_(inbox.sum(0, dtype=torch.promote_types(out.dtype, torch.float32)))
 
 
 def _wgrad_accumulator(w: torch.Tensor) -> torch.Tensor:
@@ -269,7 +47,7 @@ def _ag_gemm(
         else:
             torch.addmm(bias, chunk, w.t(), out=dest)
 
-    _gather_ring(x2, pg, capacity_tokens, consume)
+    gather_ring(x2, pg, capacity_tokens, consume)
     return out.view(pg.size() * x.shape[0], *x.shape[1:-1], w.shape[0])
 
 
@@ -298,7 +76,7 @@ def _ag_gemm_backward(
     def consume(src: int, chunk: torch.Tensor) -> None:
         dw.add_(dy2[src * rows : (src + 1) * rows].t() @ chunk)
 
-    _gather_ring(_rows(x), pg, capacity_tokens, consume)
+    gather_ring(_rows(x), pg, capacity_tokens, consume)
     return dx, dw.to(w.dtype)
 
 
@@ -335,7 +113,7 @@ def _gemm_rs_impl(x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capac
     def produce(dest_rank: int, dest: torch.Tensor) -> None:
         torch.mm(x2[dest_rank * rows : (dest_rank + 1) * rows], w.t(), out=dest)
 
-    _reduce_scatter_ring(out, pg, capacity_tokens, produce)
+    reduce_scatter_ring(out, pg, capacity_tokens, produce)
     return out.view(x.shape[0] // pg.size(), *x.shape[1:-1], w.shape[0])
 
 
@@ -366,7 +144,7 @@ def _gemm_rs_backward(
         torch.mm(chunk, w, out=dx[src * rows : (src + 1) * rows])
         dw.add_(chunk.t() @ x2[src * rows : (src + 1) * rows])
 
-    _gather_ring(dy2, pg, capacity_tokens, consume)
+    gather_ring(dy2, pg, capacity_tokens, consume)
     return dx.view(x.shape), dw.to(w.dtype)
 
 

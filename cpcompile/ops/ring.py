@@ -29,7 +29,7 @@ from .. import distributed as cpdist
 from ..ring_plan import block_key_ranges
 from . import kernels
 from .attention import _check_fake_qkv, _out_and_lse, _scale
-from .overlap import _shift
+from .ring_comm import shift
 
 
 @torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
@@ -75,7 +75,7 @@ def _blocks(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, to
     spare = [torch.empty_like(x) for _ in range(min(2, cp - 1))]  # the one received, the one arriving
     current = x
     for i in range(cp - 1):
-        works = _shift(current, spare[i % 2], group)
+        works = shift(current, spare[i % 2], group)
         yield (rank - i) % cp, current
         for work in works:
             work.wait()
@@ -163,7 +163,7 @@ def _ring_attention_backward(
         # to rank + 1 (next holder of this block, its owner after the last step); while the
         # next step computes, the next block's dK/dV arrives from rank - 1
         arrived = torch.empty_like(dkv) if arrived is None else arrived
-        works = _shift(dkv, arrived, group)
+        works = shift(dkv, arrived, group)
     for work in works:
         work.wait()
     dk, dv = arrived.to(k.dtype).split(k.shape[1], dim=1)

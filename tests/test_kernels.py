@@ -36,7 +36,8 @@ def test_ragged_entries_match_the_pieces(seed):
     assert b == cudnn.bucket(p, floor=1) and b >= p and meta.q_rows.shape == (b + 1,)
     for i in range(b):
         if i < p:
-            want = (int(cu_q[i + 1] - cu_q[i]), int(k_len[i]), int(cu_q[i]), int(k_start[i]), int(dk_start[i]))
+            rows = int(cu_q[i + 1] - cu_q[i]) if k_len[i] > 0 else 0  # a piece that sees no key: no entry rows
+            want = (rows, int(k_len[i]), int(cu_q[i]), int(k_start[i]), int(dk_start[i]))
         else:  # empty entries: no rows, offsets in bounds
             want = (0, 0, int(cu_q[-1]), 0, 0)
         got = (int(meta.seq_q[i]), int(meta.seq_kv[i]), int(meta.q_rows[i]), int(meta.k_rows[i]), int(meta.dk_rows[i]))
@@ -98,17 +99,88 @@ def test_auto_takes_cudnns_backward_where_pieces_read_many_keys_per_row_within_m
     assert not auto.use_cudnn_backward(int(3.8 * t), t // 8, t)  # 128-token stripes: cuDNN's scratch too big
 
 
-@pytest.mark.parametrize("seed", range(3))
+def _prefix_pieces(seed: int):
+    """Random pieces as plans make them: each reads a prefix of one document's keys (some none)."""
+    g = torch.Generator().manual_seed(seed)
+    doc_len = torch.randint(1, 60, (8,), generator=g)
+    doc_start = torch.cat([doc_len.new_zeros(1), doc_len.cumsum(0)[:-1]])
+    doc = torch.randint(0, 8, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)
+    k_len = (torch.rand(doc.shape[0], generator=g) * (doc_len[doc] + 1)).long().clamp(max=doc_len[doc])
+    return doc_start[doc].to(torch.int32), k_len.to(torch.int32), int(doc_len.sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed):
     from cpcompile.ops.kernels import scratch
 
-    _, k_start, k_len, num_keys = _pieces(seed)
-    s = scratch.scratch_rows(k_start, k_len)
+    k_start, k_len, num_keys = _prefix_pieces(seed)
+    s = scratch.scratch_rows(k_start, k_len, num_keys)
     want = [r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]
-    assert s.src.tolist() == want and s.rows == len(want)
+    assert s.src.tolist() == [*want, 0] and s.rows == len(want)
     assert s.cu.tolist() == [0, *k_len.cumsum(0).tolist()] and s.cu.dtype == torch.int32
-    partial = torch.randn(s.rows, 2, 3, dtype=torch.float64).to(torch.bfloat16)
+    partial = torch.randn(s.rows + 1, 2, 3, dtype=torch.float64).to(torch.bfloat16)
     summed = torch.zeros(num_keys, 2, 3, dtype=torch.float32)
     for row, key in enumerate(want):
         summed[key] += partial[row].float()
-    assert torch.allclose(scratch.add_back(partial, s, num_keys), summed)
+    assert torch.equal(scratch.add_back(partial, s), summed)  # a few bf16 terms per key: exact in float32
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layers_number_the_pieces_that_share_a_start(seed):
+    from cpcompile.ops.kernels import scratch
+
+    k_start, k_len, _ = _prefix_pieces(seed)
+    got = scratch.layers(k_start, k_len).tolist()
+    seen: dict[int, int] = {}
+    for p, (start, n) in enumerate(zip(k_start.tolist(), k_len.tolist())):
+        assert got[p] == (seen.get(start, 0) if n else 0), p
+        if n:
+            seen[start] = seen.get(start, 0) + 1
+
+
+def test_every_plan_reads_disjoint_or_same_start_key_ranges():
+    """The contract the scratch layers rely on, for every strategy, all-gather and ring."""
+    from cpcompile.ring_plan import make_ring_plan
+
+    cu = torch.tensor([0, 1, 700, 829, 2877, 2941], dtype=torch.int32)
+    specs = [
+        "dual_chunk_swap",
+        "no_load_balance",
+        "balanced",
+        cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=16),
+    ]
+    for spec, cp, causal in ((s, cp, c) for s in specs for cp in (2, 4) for c in (True, False)):
+        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        for rank in range(cp):
+            plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            ring = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            blocks = [(plan.k_start, plan.k_len(causal)), *zip(ring.k_start, ring.k_len(causal))]
+            for k_start, k_len in blocks:
+                ranges = [(a, a + n) for a, n in zip(k_start.tolist(), k_len.tolist()) if n > 0]
+                for a0, a1 in ranges:
+                    assert all(b0 == a0 or a1 <= b0 or b1 <= a0 for b0, b1 in ranges), (spec, cp, rank)
+
+
+def test_per_plan_builds_once_for_the_same_plan_tensors():
+    from cpcompile.ops.kernels.per_plan import per_plan
+
+    calls = []
+
+    @per_plan
+    def derived(x, n):
+        calls.append(n)
+        return x * n
+
+    x = torch.arange(4)
+    first = derived(x, 2)
+    assert derived(x, 2) is first and len(calls) == 1  # the next layer, same plan
+    assert torch.equal(derived(x, 3), x * 3) and len(calls) == 2  # another argument
+    assert torch.equal(derived(x.clone(), 3), x * 3) and len(calls) == 3  # equal values, another tensor
+    y = x.clone()
+    derived(y, 3)
+    y.add_(1)  # changed in place: rebuilt
+    assert torch.equal(derived(y, 3), (x + 1) * 3) and len(calls) == 5
+    with torch.inference_mode():
+        z = torch.arange(4)
+        derived(z, 3), derived(z, 3)
+    assert len(calls) == 7  # inference tensors carry no version: never cached

@@ -41,6 +41,6 @@ def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs):
     """
     if kwargs.get("disjoint_keys"):
         return flash.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
-    scratch = scratch_rows(k_start, k_len)
+    scratch = scratch_rows(k_start, k_len, k.shape[0])
     kernel = cudnn if use_cudnn_backward(scratch.rows, q.shape[0], k.shape[0]) else flash
     return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, scratch=scratch, **kwargs)

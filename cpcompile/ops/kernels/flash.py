@@ -53,9 +53,8 @@ def forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=k_len
     )
     live = live_rows(cu_q, k_len, q.shape[0])
-    out = out.masked_fill(~live[:, None, None], 0)
-    lse = lse.masked_fill(~live[None, :], float("-inf"))
-    return out, lse
+    # in place: the kernel's fresh outputs, and a copy would double the pass over ``out``
+    return out.masked_fill_(~live[:, None, None], 0), lse.masked_fill_(~live[None, :], float("-inf"))
 
 
 def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -90,9 +89,9 @@ def backward(
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk.float(), dv.float()
     if scratch is None:
-        scratch = scratch_rows(k_start, k_len)
-    src = scratch.src  # each piece's own copy of its keys
+        scratch = scratch_rows(k_start, k_len, k.shape[0])
+    src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
-    dk, dv = add_back(dkc, scratch, k.shape[0]), add_back(dvc, scratch, v.shape[0])
+    dk, dv = add_back(dkc, scratch), add_back(dvc, scratch)
     live = live_rows(cu_q, k_len, q.shape[0])
-    return dq.masked_fill(~live[:, None, None], 0), dk, dv
+    return dq.masked_fill_(~live[:, None, None], 0), dk, dv

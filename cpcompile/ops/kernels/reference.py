@@ -6,7 +6,9 @@ key buffer. Causal pieces are aligned bottom-right (row i of a piece of length
 ``n`` sees the first ``k_len - n + 1 + i`` of its keys). A row that sees no key
 outputs 0 with ``lse = -inf`` and gets zero gradient. ``backward`` returns the
 exact sum of every piece's dK/dV, even where key ranges of pieces overlap, in
-float32 (float64 for float64 inputs) so that sums over ranks round once.
+float32 (float64 for float64 inputs) so that sums over ranks round once. Key
+ranges that overlap start at the same key (prefixes of one document's keys, as
+in every plan): the GPU backwards' scratch relies on it (``scratch.layers``).
 
 Rows are processed in blocks against the key window they need, with a dense mask:
 simple and exact, meant for CPU tests and small runs, not for speed.

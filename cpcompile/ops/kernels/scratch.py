@@ -2,9 +2,18 @@
 
 Pieces of one rank may read overlapping key ranges (a document's head and tail
 chunks both read its first keys). Kernels that write dK/dV rather than add to
-them get one scratch row per (piece, key) instead, and the float32 sums go back
-to the keys with ``index_add_``. The scratch holds ``sum(k_len)`` rows; reading
-that size is a host sync, made once per backward (``auto`` reuses it for its choice).
+them get one scratch row per (piece, key) instead, and the sums go back to the keys.
+
+Every plan's key ranges are prefixes of documents (``[doc start, ...)``), so two
+ranges either start at the same key or are disjoint. Numbering the pieces that
+share a start 0, 1, 2, ... gives *layers* whose ranges are disjoint, and the sum
+is a gather per layer and one add over the layers, in float32. On the H200 that
+took 1.5 ms where scattering the rows with ``index_add_`` took 3.0 ms (per rank,
+dual_chunk_swap at cp=8, 128K tokens, heads 32/8).
+
+The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
+a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and
+``auto`` its size for its choice).
 """
 
 from __future__ import annotations
@@ -13,31 +22,65 @@ from typing import NamedTuple
 
 import torch
 
+from .per_plan import per_plan
+
 
 class Scratch(NamedTuple):
-    """``cu [P + 1]`` int32: first scratch row of each piece (last: the total);
-    ``src [rows]`` int64: the key row behind each scratch row."""
+    """Scratch rows of ``P`` pieces over ``Tk`` keys, in ``L`` layers.
+
+    - ``cu``: ``[P + 1]`` int32, first scratch row of each piece (last: ``rows``).
+    - ``src``: ``[rows + 1]`` int64, the key row behind each scratch row, then 0 for
+      the spare row (``rows``) that :func:`add_back` zeroes: the gathers' empty source.
+    - ``index``: ``[L, Tk]`` int64, per layer, the scratch row holding each key's
+      partial gradient (``rows`` where no piece of the layer reads the key).
+    """
 
     cu: torch.Tensor
     src: torch.Tensor
+    index: torch.Tensor
 
     @property
     def rows(self) -> int:
-        return self.src.shape[0]
+        return self.src.shape[0] - 1
 
 
-def scratch_rows(k_start: torch.Tensor, k_len: torch.Tensor) -> Scratch:
-    """:class:`Scratch` of pieces reading keys ``[k_start, k_start + k_len)`` (one host sync)."""
-    cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
-    rows = int(cu[-1])  # host sync: the scratch size
-    first = torch.repeat_interleave(k_start.long() - cu[:-1].long(), k_len.long(), output_size=rows)
-    return Scratch(cu, first + torch.arange(rows, device=k_start.device))
+def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
+    """``[P]`` int64: each piece's number among the pieces whose keys start where its do
+    (0 for pieces that read none). Pieces of one layer read disjoint key ranges."""
+    reads = k_len > 0
+    key = torch.where(reads, k_start.long(), -1)
+    sorted_key, order = torch.sort(key, stable=True)
+    position = torch.arange(key.shape[0], device=key.device)
+    number = position - torch.searchsorted(sorted_key, sorted_key)  # offset from the group's first
+    return torch.empty_like(number).scatter_(0, order, number).masked_fill_(~reads, 0)
 
 
-def add_back(partial: torch.Tensor, scratch: Scratch, num_keys: int) -> torch.Tensor:
-    """``partial [>= rows, H, D]`` per-scratch-row gradients -> ``[num_keys, H, D]`` float32 sums.
+@per_plan
+def scratch_rows(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
+    """:class:`Scratch` of pieces reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
 
-    Left in float32: callers add them over ranks before the one rounding.
+    One host sync, per plan: the result is kept for the most recent pieces.
+
+    Key ranges must be disjoint or start at the same key, as every plan's are.
     """
-    out = torch.zeros(num_keys, *partial.shape[1:], dtype=torch.float32, device=partial.device)
-    return out.index_add_(0, scratch.src, partial[: scratch.rows].float())
+    device = k_start.device
+    cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
+    layer = layers(k_start, k_len)
+    rows, num_layers = torch.stack([cu[-1].long(), layer.max() + 1]).tolist()  # the host sync
+    k_len = k_len.long()
+    piece = torch.repeat_interleave(torch.arange(k_len.shape[0], device=device), k_len, output_size=rows)
+    row = torch.arange(rows, device=device)
+    src = k_start.long()[piece] + row - cu[:-1].long()[piece]
+    index = torch.full((num_layers, num_keys), rows, dtype=torch.int64, device=device)
+    index[layer[piece], src] = row  # one writer per (layer, key)
+    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index)
+
+
+def add_back(partial: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """``partial [rows + 1, H, D]`` per-scratch-row gradients -> ``[Tk, H, D]`` float32 sums.
+
+    Zeroes the spare row ``partial[rows]`` first. Left in float32: callers add
+    the sums over ranks before the one rounding.
+    """
+    partial[scratch.rows].zero_()
+    return torch.sum(partial[scratch.index], dim=0, dtype=torch.float32)

@@ -14,9 +14,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    """One line: date, host CPU or GPU, torch version."""
+    """One line: date, host CPU or GPU (with cuDNN and its frontend), torch version."""
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+        major, minor = divmod(torch.backends.cudnn.version() // 100, 100)
+        device += f", cuDNN {major}.{minor}"
+        try:
+            import cudnn  # the ``gpu`` extra
+
+            device += f", cudnn-frontend {cudnn.__version__}"
+        except (ImportError, OSError):
+            pass
     else:
         device = f"CPU ({os.cpu_count()} cores, {platform.machine()})"
     return f"{datetime.date.today()}, {device}, torch {torch.__version__}"

@@ -70,15 +70,19 @@ class Ragged(NamedTuple):
     q_len: torch.Tensor
 
 
-def ragged(cu_q, k_start, k_len, num_keys: int, dk_start=None, num_dk: int | None = None) -> Ragged:
+def ragged(cu_q, k_start, k_len, num_keys: int, dk_start=None, num_dk: int | None = None, pieces=None) -> Ragged:
     """:class:`Ragged` for pieces ``cu_q [P + 1]``, ``k_start``/``k_len [P]`` over ``num_keys`` key rows.
 
     ``dk_start [P]``: first dK/dV row of each piece in a buffer of ``num_dk`` rows;
-    default: the keys' own rows.
+    default: the keys' own rows. ``pieces [n]``: the pieces that become entries, in
+    order (default: all); fewer entries make smaller grids.
     """
+    q_start, q_len = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long()
+    if pieces is not None:
+        q_start, q_len, k_start, k_len = q_start[pieces], q_len[pieces], k_start[pieces], k_len[pieces]
+        dk_start = None if dk_start is None else dk_start[pieces]
     p = k_len.shape[0]
     b = bucket(p, floor=1)
-    q_len = (cu_q[1:] - cu_q[:-1]).long()
 
     def entries(values: torch.Tensor, end: int) -> torch.Tensor:
         # built with device fills only: writing a Python int into a CUDA tensor is a
@@ -89,28 +93,30 @@ def ragged(cu_q, k_start, k_len, num_keys: int, dk_start=None, num_dk: int | Non
     seq_q = entries(q_len.masked_fill(k_len == 0, 0), 0)[:b].to(torch.int32).view(b, 1, 1, 1)
     seq_kv = entries(k_len, 0)[:b].to(torch.int32).view(b, 1, 1, 1)
     # empty entries point at the end of Q: no row is read, every offset stays in bounds
-    q_rows = torch.cat([cu_q[:-1].long(), cu_q[-1:].long().expand(b + 1 - p)])
+    q_rows = torch.cat([q_start, cu_q[-1:].long().expand(b + 1 - p)])
     k_rows = entries(k_start, num_keys)
     dk_rows = k_rows if dk_start is None else entries(dk_start, num_dk)
     return Ragged(seq_q, seq_kv, q_rows, k_rows, dk_rows, q_len)
 
 
 @per_plan
-def _plan_ragged(cu_q, k_start, k_len, num_keys: int, scratch_cu=None, scratch_size: int = 0) -> Ragged:
-    """:func:`ragged` of a plan, built once for all layers; dK/dV in scratch rows when given."""
+def _plan_ragged(cu_q, k_start, k_len, num_keys: int, scratch_cu=None, scratch_size: int = 0, live=None) -> Ragged:
+    """:func:`ragged` of a plan, built once for all layers; with a scratch (its ``cu``, ``rows``
+    and ``live``), dK/dV in its rows and only the pieces that see keys as entries."""
     if scratch_cu is None:
         return ragged(cu_q, k_start, k_len, num_keys)
-    return ragged(cu_q, k_start, k_len, num_keys, scratch_cu[:-1], scratch_size + 1)  # and the spare row
+    return ragged(cu_q, k_start, k_len, num_keys, scratch_cu[:-1], scratch_size + 1, live)  # and the spare row
 
 
-def padded_lse(lse: torch.Tensor, cu_q: torch.Tensor, q_len: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
+def padded_lse(lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
     """``lse [Hq, Tq]`` -> ``[B, Hq, S_q, 1]`` (entry, head, row of the piece): the backward's layout.
 
-    Rows past a piece's end (and empty entries) hold 0; the kernel never reads them.
+    Entry ``p`` is rows ``[q_start[p], q_start[p] + q_len[p])`` (``[P]`` each). Rows past
+    a piece's end (and empty entries) hold 0; the kernel never reads them.
     """
     p = q_len.shape[0]
     rows = torch.arange(s_q, device=lse.device)
-    index = cu_q[:-1].long()[:, None] + rows  # [P, S_q]
+    index = q_start[:p].long()[:, None] + rows  # [P, S_q]
     valid = rows < q_len[:, None]
     picked = lse[:, index.clamp(max=max(lse.shape[1] - 1, 0))].masked_fill(~valid, 0)  # [Hq, P, S_q]
     out = lse.new_zeros(b, lse.shape[0], s_q)
@@ -367,9 +373,10 @@ def backward(
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
     else:
         if scratch is None:
-            scratch = scratch_rows(k_start, k_len, k.shape[0])
-        meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows)
+            scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+        meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)
         rows = scratch.rows + 1  # and the spare row add_back reads
+        max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     dq = torch.empty_like(q) if disjoint_keys else torch.zeros_like(q)  # as the forward's ``out``
     dkc = torch.zeros(max(rows, 1), *k.shape[1:], dtype=k.dtype, device=k.device)
@@ -377,7 +384,7 @@ def backward(
     q_offset = meta.q_rows * (hq * d)
     k_offset = meta.k_rows * k.stride(0)
     dk_offset = meta.dk_rows * dkc.stride(0)
-    stats = padded_lse(lse, cu_q, meta.q_len, shape.b, shape.s_q)
+    stats = padded_lse(lse, meta.q_rows, meta.q_len, shape.b, shape.s_q)
     _run(
         _backward_graph(shape, bucket(tq), bucket(max(k.shape[0], rows))),
         {

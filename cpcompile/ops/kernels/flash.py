@@ -89,7 +89,8 @@ def backward(
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk.float(), dv.float()
     if scratch is None:
-        scratch = scratch_rows(k_start, k_len, k.shape[0])
+        scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+    max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
     src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
     dk, dv = add_back(dkc, scratch), add_back(dvc, scratch)

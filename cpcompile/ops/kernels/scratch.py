@@ -13,7 +13,10 @@ dual_chunk_swap at cp=8, 128K tokens, heads 32/8).
 
 The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
 a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and
-``auto`` its size for its choice).
+``auto`` its size for its choice). The same sync reads which pieces see keys and
+the longest one's rows: exact launch bounds for the backward kernels, whose grids
+are sized by them (balanced's bound, the longest document, made cuDNN's backward
+1.5x slower on the H200 than its longest piece did).
 """
 
 from __future__ import annotations
@@ -26,18 +29,23 @@ from .per_plan import per_plan
 
 
 class Scratch(NamedTuple):
-    """Scratch rows of ``P`` pieces over ``Tk`` keys, in ``L`` layers.
+    """Scratch rows of ``P`` pieces over ``Tk`` keys, in ``L`` layers, and the live pieces.
 
     - ``cu``: ``[P + 1]`` int32, first scratch row of each piece (last: ``rows``).
     - ``src``: ``[rows + 1]`` int64, the key row behind each scratch row, then 0 for
       the spare row (``rows``) that :func:`add_back` zeroes: the gathers' empty source.
     - ``index``: ``[L, Tk]`` int64, per layer, the scratch row holding each key's
       partial gradient (``rows`` where no piece of the layer reads the key).
+    - ``live``: ``[n]`` int64, in order, the pieces with query rows and keys.
+    - ``max_q``, ``max_k``: the live pieces' longest query rows and key range.
     """
 
     cu: torch.Tensor
     src: torch.Tensor
     index: torch.Tensor
+    live: torch.Tensor
+    max_q: int
+    max_k: int
 
     @property
     def rows(self) -> int:
@@ -56,24 +64,27 @@ def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
 
 
 @per_plan
-def scratch_rows(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
-    """:class:`Scratch` of pieces reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
+def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
+    """:class:`Scratch` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
 
     One host sync, per plan: the result is kept for the most recent pieces.
-
     Key ranges must be disjoint or start at the same key, as every plan's are.
     """
     device = k_start.device
     cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
     layer = layers(k_start, k_len)
-    rows, num_layers = torch.stack([cu[-1].long(), layer.max() + 1]).tolist()  # the host sync
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    is_live = (q_len > 0) & (k_len > 0)
+    sizes = [cu[-1].long(), layer.max() + 1, is_live.sum(), (q_len * is_live).max(), k_len.max().long()]
+    rows, num_layers, num_live, max_q, max_k = torch.stack(sizes).tolist()  # the host sync
+    live = torch.sort((~is_live).to(torch.uint8), stable=True).indices[:num_live]
     k_len = k_len.long()
     piece = torch.repeat_interleave(torch.arange(k_len.shape[0], device=device), k_len, output_size=rows)
     row = torch.arange(rows, device=device)
     src = k_start.long()[piece] + row - cu[:-1].long()[piece]
     index = torch.full((num_layers, num_keys), rows, dtype=torch.int64, device=device)
     index[layer[piece], src] = row  # one writer per (layer, key)
-    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index)
+    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index, live, max_q, max_k)
 
 
 def add_back(partial: torch.Tensor, scratch: Scratch) -> torch.Tensor:

@@ -6,7 +6,7 @@ Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) a
 runs one call over a key buffer in which each piece gets its own copy of its keys
 (``scratch``), and the copies' gradients are summed back. That buffer holds
 ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
-for small stripes; reading its size is this module's one host sync. When the
+for small stripes; reading its size is a host sync, once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
 single-device attention), the backward is one plain call with no copies.
 """

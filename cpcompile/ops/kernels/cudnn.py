@@ -55,11 +55,11 @@ def bucket(n: int, floor: int = 64) -> int:
 
 
 class Ragged(NamedTuple):
-    """Per-entry metadata of one call, ``B = bucket(P)`` entries (pieces, then empty ones).
+    """Per-entry metadata of one call: ``n`` pieces, then empty entries up to ``B = bucket(n)``.
 
     ``seq_q``/``seq_kv`` ``[B, 1, 1, 1]`` int32 (0 rows for pieces that see no
     keys); ``q_rows``/``k_rows``/``dk_rows`` ``[B + 1]`` int64 first row of each
-    entry (last: the buffer's end) in Q/O, K/V and dK/dV; ``q_len`` ``[P]`` int64.
+    entry (last: the buffer's end) in Q/O, K/V and dK/dV; ``q_len`` ``[n]`` int64.
     """
 
     seq_q: torch.Tensor

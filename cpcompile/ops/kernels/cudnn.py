@@ -114,14 +114,20 @@ def padded_lse(lse: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, b:
     Entry ``p`` is rows ``[q_start[p], q_start[p] + q_len[p])`` (``[P]`` each). Rows past
     a piece's end (and empty entries) hold 0; the kernel never reads them.
     """
-    p = q_len.shape[0]
-    rows = torch.arange(s_q, device=lse.device)
-    index = q_start[:p].long()[:, None] + rows  # [P, S_q]
-    valid = rows < q_len[:, None]
-    picked = lse[:, index.clamp(max=max(lse.shape[1] - 1, 0))].masked_fill(~valid, 0)  # [Hq, P, S_q]
+    index, valid = _lse_rows(q_start, q_len, s_q, lse.shape[1])
+    picked = lse[:, index].masked_fill(~valid, 0)  # [Hq, P, S_q]
     out = lse.new_zeros(b, lse.shape[0], s_q)
-    out[:p] = picked.permute(1, 0, 2)
+    out[: q_len.shape[0]] = picked.permute(1, 0, 2)
     return out.unsqueeze(-1)
+
+
+@per_plan
+def _lse_rows(q_start, q_len, s_q: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's part of :func:`padded_lse`, built once for all layers: ``[P, S_q]`` the
+    ``lse`` column of each (entry, row), kept in bounds, and whether the row is the piece's."""
+    rows = torch.arange(s_q, device=q_len.device)
+    index = q_start[: q_len.shape[0]].long()[:, None] + rows
+    return index.clamp(max=max(num_rows - 1, 0)), rows < q_len[:, None]
 
 
 def available() -> bool:

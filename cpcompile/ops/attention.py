@@ -21,6 +21,7 @@ from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import gathered, kernels
+from .kernels.per_plan import per_plan
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -38,7 +39,10 @@ def _out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def _single_device_plan(q, cu_seqlens, cu_seqlens_padded) -> AttentionPlan:
+@per_plan
+def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> AttentionPlan:
+    # once per plan: the kernels' own metadata is keyed on these plan tensors, so
+    # every layer reusing them reuses it too
     if cu_seqlens_padded is None:
         # No padding: the documents are the pieces, one kernel sequence each, keys
         # consecutive (what kernels' ``disjoint_keys`` means). No all-gather: no index.
@@ -46,8 +50,21 @@ def _single_device_plan(q, cu_seqlens, cu_seqlens_padded) -> AttentionPlan:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         return AttentionPlan(cu_seqlens.new_empty(0, dtype=torch.int64), cu_seqlens, cu_seqlens[:-1], lengths, lengths)
     return make_plan(
-        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=q.shape[0]
+        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
     )
+
+
+def _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale) -> tuple[tuple, dict]:
+    """A kernel's piece arguments and keywords for single-device attention."""
+    plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
+    keywords = {
+        "causal": causal,
+        "scale": _scale(q, scale),
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_k": max_seqlen,
+        "disjoint_keys": cu_seqlens_padded is None,
+    }
+    return (plan.cu_q, plan.k_start, plan.k_len(causal)), keywords
 
 
 # --- packed_attention --------------------------------------------------------------
@@ -64,21 +81,8 @@ def _packed_attention(
     causal: bool,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
-    kernel = kernels.select(q)
-    return kernel.forward(
-        q,
-        k,
-        v,
-        plan.cu_q,
-        plan.k_start,
-        plan.k_len(causal),
-        causal=causal,
-        scale=_scale(q, scale),
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        disjoint_keys=cu_seqlens_padded is None,
-    )
+    pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
+    return kernels.select(q).forward(q, k, v, *pieces, **keywords)
 
 
 @_packed_attention.register_fake
@@ -102,23 +106,8 @@ def _packed_attention_backward(
     causal: bool,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _single_device_plan(q, cu_seqlens, cu_seqlens_padded)
-    dq, dk, dv = kernels.select(q).backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        plan.cu_q,
-        plan.k_start,
-        plan.k_len(causal),
-        causal=causal,
-        scale=_scale(q, scale),
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        disjoint_keys=cu_seqlens_padded is None,
-    )
+    pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
+    dq, dk, dv = kernels.select(q).backward(dout, q, k, v, out, lse, *pieces, **keywords)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 

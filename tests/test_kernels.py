@@ -196,3 +196,26 @@ def test_per_plan_builds_once_for_the_same_plan_tensors():
         z = torch.arange(4)
         derived(z, 3), derived(z, 3)
     assert len(calls) == 7  # inference tensors carry no version: never cached
+
+
+def test_per_plan_knows_views_by_memory_and_keeps_a_few_plans():
+    from cpcompile.ops.kernels import per_plan as module
+
+    calls = []
+
+    @module.per_plan
+    def derived(x):
+        calls.append(1)
+        return x * 2
+
+    blocks = torch.arange(12).view(3, 4)  # a ring plan: one row per key block
+    first = [derived(blocks[i]) for i in range(3)]
+    assert [derived(blocks[i]) for i in range(3)] == first and len(calls) == 3  # new views, same memory
+    assert torch.equal(derived(blocks[0, 1:]), blocks[0, 1:] * 2) and len(calls) == 4  # another slice
+    blocks[1].add_(1)  # the shared version counter: every view is rebuilt
+    assert torch.equal(derived(blocks[2]), blocks[2] * 2) and len(calls) == 5
+    for i in range(module.ENTRIES):
+        derived(torch.full((2,), i))
+    assert len(calls) == 5 + module.ENTRIES
+    derived(blocks[2])  # pushed out by the newer plans
+    assert len(calls) == 6 + module.ENTRIES

@@ -118,11 +118,14 @@ def _prefix_pieces(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed):
+@pytest.mark.parametrize("way", ["gathers", "scatters"])
+def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, way, monkeypatch):
     from cpcompile.ops.kernels import scratch
 
+    monkeypatch.setattr(scratch, "SCATTER_BELOW", 0 if way == "scatters" else 10**9)
     cu_q, k_start, k_len, num_keys = _prefix_pieces(seed)
     s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
+    assert (s.index is None) == (way == "scatters")
     want = [r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]
     assert s.src.tolist() == [*want, 0] and s.rows == len(want)
     q_len = (cu_q[1:] - cu_q[:-1]).tolist()

@@ -121,6 +121,27 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         assert _err(got, want) <= max(2 * _err(baseline, want), 1e-3)
 
 
+@_needs_cudnn
+def test_cudnn_backward_in_row_chunks_within_twice_the_kernel_error(monkeypatch):
+    """cuDNN's backward runs long causal pieces as row chunks (made small here): its
+    gradients stay within twice the whole-document kernel's error against float64."""
+    from cpcompile.ops.kernels import chunks
+
+    monkeypatch.setattr(chunks, "ROWS", 256)
+    cu, q, k, v, dout = _case([2500, 1000, 40])
+    _, ref_grads = _reference(q, k, v, dout, cu, True)
+    n = cu[1:] - cu[:-1]
+    args, kw = (cu, cu[:-1], n), {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 2500, "max_seqlen_k": 2500}
+    out, lse = cudnn.forward(q, k, v, *args, **kw)
+    whole = cudnn.backward(dout, q, k, v, out, lse, *args, disjoint_keys=True, **kw)  # no chunks: the keys' own rows
+    _poison_allocator()
+    chunked = cudnn.backward(dout, q, k, v, out, lse, *args, **kw)
+    _, scratch = cudnn.backward_pieces(*args, q.shape[0], k.shape[0], True)
+    assert scratch.live.numel() == 10 + 4 + 1  # the chunks the backward ran
+    for got, baseline, want in zip(chunked, whole, ref_grads):
+        assert _err(got, want) <= max(2 * _err(baseline, want), 1e-3)
+
+
 def _poison_allocator():
     """Leave NaN in the caching allocator's free memory, so that rows a kernel fails
     to write (padding pieces' outputs and gradients) show as NaN, not as lucky zeros."""

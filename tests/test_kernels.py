@@ -222,3 +222,54 @@ def test_per_plan_knows_views_by_memory_and_keeps_a_few_plans():
     assert len(calls) == 5 + module.ENTRIES
     derived(blocks[2])  # pushed out by the newer plans
     assert len(calls) == 6 + module.ENTRIES
+
+
+def _chunks_case(seed: int):
+    from cpcompile.ops.kernels import chunks
+
+    cu_q, k_start, k_len, num_keys = _prefix_pieces(seed)
+    # a key range at least as long as the rows, as in causal plans (some shorter: rows without keys)
+    k_len = torch.maximum(k_len, (cu_q[1:] - cu_q[:-1]) - seed).clamp(max=num_keys - k_start).to(torch.int32)
+    num_rows = int(cu_q[-1])
+    return cu_q, k_start, k_len, num_keys, num_rows, chunks.row_chunks(cu_q, k_start, k_len, num_rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkeypatch):
+    from cpcompile.ops.kernels import chunks
+
+    monkeypatch.setattr(chunks, "ROWS", 8)
+    cu_q, k_start, k_len, _, num_rows, (chunk_cu, chunk_start, chunk_len) = _chunks_case(seed)
+    p = k_len.shape[0]
+    assert chunk_cu.shape == (p + num_rows // 8 + 1,) and chunk_cu.dtype == cu_q.dtype
+    want_cu, want_start, want_len = [], [], []
+    for a, b, start, n in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), k_start.tolist(), k_len.tolist()):
+        m = max(1, -(-(b - a) // 8)) if n < 2 * (b - a) else 1  # mostly triangle: cut
+        for i in range(m):
+            lo, hi = (b - a) * i // m, (b - a) * (i + 1) // m
+            want_cu.append(a + lo)
+            want_start.append(start)
+            want_len.append(max(n - (b - a) + hi, 0) if hi > lo else 0)
+    extra = chunk_len.shape[0] - len(want_len)
+    assert chunk_cu.tolist() == want_cu + [int(cu_q[-1])] * (extra + 1)
+    assert chunk_len.tolist() == want_len + [0] * extra
+    assert chunk_start.tolist()[: len(want_start)] == want_start
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
+    """Causal attention and its gradients over the chunks equal those over the pieces (float64)."""
+    from cpcompile.ops.kernels import chunks
+
+    monkeypatch.setattr(chunks, "ROWS", 8)
+    cu_q, k_start, k_len, num_keys, num_rows, pieces = _chunks_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(num_rows, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(num_keys, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = {"causal": True, "scale": 0.25}
+    results = []
+    for plan in ((cu_q, k_start, k_len), pieces):
+        out, lse = reference.forward(q, k, v, *plan, **kw)
+        results.append((out, *reference.backward(dout, q, k, v, out, lse, *plan, **kw)))
+    for whole, chunked in zip(*results):
+        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)

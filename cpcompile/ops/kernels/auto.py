@@ -2,22 +2,21 @@
 
 Measured on the H200 (BENCHMARKS.md, "Attention on one GPU"): cuDNN's forward runs
 1.6-1.7x torch's flash forward on ProLong packs, so the forward is cuDNN's. With
-exact launch bounds and only the pieces that see keys as entries (``scratch``),
-cuDNN's backward is also the faster one on every layout's pieces but one: per
-rank at cp=8, 9.3 against 15.5 ms (dual_chunk_swap), 11.2 against 13.4
-(balanced), 21.5 against 21.9 (no_load_balance; at cp=4 flash's wins, 28.5
-against 30.9). Two cases keep flash's backward: keys read once
+exact launch bounds, only the pieces that see keys as entries (``scratch``) and
+long triangular pieces cut into row chunks (``chunks``), cuDNN's backward is
+the faster one on the ranks' pieces: forward+backward per rank at cp=8, heads
+32/8, 8.4 against 13.7 ms (balanced), 9.8 against 16.3 (dual_chunk_swap), 13.4
+against 19.5 (no_load_balance). Two cases keep flash's backward: keys read once
 (``disjoint_keys``, one device: flash's own layout, no scratch), and pieces whose
 scratch would not fit: cuDNN holds float32 dK/dV for every query head of its
-scratch rows (``sum(k_len)``), 66 GiB for 128-token stripes of a 128K pack at
-cp=2, so past ``MAX_KEY_ROWS`` scratch rows per key row it is not used.
+scratch rows (``sum(k_len)`` over its pieces), 66 GiB for 128-token stripes of a
+128K pack at cp=2, so past ``MAX_KEY_ROWS`` scratch rows per key row it is not used.
 The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forward.
 """
 
 from __future__ import annotations
 
 from . import cudnn, flash
-from .scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
 
@@ -32,12 +31,12 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
 def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs):
     """Gradients of :func:`forward` from the backend :func:`use_cudnn_backward` picks.
 
-    With ``disjoint_keys`` every key is read once, so flash. Otherwise both backends
-    need the pieces' scratch rows, whose count decides: made once per plan here (its
-    host sync) and handed on.
+    With ``disjoint_keys`` every key is read once, so flash. Otherwise the size of
+    cuDNN's scratch (for its own pieces: causal ones as row chunks) decides; it is
+    made once per plan, here, and cuDNN's backward finds it made.
     """
     if kwargs.get("disjoint_keys"):
         return flash.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
-    scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+    _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], kwargs["causal"])
     kernel = cudnn if use_cudnn_backward(scratch.rows, k.shape[0]) else flash
-    return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, scratch=scratch, **kwargs)
+    return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)

@@ -13,9 +13,10 @@ rows for it, so its rows are left alone, and the outputs start as 0 (and lse as
 pass 4x slower (0.18 ms per rank at cp=8 on the H200).
 
 The backward writes dK/dV at their own ragged offsets. Where key ranges are
-consecutive (``disjoint_keys``) those are the keys' rows; otherwise each piece
-writes into its own rows of a scratch buffer (``scratch``: ``sum(k_len)`` rows,
-reading that size is this module's one host sync) whose sums go back to the keys.
+consecutive (``disjoint_keys``) those are the keys' rows; otherwise causal pieces
+run as row chunks (``chunks``: cuDNN is slow on whole causal documents), and each
+chunk writes into its own rows of a scratch buffer (``scratch``: ``sum(k_len)``
+rows, reading that size is this module's one host sync) whose sums go back to the keys.
 Unlike the flash backend, K and V themselves are never copied. cuDNN writes dK/dV
 in the input dtype only (its planner declines float32 gradients), so, as with
 flash, each piece's partial sum is rounded once before the float32 sums.
@@ -37,8 +38,9 @@ from typing import NamedTuple
 
 import torch
 
+from .chunks import row_chunks
 from .per_plan import per_plan
-from .scratch import Scratch, add_back, scratch_rows
+from .scratch import add_back, scratch_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads
@@ -349,6 +351,14 @@ def forward(
     return out, stats.view(tq, hq).t().contiguous()
 
 
+def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: bool):
+    """The pieces the backward runs over shared keys, ``(cu_q, k_start, k_len)``, and their
+    :class:`Scratch`: causal pieces as row chunks (``chunks``). Once per plan."""
+    if causal:
+        cu_q, k_start, k_len = row_chunks(cu_q, k_start, k_len, num_rows)
+    return (cu_q, k_start, k_len), scratch_rows(cu_q, k_start, k_len, num_keys)
+
+
 def backward(
     dout,
     q,
@@ -365,12 +375,8 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
-    scratch: Scratch | None = None,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32.
-
-    ``scratch``: :func:`scratch_rows` of the pieces if the caller already made it.
-    """
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32."""
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
@@ -378,8 +384,7 @@ def backward(
     if disjoint_keys:
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
     else:
-        if scratch is None:
-            scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+        (cu_q, k_start, k_len), scratch = backward_pieces(cu_q, k_start, k_len, tq, k.shape[0], causal)
         meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)
         rows = scratch.rows + 1  # and the spare row add_back reads
         max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .reference import live_rows
-from .scratch import Scratch, add_back, scratch_rows
+from .scratch import add_back, scratch_rows
 
 
 def _bounds(q, k, max_seqlen_q, max_seqlen_k):
@@ -80,16 +80,13 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
-    scratch: Scratch | None = None,
 ):
-    """``scratch``: :func:`scratch_rows` of the pieces if the caller already made it."""
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
         cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk.float(), dv.float()
-    if scratch is None:
-        scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+    scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
     max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
     src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)

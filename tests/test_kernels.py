@@ -140,6 +140,22 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, way,
     assert torch.equal(scratch.add_back(partial, s), summed)  # a few bf16 terms per key: exact in float32
 
 
+def test_scratch_sums_by_scatters_only_where_its_rows_are_few():
+    from cpcompile.ops.kernels import scratch
+
+    def way(k_start, k_len, num_keys):
+        q_len = torch.ones(len(k_len), dtype=torch.int32)
+        cu_q = torch.cat([q_len.new_zeros(1), q_len.cumsum(0, dtype=torch.int32)])
+        s = scratch.scratch_rows(
+            cu_q, torch.tensor(k_start, dtype=torch.int32), torch.tensor(k_len, dtype=torch.int32), num_keys
+        )
+        return "gathers" if s.index is not None else "scatters"
+
+    assert way([0, 50], [10, 10], 200) == "scatters"  # a tenth of the keys, one layer: r = 0.1
+    assert way([0, 0], [200, 100], 200) == "gathers"  # r = 1.5 in 2 layers (dual_chunk_swap-like)
+    assert way([0, 0, 0, 0], [100, 75, 50, 25], 400) == "scatters"  # r = 0.625 in 4 layers (row chunks)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_layers_number_the_pieces_that_share_a_start(seed):
     from cpcompile.ops.kernels import scratch
@@ -201,7 +217,10 @@ def test_per_plan_builds_once_for_the_same_plan_tensors():
     assert len(calls) == 7  # inference tensors carry no version: never cached
 
 
-def test_per_plan_knows_views_by_memory_and_keeps_a_few_plans():
+def test_per_plan_knows_views_by_memory_and_keeps_plans_while_they_live():
+    import gc
+    import weakref
+
     from cpcompile.ops.kernels import per_plan as module
 
     calls = []
@@ -215,13 +234,19 @@ def test_per_plan_knows_views_by_memory_and_keeps_a_few_plans():
     first = [derived(blocks[i]) for i in range(3)]
     assert [derived(blocks[i]) for i in range(3)] == first and len(calls) == 3  # new views, same memory
     assert torch.equal(derived(blocks[0, 1:]), blocks[0, 1:] * 2) and len(calls) == 4  # another slice
+    assert torch.equal(derived(blocks[:, 0]), blocks[:, 0] * 2) and len(calls) == 5  # same address, other layout
     blocks[1].add_(1)  # the shared version counter: every view is rebuilt
-    assert torch.equal(derived(blocks[2]), blocks[2] * 2) and len(calls) == 5
-    for i in range(module.ENTRIES):
-        derived(torch.full((2,), i))
-    assert len(calls) == 5 + module.ENTRIES
+    assert torch.equal(derived(blocks[2]), blocks[2] * 2) and len(calls) == 6
+    newer = [torch.full((2,), i) for i in range(module.ENTRIES)]
+    for x in newer:
+        derived(x)
     derived(blocks[2])  # pushed out by the newer plans
-    assert len(calls) == 6 + module.ENTRIES
+    assert len(calls) == 7 + module.ENTRIES
+    plan = torch.arange(5)
+    result = weakref.ref(derived(plan))
+    del plan
+    gc.collect()
+    assert result() is None  # the plan is gone, and with it what was derived from it
 
 
 def _chunks_case(seed: int):
@@ -239,12 +264,13 @@ def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkey
     from cpcompile.ops.kernels import chunks
 
     monkeypatch.setattr(chunks, "ROWS", 8)
+    monkeypatch.setattr(chunks, "MAX_CHUNKS", 3)
     cu_q, k_start, k_len, _, num_rows, (chunk_cu, chunk_start, chunk_len) = _chunks_case(seed)
     p = k_len.shape[0]
     assert chunk_cu.shape == (p + num_rows // 8 + 1,) and chunk_cu.dtype == cu_q.dtype
     want_cu, want_start, want_len = [], [], []
     for a, b, start, n in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), k_start.tolist(), k_len.tolist()):
-        m = max(1, -(-(b - a) // 8)) if n < 2 * (b - a) else 1  # mostly triangle: cut
+        m = min(max(1, -(-(b - a) // 8)), 3) if n < 2 * (b - a) else 1  # mostly triangle: cut
         for i in range(m):
             lo, hi = (b - a) * i // m, (b - a) * (i + 1) // m
             want_cu.append(a + lo)

@@ -4,22 +4,25 @@ cuDNN's backward gives each key block of a piece its own CTA, which loops over t
 query tiles that see the block. On a whole causal document those loops run from
 1 to ``L / 128`` tiles, and the long ones finish last: on the H200 (heads 32/8,
 head dim 128), 4 documents of 16K tokens ran at 257 TFLOP/s (flash: 308), where
-pieces of 2K rows reading 16K keys ran at 410-420. Cut into chunks of at most
-:data:`ROWS` rows, each chunk reading the keys up to its last row (bottom-right
-causal holds per chunk, so the result is the same), those documents took 53.9
-instead of 85.5 ms, and balanced's slowest rank at cp=8 (two whole documents of
-7-8K tokens) 8.8 instead of 10.9 ms. Pieces of 2K rows or fewer, such as
-dual_chunk_swap's at cp=8 on 128K tokens, are left as they are, and so are pieces
-that read at least twice as many keys as they have rows: mostly rectangles, whose
-loops are even already (dual_chunk_swap's tail chunks), and for which the extra
-scratch rows cost more than the chunks gained (heads 16/16, cp=4: 11.5 ms per
-rank with them cut, 10.5 without).
+pieces of 2K rows reading 16K keys ran at 410-420. Cut into row chunks, each
+reading the keys up to its last row (bottom-right causal holds per chunk, so the
+result is the same), those documents took 56.9 ms in 4 chunks of 4K rows and 53.9
+in 8 of 2K, instead of 85.5; balanced's slowest rank at cp=8 (two whole documents
+of 7-8K tokens, 4 chunks each) 8.8 instead of 10.9 ms. Chunks have :data:`ROWS`
+rows, and a piece is cut into at most :data:`MAX_CHUNKS`.
+
+Pieces of 2K rows or fewer, such as dual_chunk_swap's at cp=8 on 128K tokens, are
+left as they are, and so are pieces that read at least twice as many keys as they
+have rows: mostly rectangles, whose loops are even already (dual_chunk_swap's tail
+chunks), and for which the extra scratch rows cost more than the chunks gained
+(heads 16/16, cp=4: 11.5 ms per rank with them cut, 10.5 without).
 
 The chunks of a piece share its keys, so each writes its own scratch rows
 (``scratch``): more rows to add back, and dK/dV rounded to bf16 once per chunk
-before the float32 sums, as for any pieces sharing keys. Against float64, 16
-chunks of an 8K document: dK 0.019 and dV 0.027, the whole document 0.021 and
-0.021, flash's 0.023 and 0.021 (max abs error, unit-variance inputs).
+before the float32 sums, as for any pieces sharing keys. Against float64, even 16
+chunks of an 8K document stayed within the kernel's own error: dK 0.019 and dV
+0.027, the whole document 0.021 and 0.021, flash's 0.023 and 0.021 (max abs
+error, unit-variance inputs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from .per_plan import per_plan
 
 #: Most query rows per chunk (2048 was the fastest of 1024, 2048 and 4096 in the measurements above).
 ROWS = 2048
+#: Most chunks per piece: the chunks of an ``n``-row triangle read ``(c + 1) / 2 x n`` scratch rows for
+#: ``c`` chunks, so this keeps a piece's scratch within 2.5x its keys (a 128K-token document in 2048-row
+#: chunks would need 32.5x). Longer pieces get longer chunks: 16K rows in 4 took 56.9 ms, in 8 53.9.
+MAX_CHUNKS = 4
 
 
 @per_plan
@@ -39,15 +46,15 @@ def row_chunks(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, n
 
     ``C = P + num_rows // ROWS`` is fixed by the shapes (no host sync); the chunks past
     the pieces' are empty, at the rows' end. A piece of ``n`` rows that reads fewer
-    than ``2 n`` keys becomes ``ceil(n / ROWS)`` chunks of as even sizes as can be;
-    other pieces stay one chunk. Built once per plan.
+    than ``2 n`` keys becomes ``min(ceil(n / ROWS), MAX_CHUNKS)`` chunks of as even sizes
+    as can be; other pieces stay one chunk. Built once per plan.
     """
     p = k_len.shape[0]
     c = p + num_rows // ROWS
     device = k_len.device
     q_start, q_len = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long()
     # mostly triangle: fewer than twice as many keys as rows (longer pieces are rectangles already)
-    count = torch.where(k_len < 2 * q_len, (q_len + ROWS - 1) // ROWS, 1).clamp(min=1)  # sum(count) <= c
+    count = torch.where(k_len < 2 * q_len, (q_len + ROWS - 1) // ROWS, 1).clamp(1, MAX_CHUNKS)  # sum(count) <= c
     # one more piece, empty and at the end, takes the chunks left over
     count = torch.cat([count, c - count.sum().view(1)])
     q_start = torch.cat([q_start, cu_q[-1:].long()])

@@ -9,12 +9,11 @@ backward on the H200 (dual_chunk_swap, cp=8, 128K tokens), for a 9.5 ms kernel.
 
 A step can use several plans in turn: the ring attends over one key block per
 step (``k_start[src]``: a new view of the same plan every call), and ``auto``
-sizes cuDNN's backward before it may fall back to flash's. So a few recent
-plans are kept (``ENTRIES``), and a tensor is known by its memory (address,
-layout, version), not by its Python object. An entry holds its plan's tensors and
-what was derived from them until newer plans push it out: at 128K tokens a few MB
-(the scratch's gather index is layers x keys int64: 2 MB for dual_chunk_swap, 36 MB
-for 128-token stripes at cp=4).
+sizes cuDNN's backward before it may fall back to flash's. So a tensor is known
+by its memory (address, layout, version), not by its Python object, and an entry
+lives as long as its argument tensors (or the tensors they are views of) do: a
+step's plans stay cached through all its layers, and go, with what was derived
+from them, when the step drops them. ``ENTRIES`` only bounds the cache.
 """
 
 from __future__ import annotations
@@ -22,11 +21,12 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import weakref
 
 import torch
 
-#: Most recent argument sets kept per function: a ring step per rank block (cp up to 16), and then some.
-ENTRIES = 16
+#: Most argument sets kept per function and thread: far more plans than one step uses.
+ENTRIES = 64
 
 
 def _key(a):
@@ -37,11 +37,13 @@ def _key(a):
 
 
 def per_plan(fn):
-    """Memoize ``fn`` for its ``ENTRIES`` most recent argument sets: tensors by memory and version, the rest by value.
+    """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
 
-    A cached call holds its argument tensors, so their memory is not reused while it
-    is cached: equal keys mean the same values. Inference tensors have no version
-    counter: calls with them are not cached.
+    An entry goes when an argument tensor (or the tensor it is a view of) is freed,
+    so its memory is not reused while the entry exists. A tensor is assumed to
+    change only through itself or its views (which bump its version), not through
+    another alias of its memory (``torch.from_numpy``, say). Inference tensors have
+    no version counter: calls with them are not cached.
     """
     local = threading.local()
 
@@ -55,7 +57,12 @@ def per_plan(fn):
             cache.move_to_end(key)
             return cache[key][1]
         result = fn(*args)
-        cache[key] = (args, result)
+
+        def forget(_, key=key):
+            cache.pop(key, None)
+
+        owners = {id(o): o for a in args if isinstance(a, torch.Tensor) for o in [a if a._base is None else a._base]}
+        cache[key] = ([weakref.ref(o, forget) for o in owners.values()], result)
         if len(cache) > ENTRIES:
             cache.popitem(last=False)
         return result

@@ -18,7 +18,8 @@ per rank on the H200 (128K tokens, 8 KV heads, cp=8):
   the gathers' 0.97; dual_chunk_swap, r = 1.06: 1.45).
 
 So the scatters serve where ``7 r < L + 1`` (``SCATTER_BELOW``): few scratch rows
-over many keys, or many layers (row chunks, ``chunks``).
+over many keys, as a rank's pieces over all the gathered keys, the more so in
+many layers (row chunks, ``chunks``).
 
 The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
 a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and

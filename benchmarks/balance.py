@@ -122,6 +122,7 @@ def measure(lengths: list[int], cp: int) -> dict:
     """One pack at one cp: per strategy work max/mean and padding; balanced's kernel view; auto's pick."""
     cu = cu_of(lengths)
     row = {}
+    one_device = int(predict_rank_costs(cu, cp_size=1, strategy="no_load_balance").tiles[0])
     for name, spec in STRATEGIES.items():
         costs = predict_rank_costs(cu, cp_size=cp, strategy=spec)
         pairs, tiles = costs.pairs.double(), costs.tiles.double()
@@ -129,6 +130,8 @@ def measure(lengths: list[int], cp: int) -> dict:
             "work": float(pairs.max() / pairs.mean()),
             "padding": int(costs.tokens.sum()) - sum(lengths),
             "tiles": float(tiles.max() / tiles.mean()),
+            # the forward CP efficiency a 128x128-tile kernel can reach on this layout
+            "tile_bound": one_device / (cp * float(tiles.max())),
             "short_cuts": float(costs.short_cuts.double().mean()),
             "step": costs.step,
         }
@@ -144,9 +147,9 @@ def sweep(doclens: Path, packs_per_config: int) -> list[dict]:
         for mix, packs in make_packs(doclens, total, packs_per_config).items():
             for cp in CP_SIZES:
                 rows = [measure(p, cp) for p in packs]
-                # the worst pack for every measure; for the step ratio, the pack least favourable to balanced
+                # the worst pack for every measure (for the step ratio, the pack least favourable to balanced)
                 worst = {
-                    name: {k: (min if k == "step" else max)(r[name][k] for r in rows) for k in rows[0][name]}
+                    name: {k: (min if k in LOWER_IS_WORSE else max)(r[name][k] for r in rows) for k in rows[0][name]}
                     for name in STRATEGIES
                 }
                 picks = sorted({_label(r["auto"]) for r in rows})
@@ -208,8 +211,11 @@ BALANCE_HEADER = (
 )
 KERNEL_HEADER = (
     "| mix | tokens | cp | short cuts/rank DCS | short cuts/rank BAL | tiles max/mean BAL "
-    "| step DCS / BAL | step NLB / BAL | step S128 / BAL | auto picks |\n" + "|---" * 10 + "|"
+    "| tile bound DCS | tile bound BAL | step DCS / BAL | step NLB / BAL | step S128 / BAL | auto picks |\n"
+    + "|---" * 12
+    + "|"
 )
+LOWER_IS_WORSE = ("step", "tile_bound")
 
 
 def _config(r: dict) -> str:
@@ -227,9 +233,10 @@ def _balance_row(r: dict) -> str:
 def _kernel_row(r: dict) -> str:
     w = r["worst"]
     steps = " | ".join(f"{w[n]['step']:.3f}" for n in ("dual_chunk_swap", "no_load_balance", "striped_128"))
+    bounds = " | ".join(f"{w[n]['tile_bound']:.3f}" for n in ("dual_chunk_swap", "balanced"))
     return (
         f"{_config(r)} {w['dual_chunk_swap']['short_cuts']:.1f} | {w['balanced']['short_cuts']:.2f} | "
-        f"{w['balanced']['tiles']:.3f} | {steps} | {'/'.join(SHORT[p] for p in r['auto'].split('/'))} |"
+        f"{w['balanced']['tiles']:.3f} | {bounds} | {steps} | {'/'.join(SHORT[p] for p in r['auto'].split('/'))} |"
     )
 
 
@@ -292,7 +299,10 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
         "",
         "Kernel view, from the cost model (`cpcompile.cost`, 128x128 tiles, defaults): short cuts = pieces",
         "shorter than 128 tokens that cut a document, per rank (worst pack); tiles max/mean = how evenly a flash",
-        "kernel's tiles are spread over the ranks (worst pack); step X / BAL = predicted step (slowest rank) of X",
+        "kernel's tiles are spread over the ranks (worst pack); tile bound = one device's tiles / (cp x the",
+        "slowest rank's tiles), the forward CP efficiency a 128x128-tile kernel can reach on the layout (worst",
+        "pack; the tile model follows measured forwards at r = 0.98-0.99, BENCHMARKS.md, Attention on one GPU);",
+        "step X / BAL = predicted step (slowest rank) of X",
         "over balanced's, on the pack least favourable to balanced (< 1: X predicted faster); auto picks = what",
         "`auto` chose over the packs.",
         "",

@@ -42,7 +42,7 @@ MAX_CHUNKS = 4
 @per_plan
 def row_chunks(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_rows: int):
     """Causal pieces ``cu_q [P + 1]``, ``k_start``/``k_len [P]`` over ``num_rows`` query rows,
-    as chunks of at most :data:`ROWS` rows: ``(cu_q [C + 1], k_start [C], k_len [C])``.
+    as row chunks: ``(cu_q [C + 1], k_start [C], k_len [C])``.
 
     ``C = P + num_rows // ROWS`` is fixed by the shapes (no host sync); the chunks past
     the pieces' are empty, at the rows' end. A piece of ``n`` rows that reads fewer

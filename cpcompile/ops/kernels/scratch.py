@@ -87,7 +87,7 @@ def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
 def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
     """:class:`Scratch` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
 
-    One host sync, per plan: the result is kept for the most recent pieces.
+    One host sync, per plan (``per_plan`` keeps the result while the pieces live).
     Key ranges must be disjoint or start at the same key, as every plan's are.
     """
     device = k_start.device

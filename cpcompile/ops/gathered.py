@@ -8,9 +8,10 @@ dK/dV reduce-scatter as soon as that group's gradients exist. ``chunks = 1`` is 
 plain path: one collective and one kernel call each way.
 
 The number of chunks comes from ``CPCOMPILE_KV_CHUNKS`` (default 1), reduced to a
-divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step), 2 and 4
-chunks were 2-7 % slower than 1: the smaller kernel calls lose more than the hidden
-gather (8 % of the step at cp=2) gains, so pipelining is opt-in.
+divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step, cp=2), 2
+chunks were 6 % slower than 1 at heads 32/8 in forward and forward+backward (the
+smaller kernel calls lose more than the hidden gather gains), and 5 % faster only at
+16/16 forward+backward, so pipelining is opt-in.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, **kw)
         )
         dqs.append(dq)
         # this group's partial dK/dV of every physical key, back in gather order, summed
-        # in fp32 over ranks while the next group computes
-        dkv = torch.cat([dk_all, dv_all], dim=1).float()  # [T, 2 Hkv / chunks, D]
-        dkv = torch.empty_like(dkv).index_copy_(0, gather_index, dkv)
+        # in fp32 over ranks while the next group computes; each half written in place,
+        # not concatenated first (a pass over [T, 2 Hkv, D] float32 less per layer)
+        h = dk_all.shape[1]
+        dkv = dk_all.new_empty((dk_all.shape[0], 2 * h, dk_all.shape[2]), dtype=torch.float32)
+        dkv[:, :h].index_copy_(0, gather_index, dk_all.float())
+        dkv[:, h:].index_copy_(0, gather_index, dv_all.float())
         scatters.append(cpdist.reduce_scatter_rows(dkv, group, async_op=True))
     dk, dv = [], []
     for buffer, work in scatters:

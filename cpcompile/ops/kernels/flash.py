@@ -15,8 +15,24 @@ from __future__ import annotations
 
 import torch
 
-from .reference import live_rows
+from .per_plan import per_plan
 from .scratch import add_back, scratch_rows
+
+
+@per_plan
+def live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[Tq]`` bool: rows whose piece sees at least one key (the others output 0).
+
+    Built once per plan: every layer's call reuses it."""
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
+
+
+@per_plan
+def _consecutive_cu_k(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
+    """``[P + 1]`` cumulative key offsets of pieces whose key ranges are consecutive
+    (``disjoint_keys``); built once per plan, shared by forward and backward."""
+    return torch.cat([k_start, k_start[-1:] + k_len[-1:]])
 
 
 def _bounds(q, k, max_seqlen_q, max_seqlen_k):
@@ -43,7 +59,7 @@ def forward(
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges, every row sees a key: torch's own varlen call
-        cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+        cu_k = _consecutive_cu_k(k_start, k_len)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
         )
@@ -83,7 +99,7 @@ def backward(
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
-        cu_k = torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+        cu_k = _consecutive_cu_k(k_start, k_len)
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
         return dq, dk.float(), dv.float()
     scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])

@@ -18,22 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .per_plan import per_plan
-
 _ROW_BLOCK = 256
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@per_plan
-def live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[Tq]`` bool: rows whose piece sees at least one key (the others output 0).
-
-    Built once per plan: every layer's call reuses it."""
-    q_len = (cu_q[1:] - cu_q[:-1]).long()
-    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
 
 
 def _row_bounds(cu_q, k_start, k_len, causal: bool, num_rows: int):

@@ -61,7 +61,8 @@ def per_plan(fn):
         def forget(_, key=key):
             cache.pop(key, None)
 
-        owners = {id(o): o for a in args if isinstance(a, torch.Tensor) for o in [a if a._base is None else a._base]}
+        tensors = (a for a in args if isinstance(a, torch.Tensor))
+        owners = {id(t): t for t in (a if a._base is None else a._base for a in tensors)}  # a view's base
         cache[key] = ([weakref.ref(o, forget) for o in owners.values()], result)
         if len(cache) > ENTRIES:
             cache.popitem(last=False)

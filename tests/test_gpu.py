@@ -123,18 +123,21 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
 
 @_needs_cudnn
 def test_cudnn_backward_in_row_chunks_within_twice_the_kernel_error(monkeypatch):
-    """cuDNN's backward runs long causal pieces as row chunks (made small here): its
-    gradients stay within twice the whole-document kernel's error against float64."""
+    """cuDNN's backward runs long causal pieces as row chunks (made small here), also
+    for whole documents on one device: its gradients stay within twice the
+    whole-document kernel's error against float64."""
     from cpcompile.ops.kernels import chunks
 
     monkeypatch.setattr(chunks, "ROWS", 256)
-    monkeypatch.setattr(chunks, "MAX_CHUNKS", 8)
     cu, q, k, v, dout = _case([2500, 1000, 40])
     _, ref_grads = _reference(q, k, v, dout, cu, True)
     n = cu[1:] - cu[:-1]
-    args, kw = (cu, cu[:-1], n), {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 2500, "max_seqlen_k": 2500}
-    out, lse = cudnn.forward(q, k, v, *args, **kw)
-    whole = cudnn.backward(dout, q, k, v, out, lse, *args, disjoint_keys=True, **kw)  # no chunks: the keys' own rows
+    kw = {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 2500, "max_seqlen_k": 2500, "disjoint_keys": True}
+    out, lse = cudnn.forward(q, k, v, cu, cu[:-1], n, **kw)
+    monkeypatch.setattr(chunks, "MAX_CHUNKS", 1)  # whole documents
+    whole = cudnn.backward(dout, q, k, v, out, lse, cu, cu[:-1], n, **kw)
+    monkeypatch.setattr(chunks, "MAX_CHUNKS", 8)
+    args = (cu.clone(), cu[:-1].clone(), n.clone())  # another plan: its chunks are made anew
     _poison_allocator()
     chunked = cudnn.backward(dout, q, k, v, out, lse, *args, **kw)
     _, scratch = cudnn.backward_pieces(*args, q.shape[0], k.shape[0], True)

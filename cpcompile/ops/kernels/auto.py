@@ -6,11 +6,15 @@ exact launch bounds, only the pieces that see keys as entries (``scratch``) and
 long triangular pieces cut into row chunks (``chunks``), cuDNN's backward is
 the faster one on the ranks' pieces: forward+backward per rank at cp=8, heads
 32/8, 8.4 against 13.7 ms (balanced), 9.8 against 16.3 (dual_chunk_swap), 13.4
-against 19.5 (no_load_balance). Two cases keep flash's backward: keys read once
-(``disjoint_keys``, one device: flash's own layout, no scratch), and pieces whose
-scratch would not fit: cuDNN holds float32 dK/dV for every query head of its
-scratch rows (``sum(k_len)`` over its pieces), 66 GiB for 128-token stripes of a
-128K pack at cp=2, so past ``MAX_KEY_ROWS`` scratch rows per key row it is not used.
+against 19.5 (no_load_balance); and on one device, whole documents in row chunks:
+backward of a ProLong pack of 128K tokens 59.5 against 69.7 ms (36.2 against 39.7
+for a pack of shorter documents); documents that are not causal, on one device
+(``disjoint_keys``: written in place), 82.2 against 132.7 ms. Flash's backward
+serves pieces whose scratch would not fit: cuDNN holds float32 dK/dV for every
+query head of its scratch rows (``sum(k_len)`` over its pieces, row chunks
+included), 66 GiB for 128-token stripes of a 128K pack at cp=2, so past
+``MAX_KEY_ROWS`` scratch rows per key row it is not used. A single causal document
+takes 2.5 rows per key in its 4 chunks, so it gets flash's backward too.
 The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forward.
 """
 
@@ -31,12 +35,12 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
 def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs):
     """Gradients of :func:`forward` from the backend :func:`use_cudnn_backward` picks.
 
-    With ``disjoint_keys`` every key is read once, so flash. Otherwise the size of
-    cuDNN's scratch (for its own pieces: causal ones as row chunks) decides; it is
-    made once per plan, here, and cuDNN's backward finds it made.
+    Whole documents that are not causal (``disjoint_keys``): cuDNN's, in place.
+    Otherwise the size of cuDNN's scratch (for its own pieces: causal ones as row
+    chunks) decides; it is made once per plan, here, and cuDNN's backward finds it made.
     """
-    if kwargs.get("disjoint_keys"):
-        return flash.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
+    if kwargs.get("disjoint_keys") and not kwargs["causal"]:
+        return cudnn.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
     _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], kwargs["causal"])
     kernel = cudnn if use_cudnn_backward(scratch.rows, k.shape[0]) else flash
     return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)

@@ -390,7 +390,7 @@ def backward(
     else:
         (cu_q, k_start, k_len), scratch = backward_pieces(cu_q, k_start, k_len, tq, k.shape[0], causal)
         meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)
-        rows = scratch.rows + 1  # and a spare row: the gathers' empty source
+        rows = scratch.rows + 1  # and the spare row ``add_back`` takes
         max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     dq = torch.empty_like(q) if disjoint_keys else torch.zeros_like(q)  # as the forward's ``out``

@@ -1,0 +1,54 @@
+"""One GPU kernel for ``scratch.add_back``: each key's rows over all layers, summed once.
+
+The torch ways were slower on the H200: gathering every key once per layer (the
+spare row where a layer has none) and summing the gathered ``[L, Tk, H, D]``
+copy, or ``index_add_`` layer by layer into zeroed sums, whose float32 atomics ran
+4x slower per row than ``index_copy_``. This kernel reads the ``[L, Tk]`` row
+index, loads only the rows that are there, adds them in float32 in layer order
+(deterministic) and writes each key's sum once: no zeroing, no gathered copy.
+The measurements are in ``scratch``'s docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU wheels come without Triton; CUDA ones bring it
+    triton = None
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the kernel serves ``t``: a CUDA tensor with Triton installed."""
+    return triton is not None and t.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sum_rows(partial, index, out, num_layers, num_keys, spare, width: tl.constexpr, block: tl.constexpr):
+        key = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        inside = cols < width
+        total = tl.zeros([block], dtype=tl.float32)
+        for layer in range(num_layers):
+            row = tl.load(index + layer * num_keys + key)
+            if row != spare:  # the layer has no row for this key: nothing to read
+                total += tl.load(partial + row * width + cols, mask=inside).to(tl.float32)
+        tl.store(out + key * width + cols, total, mask=inside)
+
+
+def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int) -> torch.Tensor:
+    """``partial [R, H, D]``, ``index [L, Tk]`` int64 rows of ``partial`` (``spare``: none)
+    -> ``[Tk, H, D]`` float32, ``out[k] = sum over l of partial[index[l, k]]``."""
+    num_layers, num_keys = index.shape
+    partial, index = partial.contiguous(), index.contiguous()
+    width = partial[0].numel()
+    out = torch.empty((num_keys, *partial.shape[1:]), dtype=torch.float32, device=partial.device)
+    block = min(triton.next_power_of_2(width), 1024)
+    if num_keys:
+        grid = (num_keys, triton.cdiv(width, block))
+        _sum_rows[grid](partial, index, out, num_layers, num_keys, spare, width=width, block=block)
+    return out

@@ -5,13 +5,17 @@ once (asynchronously); attention for group i, whose query heads are exactly thos
 that read its K/V heads (GQA keeps them contiguous), runs while group i+1 is still
 in flight. The backward does the same with the re-gather, and starts each group's
 dK/dV reduce-scatter as soon as that group's gradients exist. ``chunks = 1`` is the
-plain path: one collective and one kernel call each way.
+plain path: K and V gathered as they are, one kernel call each way.
 
 The number of chunks comes from ``CPCOMPILE_KV_CHUNKS`` (default 1), reduced to a
 divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step, cp=2), 2
-chunks were 6 % slower than 1 at heads 32/8 in forward and forward+backward (the
-smaller kernel calls lose more than the hidden gather gains), and 5 % faster only at
-16/16 forward+backward, so pipelining is opt-in.
+chunks were 6-11 % slower than 1 at heads 32/8 in forward and 4-5 % in
+forward+backward, and within 1 % at 16/16 forward+backward, so pipelining is opt-in.
+A timeline of a 16/16 forward shows why: the groups' gathers run one after the
+other on NCCL's stream, group 1's overlapped group 0's kernel by only about 0.5 ms,
+and the copies chunks need (K/V head slices made contiguous for NCCL, query heads
+sliced for the kernel, the outputs concatenated) cost about as much. A NCCL
+stream of high priority changed nothing.
 """
 
 from __future__ import annotations
@@ -32,22 +36,25 @@ def kv_chunks(kv_heads: int) -> int:
 
 
 def _issue_gathers(k, v, group, chunks):
-    """Start one all-gather per head group of ``cat([k, v], heads)``: ``[(buffer, work)]``."""
+    """Start the all-gathers of K and V per head group: ``[((k_buffer, work), (v_buffer, work))]``.
+
+    K and V go in separate collectives, so that nothing copies them into one buffer
+    first (with one chunk they are sent as they are: at heads 16/16 on the H200 the
+    concatenation took 0.27 ms of a 6.7 ms forward at cp=2)."""
     per = k.shape[1] // chunks
     return [
-        cpdist.all_gather_rows(
-            torch.cat([k[:, i * per : (i + 1) * per], v[:, i * per : (i + 1) * per]], 1), group, async_op=True
-        )
+        tuple(cpdist.all_gather_rows(t[:, i * per : (i + 1) * per], group, async_op=True) for t in (k, v))
         for i in range(chunks)
     ]
 
 
 def _physical(pending, gather_index):
-    """Wait for one group's gather and put it in physical order: k, v ``[T, Hkv / chunks, D]``."""
-    buffer, work = pending
-    work.wait()
-    kv = buffer.index_select(0, gather_index)  # [T, 2 Hkv / chunks, D]
-    return kv.split(kv.shape[1] // 2, dim=1)
+    """Wait for one group's gathers and put them in physical order: k, v ``[T, Hkv / chunks, D]``."""
+    out = []
+    for buffer, work in pending:
+        work.wait()
+        out.append(buffer.index_select(0, gather_index))
+    return out
 
 
 def forward(kernel, q, k, v, gather_index, pieces, group, **kw):

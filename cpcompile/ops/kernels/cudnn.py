@@ -301,7 +301,7 @@ def _check(q: torch.Tensor, k: torch.Tensor) -> None:
 
 def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as the graphs read them: with their own strides when they share them (the
-    halves of one gathered ``[T, 2 Hkv, D]`` buffer: no copy), else made contiguous."""
+    halves of one ``[T, 2 Hkv, D]`` buffer, as the ring passes them: no copy), else made contiguous."""
     aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 for t in (k, v))
     if aligned and k.stride() == v.stride():
         return k, v

@@ -120,7 +120,7 @@ def test_cp_attention_rejects_bad_arguments(single_rank_group):
 def test_kv_chunks_setting(monkeypatch):
     from cpcompile.ops.gathered import kv_chunks
 
-    assert kv_chunks(8) == 1  # default: one collective, one kernel call
+    assert kv_chunks(8) == 1  # default: one gather each of K and V, one kernel call
     for want, heads, got in ((4, 8, 4), (3, 8, 2), (16, 4, 4), (2, 1, 1)):
         monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", str(want))
         assert kv_chunks(heads) == got

@@ -145,6 +145,45 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     assert torch.equal(got.cpu(), summed)  # a few bf16 terms per key: exact in float32
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
+    from cpcompile.ops.kernels import sum_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows, num_layers, keys = 300, 5, 97
+    partial = torch.randn(rows + 1, 12, 128, generator=g).to(torch.bfloat16)  # 1536 columns: 1024 + 512
+    partial[rows] = float("nan")  # the spare row: "no row in this layer", never read
+    index = torch.randint(0, rows + 1, (num_layers, keys), generator=g)
+    want = torch.zeros(keys, 12, 128)
+    for layer in range(num_layers):
+        for key in range(keys):
+            if index[layer, key] != rows:
+                want[key] += partial[index[layer, key]].float()
+    assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows).cpu(), want)  # same order: exact
+
+
+def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):
+    from cpcompile.ops.kernels import auto, cudnn, flash
+
+    picked = []
+    monkeypatch.setattr(cudnn, "backward", lambda *args, **kw: picked.append("cudnn"))
+    monkeypatch.setattr(flash, "backward", lambda *args, **kw: picked.append("flash"))
+
+    def pick(q_len, k_start, k_len, num_keys, causal=True, disjoint_keys=True):
+        cu_q = torch.tensor([0, *torch.tensor(q_len).cumsum(0).tolist()], dtype=torch.int32)
+        q, k = torch.empty(int(cu_q[-1]), 1, 8), torch.empty(num_keys, 1, 8)
+        as_int32 = (torch.tensor(x, dtype=torch.int32) for x in (k_start, k_len))
+        auto.backward(q, q, k, k, q, None, cu_q, *as_int32, causal=causal, scale=1.0, disjoint_keys=disjoint_keys)
+        return picked.pop()
+
+    assert pick([16384], [0], [16384], 16384, causal=False) == "cudnn"  # in place, no scratch
+    assert pick([16384], [0], [16384], 16384) == "flash"  # 4 row chunks: 2.5 scratch rows per key
+    assert pick([5000], [0], [5000], 5000) == "cudnn"  # 3 row chunks: 9999 rows for 5000 keys
+    starts = [i * 1000 for i in range(16)]
+    assert pick([1000] * 16, starts, [1000] * 16, 16000) == "cudnn"  # short documents: one row per key
+    assert pick([10] * 40, [0] * 40, [1000] * 40, 1000, disjoint_keys=False) == "flash"  # stripes: 40 per key
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_layers_number_the_pieces_that_share_a_start(seed):
     from cpcompile.ops.kernels import scratch

@@ -13,8 +13,9 @@ for a pack of shorter documents); documents that are not causal, on one device
 serves pieces whose scratch would not fit: cuDNN holds float32 dK/dV for every
 query head of its scratch rows (``sum(k_len)`` over its pieces, row chunks
 included), 66 GiB for 128-token stripes of a 128K pack at cp=2, so past
-``MAX_KEY_ROWS`` scratch rows per key row it is not used. A single causal document
-takes 2.5 rows per key in its 4 chunks, so it gets flash's backward too.
+``MAX_KEY_ROWS`` scratch rows per key row it is not used. A pack that is one causal
+document of more than 6K tokens (``3 x chunks.ROWS``) takes 2.5 rows per key in
+its 4 chunks, so it gets flash's backward too.
 The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forward.
 """
 

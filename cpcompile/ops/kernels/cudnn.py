@@ -15,8 +15,9 @@ pass 4x slower (0.18 ms per rank at cp=8 on the H200).
 The backward writes dK/dV at their own ragged offsets. Where pieces are not causal
 and their key ranges are consecutive (``disjoint_keys``) those are the keys' rows.
 Causal pieces run as row chunks (``chunks``: cuDNN is slow on whole causal
-documents), even where their keys are read once: on one device, a ProLong pack of
-128K tokens (heads 32/8) took 59.5 ms in chunks against 83.0 whole (flash: 69.7).
+documents), even where their keys are read once: on one device, the backward of a
+ProLong pack of 128K tokens (heads 32/8) took 59.5 ms in chunks against 83.0 whole
+(flash: 69.7; BENCHMARKS.md).
 Each chunk, and each piece sharing keys, writes into its own rows of a scratch
 buffer (``scratch``: ``sum(k_len)`` rows, reading that size is this module's one
 host sync) whose sums go back to the keys.
@@ -354,6 +355,13 @@ def forward(
     return out, stats.view(tq, hq).t().contiguous()
 
 
+@per_plan
+def _longest(k_len: torch.Tensor) -> int:
+    """The longest piece of a plan whose pieces read their own rows (``disjoint_keys``); a host
+    sync, once per plan."""
+    return int(k_len.max())
+
+
 def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: bool):
     """The pieces the backward runs over shared keys, ``(cu_q, k_start, k_len)``, and their
     :class:`Scratch`: causal pieces as row chunks (``chunks``). Once per plan."""
@@ -387,6 +395,7 @@ def backward(
     in_place = disjoint_keys and not causal  # each key read by one whole piece: dK/dV at its row
     if in_place:
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
+        max_seqlen_q = max_seqlen_k = _longest(k_len)  # exact, as below: the padded lse is [B, Hq, S_q]
     else:
         (cu_q, k_start, k_len), scratch = backward_pieces(cu_q, k_start, k_len, tq, k.shape[0], causal)
         meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)

@@ -12,7 +12,7 @@ key's sum takes at most one row per layer, in float32, in layer order. On CUDA,
 at cp=8 on the H200 (128K ProLong tokens, 8 KV heads) 0.18-0.22 ms per tensor,
 where gathering every key once per layer and summing took 0.72-0.91 ms, and
 ``index_add_`` layer by layer 0.50-1.45 (16 KV heads: 0.38-0.45 against
-0.97-1.44 for the better torch way). Elsewhere (CPU tests) torch gathers.
+0.97-1.44 for the better torch way). Off CUDA or without Triton, torch gathers.
 
 The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
 a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and

@@ -5,7 +5,7 @@ spare row where a layer has none) and summing the gathered ``[L, Tk, H, D]``
 copy, or ``index_add_`` layer by layer into zeroed sums, whose float32 atomics ran
 4x slower per row than ``index_copy_``. This kernel reads the ``[L, Tk]`` row
 index, loads only the rows that are there, adds them in float32 in layer order
-(deterministic) and writes each key's sum once: no zeroing, no gathered copy.
+(deterministic) and writes each key's sum once: no zeroed sums, no gathered copy.
 The measurements are in ``scratch``'s docstring.
 """
 
@@ -29,12 +29,14 @@ if triton is not None:
 
     @triton.jit
     def _sum_rows(partial, index, out, num_layers, num_keys, spare, width: tl.constexpr, block: tl.constexpr):
+        # partial [R, width], index [num_layers, num_keys] int64, out [num_keys, width] float32;
+        # program (key, column block)
         key = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * block + tl.arange(0, block)
         inside = cols < width
         total = tl.zeros([block], dtype=tl.float32)
         for layer in range(num_layers):
-            row = tl.load(index + layer * num_keys + key)
+            row = tl.load(index + layer * num_keys + key)  # int32 product: L * Tk < 2^31
             if row != spare:  # the layer has no row for this key: nothing to read
                 total += tl.load(partial + row * width + cols, mask=inside).to(tl.float32)
         tl.store(out + key * width + cols, total, mask=inside)
@@ -50,5 +52,6 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int) -> torch.Te
     block = min(triton.next_power_of_2(width), 1024)
     if num_keys:
         grid = (num_keys, triton.cdiv(width, block))
-        _sum_rows[grid](partial, index, out, num_layers, num_keys, spare, width=width, block=block)
+        with torch.cuda.device(partial.device):  # launched on that device's current stream
+            _sum_rows[grid](partial, index, out, num_layers, num_keys, spare, width=width, block=block)
     return out

@@ -54,6 +54,23 @@ def test_ragged_entries_match_the_pieces(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_plan_entries_go_longest_key_range_first(seed):
+    """Without a scratch, a plan's entries are its pieces by key range, longest first; pieces
+    without rows or keys last, each group in plan order."""
+    cu_q, k_start, k_len, num_keys = _pieces(seed)
+    meta = cudnn._plan_ragged(cu_q, k_start, k_len, num_keys)
+    q_len = (cu_q[1:] - cu_q[:-1]).tolist()
+    live = sorted((-int(k_len[i]), i) for i in range(len(q_len)) if q_len[i] and k_len[i])
+    order = [i for _, i in live] + [i for i in range(len(q_len)) if not (q_len[i] and k_len[i])]
+    plain = cudnn.ragged(cu_q, k_start, k_len, num_keys)
+    fields = ("seq_q", "seq_kv", "q_rows", "k_rows")
+    for entry, piece in enumerate(order):
+        assert [int(getattr(meta, f)[entry]) for f in fields] == [int(getattr(plain, f)[piece]) for f in fields]
+    assert meta.seq_q.shape == plain.seq_q.shape  # the same grid: empty entries after the pieces
+    assert int(meta.q_rows[-1]) == int(cu_q[-1]) and int(meta.k_rows[-1]) == num_keys
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_padded_lse_places_each_row(seed):
     cu_q, k_start, k_len, _ = _pieces(seed)
     tq, hq = int(cu_q[-1]), 3

@@ -16,6 +16,16 @@ other on NCCL's stream, group 1's overlapped group 0's kernel by only about 0.5 
 and the copies chunks need (K/V head slices made contiguous for NCCL, query heads
 sliced for the kernel, the outputs concatenated) cost about as much. A NCCL
 stream of high priority was nowhere faster.
+
+Attending first, while the gather is in flight, over the pieces whose keys are
+the rank's own rows (a whole document, or a document's first piece, causal: 65-97 %
+of balanced's and no_load_balance's work at cp=2), then over the rest, with the two
+results added (each row is one call's), did not pay either, on 2 H200s at cp=2: 16/16
+forward 6.17 -> 5.90 ms (balanced), but 32/8 forward 8.84 -> 9.34, and
+forward+backward slower for every layout (balanced 42.26 -> 45.28 ms; no_load_balance
+44.65 -> 63.51, where the local call's scratch, bounded against the local keys alone,
+sent it to flash's backward). The adds over the output and the float32 dK/dV and the
+second call's tail ate what was hidden.
 """
 
 from __future__ import annotations

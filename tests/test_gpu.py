@@ -113,6 +113,12 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         out[idx] = o
         _poison_allocator()
         gq, gk, gv = kernel.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
+        # the same sums, written in another order of keys (the all-gather's, in cp_attention)
+        order = torch.randperm(n, device="cuda", generator=g)
+        _, ok, ov = kernel.backward(
+            dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, key_order=order, **bounds
+        )
+        assert torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
         dq[idx] = gq
         dk += gk
         dv += gv

@@ -160,6 +160,9 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
         summed[key] += partial[row].float()
     got = scratch.add_back(partial.to(device), s)
     assert torch.equal(got.cpu(), summed)  # a few bf16 terms per key: exact in float32
+    order = torch.randperm(num_keys, generator=torch.Generator().manual_seed(seed))
+    got = scratch.add_back(partial.to(device), s, order.to(device))  # each key's sum at its place in ``order``
+    assert torch.equal(got.cpu(), summed[order])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")

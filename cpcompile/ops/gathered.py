@@ -7,6 +7,12 @@ in flight. The backward does the same with the re-gather, and starts each group'
 dK/dV reduce-scatter as soon as that group's gradients exist. ``chunks = 1`` is the
 plain path: K and V gathered as they are, one kernel call each way.
 
+The kernel writes dK/dV sums straight in the gathered order (``key_order``: it only
+reorders the index of its add-back, once per plan), and K's and V's go to their
+reduce-scatters as they are. Reordering them from physical order into one
+``[T, 2 Hkv, D]`` float32 buffer first took 2.1-2.4 ms of a 16/16 rank's
+forward+backward at cp=2 on 2 H200s (0.7-1.1 ms at 32/8).
+
 The number of chunks comes from ``CPCOMPILE_KV_CHUNKS`` (default 1), reduced to a
 divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step, cp=2), 2
 chunks were 6-11 % slower than 1 at heads 32/8 in forward and 4-5 % in
@@ -35,6 +41,7 @@ import os
 import torch
 
 from .. import distributed as cpdist
+from .kernels.per_plan import per_plan
 
 
 def kv_chunks(kv_heads: int) -> int:
@@ -56,6 +63,14 @@ def _issue_gathers(k, v, group, chunks):
         tuple(cpdist.all_gather_rows(t[:, i * per : (i + 1) * per], group, async_op=True) for t in (k, v))
         for i in range(chunks)
     ]
+
+
+@per_plan
+def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
+    """``[T]`` the physical row of each all-gathered row (``gather_index`` inverted), once per plan:
+    the ``key_order`` in which the backward's kernel hands dK/dV to the reduce-scatter."""
+    rows = torch.arange(gather_index.shape[0], device=gather_index.device)
+    return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
 def _physical(pending, gather_index):
@@ -87,28 +102,24 @@ def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, **kw)
     """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered."""
     chunks = kv_chunks(k.shape[1])
     pending = _issue_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
+    key_order = gathered_order(gather_index)
     qh = q.shape[1] // chunks
     dqs, scatters = [], []
     for i in range(chunks):
         heads = slice(i * qh, (i + 1) * qh)
         k_all, v_all = _physical(pending[i], gather_index)
         dq, dk_all, dv_all = kernel.backward(
-            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces, **kw
+            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces, key_order=key_order, **kw
         )
         dqs.append(dq)
-        # this group's partial dK/dV of every physical key, back in gather order, summed
-        # in fp32 over ranks while the next group computes; each half written in place,
-        # not concatenated first (a pass over [T, 2 Hkv, D] float32 less per layer)
-        h = dk_all.shape[1]
-        dkv = dk_all.new_empty((dk_all.shape[0], 2 * h, dk_all.shape[2]), dtype=torch.float32)
-        dkv[:, :h].index_copy_(0, gather_index, dk_all.float())
-        dkv[:, h:].index_copy_(0, gather_index, dv_all.float())
-        scatters.append(cpdist.reduce_scatter_rows(dkv, group, async_op=True))
-    dk, dv = [], []
-    for buffer, work in scatters:
-        work.wait()
-        part_k, part_v = buffer.to(k.dtype).split(buffer.shape[1] // 2, dim=1)
-        dk.append(part_k)
-        dv.append(part_v)
-    dq = dqs[0] if chunks == 1 else torch.cat(dqs, dim=1)
-    return dq, torch.cat(dk, dim=1), torch.cat(dv, dim=1)
+        # this group's float32 partial dK/dV of every key, already in gather order, summed
+        # over ranks while the next group computes: K's and V's in separate collectives,
+        # so that nothing reorders or concatenates them first
+        scatters.append([cpdist.reduce_scatter_rows(t, group, async_op=True) for t in (dk_all, dv_all)])
+    grads = [[], []]  # dK's and dV's head groups
+    for pair in scatters:
+        for parts, (buffer, work) in zip(grads, pair):
+            work.wait()
+            parts.append(buffer.to(k.dtype))
+    dq, dk, dv = (parts[0] if chunks == 1 else torch.cat(parts, dim=1) for parts in (dqs, *grads))
+    return dq, dk, dv

@@ -401,8 +401,10 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
+    key_order=None,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32."""
+    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32,
+    rows in ``key_order`` (see ``reference.backward``)."""
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
@@ -434,5 +436,7 @@ def backward(
         q.device,
     )  # fmt: skip
     if in_place:
+        if key_order is not None:
+            dkc, dvc = dkc[key_order], dvc[key_order]
         return dq, dkc.float(), dvc.float()
-    return dq, add_back(dkc, scratch), add_back(dvc, scratch)
+    return dq, add_back(dkc, scratch, key_order), add_back(dvc, scratch, key_order)

@@ -96,16 +96,19 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
+    key_order=None,
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
         cu_k = _consecutive_cu_k(k_start, k_len)
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        if key_order is not None:
+            dk, dv = dk[key_order], dv[key_order]
         return dq, dk.float(), dv.float()
     scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
     max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
     src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
-    dk, dv = add_back(dkc, scratch), add_back(dvc, scratch)
+    dk, dv = add_back(dkc, scratch, key_order), add_back(dvc, scratch, key_order)
     live = live_rows(cu_q, k_len, q.shape[0])
     return dq.masked_fill_(~live[:, None, None], 0), dk, dv

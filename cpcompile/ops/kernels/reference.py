@@ -112,10 +112,13 @@ def backward(
     max_seqlen_q=None,
     max_seqlen_k=None,
     disjoint_keys: bool = False,
+    key_order=None,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
     in the accumulation dtype (callers sum them over ranks before rounding). ``disjoint_keys`` (key
-    ranges consecutive, in piece order) lets GPU kernels skip work; this kernel needs no hint."""
+    ranges consecutive, in piece order) lets GPU kernels skip work; this kernel needs no hint.
+    ``key_order`` ``[Tk]`` int64: dK/dV row ``i`` is key ``key_order[i]``'s (default: key ``i``'s),
+    so that sums can go to a reduce-scatter in the all-gather's order as they are."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]
@@ -136,4 +139,6 @@ def backward(
         ds = p * (dp - delta[:, :, r0:r1]) * scale
         dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
+    if key_order is not None:
+        dk, dv = dk[key_order], dv[key_order]
     return dq.to(q.dtype), dk, dv

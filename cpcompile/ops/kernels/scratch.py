@@ -91,14 +91,23 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index, live, max_q, max_k)
 
 
-def add_back(partial: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+def add_back(partial: torch.Tensor, scratch: Scratch, key_order: torch.Tensor | None = None) -> torch.Tensor:
     """``partial [rows + 1, H, D]`` per-scratch-row gradients -> ``[Tk, H, D]`` float32 sums.
 
+    Row ``i`` sums key ``key_order[i]`` (``[Tk]`` int64, default: key ``i``), written
+    there directly: the index is reordered once per plan, not the sums.
     Left in float32: callers add the sums over ranks before the one rounding.
     Deterministic: each key's rows are added in layer order. The torch way zeroes
     the spare row ``partial[rows]`` and reads it where a layer has no row.
     """
+    index = scratch.index if key_order is None else _columns(scratch.index, key_order)
     if sum_rows.available(partial):
-        return sum_rows.sum_rows(partial, scratch.index, scratch.rows)
+        return sum_rows.sum_rows(partial, index, scratch.rows)
     partial[scratch.rows].zero_()  # the gathers' source where a layer has no row
-    return torch.sum(partial[scratch.index], dim=0, dtype=torch.float32)
+    return torch.sum(partial[index], dim=0, dtype=torch.float32)
+
+
+@per_plan
+def _columns(index: torch.Tensor, key_order: torch.Tensor) -> torch.Tensor:
+    """``index [L, Tk]`` with its columns in ``key_order``; once per plan."""
+    return index[:, key_order]

@@ -27,7 +27,7 @@ from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
 from report import REPO, command, machine, write_section  # noqa: E402
 
 import cpcompile  # noqa: E402
-from cpcompile.ops import kernels  # noqa: E402
+from cpcompile.ops import gathered, kernels  # noqa: E402
 from cpcompile.ops.kernels import cudnn  # noqa: E402
 from cpcompile.plan import max_piece_len  # noqa: E402
 
@@ -69,14 +69,19 @@ def causal_flops(lengths: list[int], hq: int, d: int) -> float:
 
 
 def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None):
+    """A rank's kernel calls as ``cp_attention`` makes them, K/V already gathered: the backward
+    writes dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     args = (plan.cu_q, plan.k_start, plan.k_len(causal))
     scale = q.shape[-1] ** -0.5
+    sums = {"key_order": gathered.gathered_order(plan.gather_index)}
 
     def run():
         bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
         out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
-            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **bounds)
+            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, k, 1)
+            sums["dkv_out"] = (dk_sums[0], dv_sums[0])
+            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums, **bounds)
 
     return run
 

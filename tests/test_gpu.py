@@ -113,12 +113,19 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         out[idx] = o
         _poison_allocator()
         gq, gk, gv = kernel.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
-        # the same sums, written in another order of keys (the all-gather's, in cp_attention)
+        # the same sums, written in another order of keys (the all-gather's, in cp_attention),
+        # also into given buffers (0 where no piece reads a key, as cp_attention keeps them)
         order = torch.randperm(n, device="cuda", generator=g)
         _, ok, ov = kernel.backward(
             dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, key_order=order, **bounds
         )
         assert torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
+        into = (torch.zeros_like(gk), torch.zeros_like(gv))
+        sums = {"key_order": order, "dkv_out": into}
+        _, ok, ov = kernel.backward(
+            dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **sums, **bounds
+        )
+        assert ok is into[0] and torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
         dq[idx] = gq
         dk += gk
         dv += gv
@@ -191,6 +198,14 @@ def test_cp_attention_on_one_nccl_rank():
         want = cpcompile.packed_attention(q, k, v, cu)
         got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
         assert torch.equal(got, want)
+        # the backward through the all-gather path's kept dK/dV buffers, for two plans in turn
+        for lengths in ([3, 300, 77], [150, 2, 200, 28]):
+            cu, q, k, v, dout = _case(lengths, seed=len(lengths))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = torch.autograd.grad(cpcompile.packed_attention(*leaves, cu), leaves, dout)
+            got = torch.autograd.grad(cpcompile.cp_attention(*leaves, cu, strategy="no_load_balance"), leaves, dout)
+            for g, w in zip(got, want):
+                assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max()
     finally:
         dist.destroy_process_group()
 

@@ -163,6 +163,20 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     order = torch.randperm(num_keys, generator=torch.Generator().manual_seed(seed))
     got = scratch.add_back(partial.to(device), s, order.to(device))  # each key's sum at its place in ``order``
     assert torch.equal(got.cpu(), summed[order])
+    read = torch.zeros(num_keys, dtype=torch.bool)
+    read[want] = True
+    assert torch.equal(s.read.cpu(), read) and s.num_read == int(read.sum())
+    # into a buffer: only the rows of keys that pieces read are written, the others kept
+    out = torch.full((num_keys, 2, 3), 7.0, device=device)
+    got = scratch.add_back(partial.to(device), s, order.to(device), out)
+    assert got is out and torch.equal(got.cpu()[read[order]], summed[order][read[order]])
+    assert (got.cpu()[~read[order]] == 7).all()
+    # a whole dK (kernels without scratch) the same way
+    dense = torch.randn(num_keys, 2, 3, dtype=torch.float64).to(torch.bfloat16).to(device)
+    assert torch.equal(scratch.place(dense, k_start, k_len).cpu(), dense.float().cpu())
+    out = torch.full((num_keys, 2, 3), 7.0, device=device)
+    got = scratch.place(dense, k_start, k_len, order.to(device), out).cpu()
+    assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
@@ -180,6 +194,12 @@ def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
             if index[layer, key] != rows:
                 want[key] += partial[index[layer, key]].float()
     assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows).cpu(), want)  # same order: exact
+    some = torch.tensor([0, 5, 96, 40])  # only these keys, into a given tensor
+    out = torch.full((keys, 12, 128), 7.0, device="cuda")
+    assert sum_rows.sum_rows(partial.cuda(), index.cuda(), rows, out, some.cuda()) is out
+    rest = torch.ones(keys, dtype=torch.bool)
+    rest[some] = False
+    assert torch.equal(out.cpu()[some], want[some]) and (out.cpu()[rest] == 7).all()
 
 
 def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):

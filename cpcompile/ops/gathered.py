@@ -37,6 +37,8 @@ second call's tail ate what was hidden.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 
 import torch
 
@@ -73,6 +75,34 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
+_held = threading.local()  # per thread: {(device, Hkv, D): [storage, plan, chunks]}
+
+
+def grad_buffers(gather_index: torch.Tensor, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduce-scatter inputs of dK and dV, float32 ``[chunks, T, Hkv / chunks, D]`` each
+    (``T`` from ``gather_index``, ``Hkv, D`` from the local ``k``), 0 at every key row the
+    plan's pieces do not read.
+
+    Kept from call to call, one pair per device and head shape, grown to the largest
+    ``T`` yet (memory: ``2 x T x Hkv x D`` floats, as one layer's dK/dV sums take anyway),
+    and zeroed when the plan or ``chunks`` changes: the kernels then write only the rows
+    of the keys that pieces read (``scratch.add_back``). Every layer of a step uses one
+    plan, so the other rows are zeroed once per step instead of written in every layer.
+    """
+    t, (hkv, d) = gather_index.shape[0], k.shape[1:]
+    n = t * hkv * d
+    pairs = _held.__dict__.setdefault("pairs", {})
+    held = pairs.get((k.device, hkv, d))
+    if held is None or held[0].shape[1] < n:
+        held = pairs[k.device, hkv, d] = [torch.empty(2, n, dtype=torch.float32, device=k.device), None, None]
+    storage, plan, layout = held
+    if plan is None or plan[0]() is not gather_index or plan[1] != gather_index._version or layout != chunks:
+        storage[:, :n].zero_()  # the previous plan's sums
+        held[1:] = [(weakref.ref(gather_index), gather_index._version), chunks]
+    pair = storage[:, :n].view(2, chunks, t, hkv // chunks, d)
+    return pair[0], pair[1]
+
+
 def _physical(pending, gather_index):
     """Wait for one group's gathers and put them in physical order: k, v ``[T, Hkv / chunks, D]``."""
     out = []
@@ -103,18 +133,23 @@ def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, **kw)
     chunks = kv_chunks(k.shape[1])
     pending = _issue_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
     key_order = gathered_order(gather_index)
+    dk_sums, dv_sums = grad_buffers(gather_index, k, chunks)
     qh = q.shape[1] // chunks
     dqs, scatters = [], []
     for i in range(chunks):
         heads = slice(i * qh, (i + 1) * qh)
         k_all, v_all = _physical(pending[i], gather_index)
         dq, dk_all, dv_all = kernel.backward(
-            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces, key_order=key_order, **kw
+            *(dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces),
+            key_order=key_order,
+            dkv_out=(dk_sums[i], dv_sums[i]),
+            **kw,
         )
         dqs.append(dq)
         # this group's float32 partial dK/dV of every key, already in gather order, summed
         # over ranks while the next group computes: K's and V's in separate collectives,
-        # so that nothing reorders or concatenates them first
+        # so that nothing reorders or concatenates them first. The next writer of these
+        # buffers (the next layer) is queued after the wait for these collectives below.
         scatters.append([cpdist.reduce_scatter_rows(t, group, async_op=True) for t in (dk_all, dv_all)])
     grads = [[], []]  # dK's and dV's head groups
     for pair in scatters:

@@ -54,7 +54,7 @@ import torch
 
 from .chunks import row_chunks
 from .per_plan import per_plan
-from .scratch import add_back, scratch_rows
+from .scratch import add_back, place, scratch_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads
@@ -402,9 +402,10 @@ def backward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
     key_order=None,
+    dkv_out=None,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32,
-    rows in ``key_order`` (see ``reference.backward``)."""
+    rows in ``key_order``, into ``dkv_out`` if given (see ``reference.backward``)."""
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
@@ -435,8 +436,7 @@ def backward(
         },
         q.device,
     )  # fmt: skip
+    dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
     if in_place:
-        if key_order is not None:
-            dkc, dvc = dkc[key_order], dvc[key_order]
-        return dq, dkc.float(), dvc.float()
-    return dq, add_back(dkc, scratch, key_order), add_back(dvc, scratch, key_order)
+        return dq, place(dkc, k_start, k_len, key_order, dk_out), place(dvc, k_start, k_len, key_order, dv_out)
+    return dq, add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)

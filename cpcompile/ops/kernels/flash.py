@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .per_plan import per_plan
-from .scratch import add_back, scratch_rows
+from .scratch import add_back, place, scratch_rows
 
 
 @per_plan
@@ -97,18 +97,18 @@ def backward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
     key_order=None,
+    dkv_out=None,
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
+    dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
         cu_k = _consecutive_cu_k(k_start, k_len)
         dq, dk, dv = _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
-        if key_order is not None:
-            dk, dv = dk[key_order], dv[key_order]
-        return dq, dk.float(), dv.float()
+        return dq, place(dk, k_start, k_len, key_order, dk_out), place(dv, k_start, k_len, key_order, dv_out)
     scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
     max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
     src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
-    dk, dv = add_back(dkc, scratch, key_order), add_back(dvc, scratch, key_order)
+    dk, dv = add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)
     live = live_rows(cu_q, k_len, q.shape[0])
     return dq.masked_fill_(~live[:, None, None], 0), dk, dv

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .scratch import place
+
 _ROW_BLOCK = 256
 
 
@@ -113,12 +115,15 @@ def backward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
     key_order=None,
+    dkv_out=None,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
     in the accumulation dtype (callers sum them over ranks before rounding). ``disjoint_keys`` (key
     ranges consecutive, in piece order) lets GPU kernels skip work; this kernel needs no hint.
     ``key_order`` ``[Tk]`` int64: dK/dV row ``i`` is key ``key_order[i]``'s (default: key ``i``'s),
-    so that sums can go to a reduce-scatter in the all-gather's order as they are."""
+    so that sums can go to a reduce-scatter in the all-gather's order as they are.
+    ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
+    sums are written into the others and the buffers returned (``scratch.add_back``)."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]
@@ -139,6 +144,5 @@ def backward(
         ds = p * (dp - delta[:, :, r0:r1]) * scale
         dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
-    if key_order is not None:
-        dk, dv = dk[key_order], dv[key_order]
-    return dq.to(q.dtype), dk, dv
+    dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
+    return dq.to(q.dtype), place(dk, k_start, k_len, key_order, dk_out), place(dv, k_start, k_len, key_order, dv_out)

@@ -28,10 +28,24 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _sum_rows(partial, index, out, num_layers, num_keys, spare, width: tl.constexpr, block: tl.constexpr):
+    def _sum_rows(
+        partial,
+        index,
+        keys,
+        out,
+        num_layers,
+        num_keys,
+        spare,
+        width: tl.constexpr,
+        block: tl.constexpr,
+        some: tl.constexpr,
+    ):
         # partial [R, width], index [num_layers, num_keys] int64, out [num_keys, width] float32;
-        # program (key, column block)
-        key = tl.program_id(0).to(tl.int64)
+        # program (key, column block), the key the program's own or, with ``some``, keys[program]
+        if some:
+            key = tl.load(keys + tl.program_id(0))
+        else:
+            key = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * block + tl.arange(0, block)
         inside = cols < width
         total = tl.zeros([block], dtype=tl.float32)
@@ -42,16 +56,25 @@ if triton is not None:
         tl.store(out + key * width + cols, total, mask=inside)
 
 
-def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int) -> torch.Tensor:
+def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, keys=None) -> torch.Tensor:
     """``partial [R, H, D]``, ``index [L, Tk]`` int64 rows of ``partial`` (``spare``: none)
-    -> ``[Tk, H, D]`` float32, ``out[k] = sum over l of partial[index[l, k]]``."""
+    -> ``[Tk, H, D]`` float32, ``out[k] = sum over l of partial[index[l, k]]``.
+
+    ``out``: the ``[Tk, H, D]`` float32 tensor to write (default: a new one); ``keys``:
+    ``[n]`` int64, the only rows computed and written (``out``'s others are kept).
+    """
     num_layers, num_keys = index.shape
     partial, index = partial.contiguous(), index.contiguous()
     width = partial[0].numel()
-    out = torch.empty((num_keys, *partial.shape[1:]), dtype=torch.float32, device=partial.device)
+    if out is None:
+        out = torch.empty((num_keys, *partial.shape[1:]), dtype=torch.float32, device=partial.device)
     block = min(triton.next_power_of_2(width), 1024)
-    if num_keys:
-        grid = (num_keys, triton.cdiv(width, block))
+    programs = num_keys if keys is None else keys.shape[0]
+    if programs:
+        grid = (programs, triton.cdiv(width, block))
         with torch.cuda.device(partial.device):  # launched on that device's current stream
-            _sum_rows[grid](partial, index, out, num_layers, num_keys, spare, width=width, block=block)
+            _sum_rows[grid](
+                partial, index, index if keys is None else keys, out, num_layers, num_keys, spare,
+                width=width, block=block, some=keys is not None,
+            )  # fmt: skip
     return out

@@ -146,8 +146,9 @@ def test_grad_buffers_are_zeroed_once_per_plan():
         dk, dv = grad_buffers(changed, k, 1)
         assert dk.shape == (1, changed.shape[0], 2, 3) and not dk.any() and not dv.any()
         dk.fill_(1)
-    dk, _ = grad_buffers(changed, k, 2)  # two head groups
+    dk, _ = grad_buffers(changed[:], k, 2)  # two head groups; a view of the plan is the plan
     assert dk.shape == (2, 12, 1, 3) and not dk.any()
     dk.fill_(1)
+    assert (grad_buffers(changed[:], k, 2)[0] == 1).all()
     changed.add_(0)  # changed in place: a new plan too
     assert not grad_buffers(changed, k, 2)[0].any()

@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 
 import torch
 
 from .. import distributed as cpdist
-from .kernels.per_plan import per_plan
+from .kernels.per_plan import per_plan, same_plan, token
 
 
 def kv_chunks(kv_heads: int) -> int:
@@ -98,9 +97,9 @@ def grad_buffers(gather_index: torch.Tensor, k: torch.Tensor, chunks: int) -> tu
     if held is None or held[0].shape[1] < n:
         held = pairs[k.device, hkv, d] = [torch.empty(2, n, dtype=torch.float32, device=k.device), None, None]
     storage, plan, layout = held
-    if plan is None or plan[0]() is not gather_index or plan[1] != gather_index._version or layout != chunks:
+    if plan is None or not same_plan(plan, gather_index) or layout != chunks:
         storage[:, :n].zero_()  # the previous plan's sums
-        held[1:] = [(weakref.ref(gather_index), gather_index._version), chunks]
+        held[1:] = [token(gather_index), chunks]
     pair = storage[:, :n].view(2, chunks, t, hkv // chunks, d)
     return pair[0], pair[1]
 

@@ -36,6 +36,19 @@ def _key(a):
     return (a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
 
 
+def token(t: torch.Tensor):
+    """What :func:`per_plan` knows ``t`` by: its memory key, and a weak reference to the tensor
+    that owns the memory (``t`` or the tensor it is a view of), for :func:`same_plan`."""
+    return _key(t), weakref.ref(t if t._base is None else t._base)
+
+
+def same_plan(known, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the plan tensor of ``known`` (a :func:`token`): the same memory, still
+    owned by the same live tensor, unchanged since. Views of it count as it."""
+    key, owner = known
+    return owner() is not None and key == _key(t)
+
+
 def per_plan(fn):
     """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
 

@@ -79,7 +79,7 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
         bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
         out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
-            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, k, 1)
+            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, args, k, 1)
             sums["dkv_out"] = (dk_sums[0], dv_sums[0])
             kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums, **bounds)
 

@@ -9,7 +9,7 @@ balances them (:func:`predict_rank_costs`, :func:`choose_strategy`), the data-lo
 from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
 from .cost import CostModel, choose_strategy, predict_rank_costs
-from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention
+from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention, release_grad_buffers
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .plan import AttentionPlan, make_plan
 from .strategy import Strategy, StrategySpec, current_spec, current_strategy, strategy
@@ -33,6 +33,7 @@ __all__ = [
     "pad_for_cp",
     "partition_indices",
     "predict_rank_costs",
+    "release_grad_buffers",
     "shard_batch",
     "strategy",
     "unshard",

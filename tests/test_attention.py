@@ -130,25 +130,31 @@ def test_kv_chunks_setting(monkeypatch):
 
 
 def test_grad_buffers_are_zeroed_once_per_plan():
-    """The backward's dK/dV buffers: zero for a new plan (or head grouping); for the same
-    plan, what the last layer's kernel wrote stays (each layer rewrites the same rows)."""
+    """The backward's dK/dV buffers: zero for new pieces (plan or mask) or head grouping; for
+    the same ones, what the last layer's kernel wrote stays (each layer rewrites the same rows)."""
     from cpcompile.ops.gathered import grad_buffers
 
     k = torch.empty(4, 2, 3)
     plan = torch.arange(8)
-    dk, dv = grad_buffers(plan, k, 1)
+    cu_q, k_start, causal, full = torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([4]), torch.tensor([8])
+    dk, dv = grad_buffers(plan, (cu_q, k_start, causal), k, 1)
     assert dk.shape == dv.shape == (1, 8, 2, 3) and not dk.any() and not dv.any()
     dk.fill_(1)
     dv.fill_(2)
-    again = grad_buffers(plan, k, 1)
+    again = grad_buffers(plan, (cu_q, k_start, causal), k, 1)
     assert (again[0] == 1).all() and (again[1] == 2).all()
+    assert not grad_buffers(plan, (cu_q, k_start, full), k, 1)[0].any()  # the same plan, another mask
     for changed in (torch.arange(8), torch.arange(12)):  # a new plan: zeroed, grown to its T
-        dk, dv = grad_buffers(changed, k, 1)
+        dk, dv = grad_buffers(changed, (cu_q, k_start, full), k, 1)
         assert dk.shape == (1, changed.shape[0], 2, 3) and not dk.any() and not dv.any()
         dk.fill_(1)
-    dk, _ = grad_buffers(changed[:], k, 2)  # two head groups; a view of the plan is the plan
+    dk, _ = grad_buffers(changed[:], (cu_q, k_start, full), k, 2)  # two head groups; a view of the plan is the plan
     assert dk.shape == (2, 12, 1, 3) and not dk.any()
     dk.fill_(1)
-    assert (grad_buffers(changed[:], k, 2)[0] == 1).all()
+    assert (grad_buffers(changed[:], (cu_q, k_start, full), k, 2)[0] == 1).all()
     changed.add_(0)  # changed in place: a new plan too
-    assert not grad_buffers(changed, k, 2)[0].any()
+    dk, _ = grad_buffers(changed, (cu_q, k_start, full), k, 2)
+    assert not dk.any()
+    dk.fill_(1)
+    cpcompile.release_grad_buffers()
+    assert not grad_buffers(changed, (cu_q, k_start, full), k, 2)[0].any()

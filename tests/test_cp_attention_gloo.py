@@ -109,6 +109,31 @@ def test_kv_gather_pipelined_over_head_groups(monkeypatch):
     run_ranks(_check_rank, 2)
 
 
+def _masks_share_a_plan(rank: int, world: int) -> None:
+    """A causal and a full layer on one plan, in both orders: their backwards write different
+    rows of the same kept dK/dV buffers (float64 reference on one device)."""
+    cu = torch.tensor([0, 3, 24, 32], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(32, 2, 8, generator=g) for _ in range(4))
+    spec = cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE)  # no padding: physical = global rows
+    sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec)
+    plan = cpcompile.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
+    for causal_first in (True, False):
+        local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
+        x = cpcompile.cp_attention(*local, cu, strategy=spec, causal=causal_first, plan=plan)
+        out = cpcompile.cp_attention(x, *local[1:], cu, strategy=spec, causal=not causal_first, plan=plan)
+        grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
+        full = [t.double().requires_grad_() for t in (q, k, v)]
+        y = attention_fp64(*full, cu, causal=causal_first)
+        ref_grads = torch.autograd.grad(attention_fp64(y, *full[1:], cu, causal=not causal_first), full, dout.double())
+        for name, got, want in zip("qkv", grads, ref_grads):
+            assert relative_error(got, want[sharded.indices]) < TOLERANCE, f"d{name} causal first: {causal_first}"
+
+
+def test_causal_and_full_layers_share_a_plan():
+    run_ranks(_masks_share_a_plan, 2)
+
+
 def _ranks_disagree(rank: int, world: int) -> None:
     q = torch.randn(8, 2, 4)
     # Same token count, different documents: each rank alone is consistent.

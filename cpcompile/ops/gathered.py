@@ -76,32 +76,52 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
-_held = threading.local()  # per thread: {(device, Hkv, D): [storage, plan, chunks]}
+# (thread, device, Hkv, D) -> [storage, tokens of the plan it is zeroed for, chunks, stream]
+_held: dict = {}
+_held_lock = threading.Lock()
 
 
-def grad_buffers(gather_index: torch.Tensor, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reduce-scatter inputs of dK and dV, float32 ``[chunks, T, Hkv / chunks, D]`` each
     (``T`` from ``gather_index``, ``Hkv, D`` from the local ``k``), 0 at every key row the
-    plan's pieces do not read.
+    pieces ``(cu_q, k_start, k_len)`` do not read.
 
-    Kept from call to call, one pair per device and head shape, grown to the largest
-    ``T`` yet (memory: ``2 x T x Hkv x D`` floats, as one layer's dK/dV sums take anyway),
-    and zeroed when the plan or ``chunks`` changes: the kernels then write only the rows
-    of the keys that pieces read (``scratch.add_back``). Every layer of a step uses one
-    plan, so the other rows are zeroed once per step instead of written in every layer.
+    Kept from call to call, one pair per thread, device and head shape, grown to the
+    largest ``T`` yet (memory: ``2 x T x Hkv x D`` floats, as one layer's dK/dV sums take
+    anyway; :func:`release_grad_buffers` frees them), and zeroed when the pieces (plan
+    and mask: causal and full layers read different keys of one plan) or ``chunks``
+    change: the kernels write only the rows of the keys that pieces read
+    (``scratch.add_back``). The layers of a step share their pieces, so the other rows
+    are zeroed once per step, not written in every layer; backwards that alternate
+    between pieces (causal and full layers, interleaved micro-batches) zero them at
+    every switch. A call on another stream than the last waits for that stream, where
+    the last reduce-scatters were waited for: they read these buffers.
     """
     t, (hkv, d) = gather_index.shape[0], k.shape[1:]
     n = t * hkv * d
-    pairs = _held.__dict__.setdefault("pairs", {})
-    held = pairs.get((k.device, hkv, d))
-    if held is None or held[0].shape[1] < n:
-        held = pairs[k.device, hkv, d] = [torch.empty(2, n, dtype=torch.float32, device=k.device), None, None]
-    storage, plan, layout = held
-    if plan is None or not same_plan(plan, gather_index) or layout != chunks:
-        storage[:, :n].zero_()  # the previous plan's sums
-        held[1:] = [token(gather_index), chunks]
+    key = (threading.get_ident(), k.device, hkv, d)
+    with _held_lock:
+        held = _held.get(key)
+        if held is None or held[0].shape[1] < n:
+            held = _held[key] = [torch.empty(2, n, dtype=torch.float32, device=k.device), None, None, None]
+    storage, tokens, layout, stream = held
+    current = torch.cuda.current_stream(k.device) if k.is_cuda else None
+    if stream is not None and stream != current:
+        current.wait_stream(stream)
+    plan = (gather_index, *pieces)
+    if tokens is None or layout != chunks or not all(map(same_plan, tokens, plan)):
+        storage[:, :n].zero_()  # the previous pieces' sums
+        held[1:3] = [[token(x) for x in plan], chunks]
+    held[3] = current
     pair = storage[:, :n].view(2, chunks, t, hkv // chunks, d)
     return pair[0], pair[1]
+
+
+def release_grad_buffers() -> None:
+    """Free the dK/dV buffers that ``cp_attention``'s backward keeps (every thread's), e.g.
+    before evaluation; the next backward makes them again."""
+    with _held_lock:
+        _held.clear()
 
 
 def _physical(pending, gather_index):
@@ -134,7 +154,7 @@ def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, **kw)
     chunks = kv_chunks(k.shape[1])
     pending = _issue_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
     key_order = gathered_order(gather_index)
-    dk_sums, dv_sums = grad_buffers(gather_index, k, chunks)
+    dk_sums, dv_sums = grad_buffers(gather_index, pieces, k, chunks)
     qh = q.shape[1] // chunks
     dqs, scatters = [], []
     for i in range(chunks):

@@ -123,7 +123,8 @@ def backward(
     ``key_order`` ``[Tk]`` int64: dK/dV row ``i`` is key ``key_order[i]``'s (default: key ``i``'s),
     so that sums can go to a reduce-scatter in the all-gather's order as they are.
     ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
-    sums are written into the others and the buffers returned (``scratch.add_back``)."""
+    sums are written into the others, in the buffers' dtype, and the buffers returned
+    (``scratch.place``; ``cp_attention``'s are float32, also for float64 inputs)."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]

@@ -66,8 +66,13 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, k
     num_layers, num_keys = index.shape
     partial, index = partial.contiguous(), index.contiguous()
     width = partial[0].numel()
+    shape = (num_keys, *partial.shape[1:])
     if out is None:
-        out = torch.empty((num_keys, *partial.shape[1:]), dtype=torch.float32, device=partial.device)
+        if keys is not None:
+            raise ValueError("sum_rows: keys needs out, the tensor whose other rows it keeps")
+        out = torch.empty(shape, dtype=torch.float32, device=partial.device)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"sum_rows: out must be a contiguous float32 {list(shape)}, got {out.dtype} {list(out.shape)}")
     block = min(triton.next_power_of_2(width), 1024)
     programs = num_keys if keys is None else keys.shape[0]
     if programs:

@@ -4,8 +4,8 @@ Both run the same piece kernel (``kernels``) over an :class:`AttentionPlan`:
 single-device attention is the plan of one rank that holds everything.
 ``cp_attention`` all-gathers K and V (as they are, one collective each), puts them in physical
 order, runs one kernel call over the rank's pieces, and in backward re-gathers
-K/V (nothing of size ``T`` is kept between passes), keeps dQ local and
-reduce-scatters dK/dV to their owners.
+K/V (autograd saves nothing of size ``T``), keeps dQ local and reduce-scatters
+dK/dV to their owners from float32 buffers that ``gathered`` keeps across layers.
 
 Each op: ``custom_op`` -> ``register_fake`` -> ``register_autograd``, whose backward
 is again a custom op. Groups travel by name.

@@ -4,7 +4,8 @@ Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its piece
 and in backward the re-gather and dK/dV reduce-scatter) on its shard of one pack;
 CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
 (``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
-timed beside it for dual_chunk_swap and balanced.
+timed beside it for dual_chunk_swap and balanced. Every rank's output, and its gradients
+for a fixed dO, are checked against one GPU's (bf16, TransformerEngine's 2.5e-2).
 
     torchrun --nproc-per-node 2 benchmarks/cp_step.py --doclens .../prolong.json [--tokens 131072]
 """
@@ -72,6 +73,7 @@ def main() -> None:
     max_len = max(lengths)
     kernel = kernels.select(torch.empty(0, device=device, dtype=torch.bfloat16)).__name__.rsplit(".", 1)[-1]
     g = torch.Generator(device=device).manual_seed(0)
+    g_dout = torch.Generator(device=device).manual_seed(1)  # apart, so that the inputs stay those of earlier runs
     rows = [
         "| heads | pass | layout | K/V | single GPU ms | slowest rank ms | efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -89,30 +91,44 @@ def main() -> None:
                     out.backward(out)
 
             single_ms = timed(single)
-            want = cpcompile.packed_attention(*full, cu.to(device), max_seqlen=max_len)
+            # one GPU's result to check each rank's rows against: the output, and for a fixed dO
+            # the gradients (those of the rank's own rows: dK/dV reduce-scattered to their owners)
+            ref = [t.detach().requires_grad_(backward) for t in full]
+            want = [cpcompile.packed_attention(*ref, cu.to(device), max_seqlen=max_len)]
+            if backward:
+                dout = torch.randn(want[0].shape, device=device, dtype=want[0].dtype, generator=g_dout)
+                want = torch.autograd.grad(want[0], ref, dout)
             for spec in STRATEGIES:
                 batch = cpcompile.shard_batch(
                     dict(zip("qkv", (t.cpu() for t in full))), cu, cp_size=cp, rank=rank, strategy=spec
                 )
                 local = [batch.tensors[n].to(device) for n in "qkv"]
                 comms = ("all_gather", "ring") if spec.strategy.value in RING_LAYOUTS else ("all_gather",)
-                if not backward:  # correctness with real communication: each rank's rows, bf16 bound of TE
-                    real = cpcompile.batch.physical_positions(cu, batch.cu_seqlens_padded)
-                    where = torch.full((int(batch.cu_seqlens_padded[-1]),), -1, dtype=torch.long)
-                    where[real] = torch.arange(args.tokens)
-                    src = where[batch.indices]
-                    rows_real = (src >= 0).to(device)
-                    for comm in comms:
-                        got = cpcompile.cp_attention(
-                            *local,
+                # correctness with real communication: each rank's real rows, bf16 bound of TE
+                real = cpcompile.batch.physical_positions(cu, batch.cu_seqlens_padded)
+                where = torch.full((int(batch.cu_seqlens_padded[-1]),), -1, dtype=torch.long)
+                where[real] = torch.arange(args.tokens)
+                src = where[batch.indices]
+                rows_real, picked = (src >= 0).to(device), src[src >= 0].to(device)
+                for comm in comms:
+                    mine = [t.detach().requires_grad_(backward) for t in local]
+                    got = [
+                        cpcompile.cp_attention(
+                            *mine,
                             cu.to(device),
                             cu_seqlens_padded=batch.cu_seqlens_padded.to(device),
                             strategy=spec,
                             max_seqlen=max_len,
                             comm=comm,
                         )
-                        diff = (got[rows_real].float() - want[src[src >= 0].to(device)].float()).abs().max()
-                        assert diff / want.abs().max() < 2.5e-2, f"{spec} {comm}: CP output differs by {diff}"
+                    ]
+                    if backward:
+                        local_dout = torch.zeros_like(got[0])
+                        local_dout[rows_real] = dout[picked]
+                        got = torch.autograd.grad(got[0], mine, local_dout)
+                    for name, mine_t, want_t in zip(("dq", "dk", "dv") if backward else ("out",), got, want):
+                        diff = (mine_t[rows_real].float() - want_t[picked].float()).abs().max()
+                        assert diff / want_t.abs().max() < 2.5e-2, f"{spec} {comm}: CP {name} differs by {diff}"
                 variants = [("all_gather", 1)]
                 if spec == STRATEGIES[0]:  # the K/V gather pipelined over head groups
                     variants.append(("all_gather", 2))

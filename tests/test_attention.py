@@ -143,7 +143,10 @@ def test_grad_buffers_are_zeroed_once_per_plan():
     dv.fill_(2)
     again = grad_buffers(plan, (cu_q, k_start, causal), k, 1)
     assert (again[0] == 1).all() and (again[1] == 2).all()
-    assert not grad_buffers(plan, (cu_q, k_start, full), k, 1)[0].any()  # the same plan, another mask
+    dk, dv = grad_buffers(plan, (cu_q, k_start, full), k, 1)  # the same plan, another mask
+    assert not dk.any() and not dv.any()
+    dk.fill_(1)
+    dv.fill_(2)
     for changed in (torch.arange(8), torch.arange(12)):  # a new plan: zeroed, grown to its T
         dk, dv = grad_buffers(changed, (cu_q, k_start, full), k, 1)
         assert dk.shape == (1, changed.shape[0], 2, 3) and not dk.any() and not dv.any()

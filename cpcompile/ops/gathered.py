@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 
@@ -76,9 +77,14 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
-# (thread, device, Hkv, D) -> [storage, tokens of the plan it is zeroed for, chunks, stream]
-_held: dict = {}
-_held_lock = threading.Lock()
+class _Held(dict):
+    """One thread's kept buffers: (device, Hkv, D) -> [storage, tokens of the pieces it is
+    zeroed for, chunks, the stream of the last call, the stream it was allocated on]."""
+
+
+_local = threading.local()  # a thread's _Held goes with the thread
+_every = weakref.WeakValueDictionary()  # id -> every live thread's, for release_grad_buffers
+_every_lock = threading.Lock()
 
 
 def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,19 +101,26 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
     are zeroed once per step, not written in every layer; backwards that alternate
     between pieces (causal and full layers, interleaved micro-batches) zero them at
     every switch. A call on another stream than the last waits for that stream, where
-    the last reduce-scatters were waited for: they read these buffers.
+    the last reduce-scatters were waited for (they read these buffers), and the
+    allocator is told of the stream, so that freeing them waits for it too.
     """
     t, (hkv, d) = gather_index.shape[0], k.shape[1:]
     n = t * hkv * d
-    key = (threading.get_ident(), k.device, hkv, d)
-    with _held_lock:
-        held = _held.get(key)
-        if held is None or held[0].shape[1] < n:
-            held = _held[key] = [torch.empty(2, n, dtype=torch.float32, device=k.device), None, None, None]
-    storage, tokens, layout, stream = held
+    mine = getattr(_local, "held", None)
+    if mine is None:
+        mine = _local.held = _Held()
+        with _every_lock:
+            _every[id(mine)] = mine
     current = torch.cuda.current_stream(k.device) if k.is_cuda else None
-    if stream is not None and stream != current:
-        current.wait_stream(stream)
+    held = mine.get((k.device, hkv, d))
+    if held is None or held[0].shape[1] < n:
+        storage = torch.empty(2, n, dtype=torch.float32, device=k.device)
+        held = mine[k.device, hkv, d] = [storage, None, None, None, current]
+    storage, tokens, layout, last, allocated = held
+    if last is not None and last != current:
+        current.wait_stream(last)
+    if current is not None and current != allocated:
+        storage.record_stream(current)
     plan = (gather_index, *pieces)
     if tokens is None or layout != chunks or not all(map(same_plan, tokens, plan)):
         storage[:, :n].zero_()  # the previous pieces' sums
@@ -120,8 +133,9 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
 def release_grad_buffers() -> None:
     """Free the dK/dV buffers that ``cp_attention``'s backward keeps (every thread's), e.g.
     before evaluation; the next backward makes them again."""
-    with _held_lock:
-        _held.clear()
+    with _every_lock:
+        for held in list(_every.values()):
+            held.clear()
 
 
 def _physical(pending, gather_index):

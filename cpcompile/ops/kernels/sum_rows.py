@@ -71,8 +71,11 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, k
         if keys is not None:
             raise ValueError("sum_rows: keys needs out, the tensor whose other rows it keeps")
         out = torch.empty(shape, dtype=torch.float32, device=partial.device)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"sum_rows: out must be a contiguous float32 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != partial.device:
+        raise ValueError(
+            f"sum_rows: out must be a contiguous float32 {list(shape)} on {partial.device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
     block = min(triton.next_power_of_2(width), 1024)
     programs = num_keys if keys is None else keys.shape[0]
     if programs:

@@ -133,6 +133,8 @@ def measure(lengths: list[int], cp: int) -> dict:
             # the forward CP efficiency a 128x128-tile kernel can reach on this layout
             "tile_bound": one_device / (cp * float(tiles.max())),
             "short_cuts": float(costs.short_cuts.double().mean()),
+            # share of the pack's keys the busiest reader reads: the dK/dV rows its backward writes
+            "keys_read": float(costs.keys_read.max()) / int(costs.tokens.sum()),
             "step": costs.step,
         }
     for name in STRATEGIES:
@@ -211,9 +213,8 @@ BALANCE_HEADER = (
 )
 KERNEL_HEADER = (
     "| mix | tokens | cp | short cuts/rank DCS | short cuts/rank BAL | tiles max/mean BAL "
-    "| tile bound DCS | tile bound BAL | step DCS / BAL | step NLB / BAL | step S128 / BAL | auto picks |\n"
-    + "|---" * 12
-    + "|"
+    "| tile bound DCS | tile bound BAL | step DCS / BAL | step NLB / BAL | step S128 / BAL "
+    "| keys read DCS | keys read NLB | keys read BAL | auto picks |\n" + "|---" * 15 + "|"
 )
 LOWER_IS_WORSE = ("step", "tile_bound")
 
@@ -234,9 +235,11 @@ def _kernel_row(r: dict) -> str:
     w = r["worst"]
     steps = " | ".join(f"{w[n]['step']:.3f}" for n in ("dual_chunk_swap", "no_load_balance", "striped_128"))
     bounds = " | ".join(f"{w[n]['tile_bound']:.3f}" for n in ("dual_chunk_swap", "balanced"))
+    reads = " | ".join(f"{w[n]['keys_read']:.2f}" for n in ("dual_chunk_swap", "no_load_balance", "balanced"))
     return (
         f"{_config(r)} {w['dual_chunk_swap']['short_cuts']:.1f} | {w['balanced']['short_cuts']:.2f} | "
-        f"{w['balanced']['tiles']:.3f} | {bounds} | {steps} | {'/'.join(SHORT[p] for p in r['auto'].split('/'))} |"
+        f"{w['balanced']['tiles']:.3f} | {bounds} | {steps} | {reads} | "
+        f"{'/'.join(SHORT[p] for p in r['auto'].split('/'))} |"
     )
 
 
@@ -303,8 +306,9 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
         "slowest rank's tiles), the forward CP efficiency a 128x128-tile kernel can reach on the layout (worst",
         "pack; the tile model follows measured forwards at r = 0.98-0.99, BENCHMARKS.md, Attention on one GPU);",
         "step X / BAL = predicted step (slowest rank) of X",
-        "over balanced's, on the pack least favourable to balanced (< 1: X predicted faster); auto picks = what",
-        "`auto` chose over the packs.",
+        "over balanced's, on the pack least favourable to balanced (< 1: X predicted faster); keys read = the",
+        "share of the pack's keys that the rank reading the most reads (worst pack): the dK/dV rows its backward",
+        "writes, and the K/V rows it needs of the all-gather; auto picks = what `auto` chose over the packs.",
         "",
         KERNEL_HEADER,
         *(_kernel_row(r) for r in results),

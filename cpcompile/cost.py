@@ -27,6 +27,9 @@ Model, in units of one query-key pair of attention (its forward and backward):
   against ~0.2 ns for a pair's forward and backward.
 - ``pairs_r`` (reported beside the cost): exact causal work, the sum over the
   rank's query tokens of the keys they see (DESIGN.md section 8).
+- ``keys_read_r`` (reported beside the cost): the distinct keys the rank's pieces
+  read, the rows of dK/dV its backward writes (``ops/gathered.py``: the others stay
+  zero) and the rows of K/V it needs from the all-gather.
 
 ``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
 and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
@@ -74,6 +77,7 @@ class RankCosts(NamedTuple):
     pairs: torch.Tensor  # exact attention work
     tiles: torch.Tensor  # kernel tiles visited
     key_rows: torch.Tensor  # keys of all pieces, summed (rows the backward copies)
+    keys_read: torch.Tensor  # distinct keys the pieces read (dK/dV rows the backward writes)
     cost: torch.Tensor  # tiles * block_q * block_k + token_cost * tokens + key_cost * key_rows
 
     @property
@@ -148,6 +152,11 @@ def predict_rank_costs(
 
     tiles_r = per_rank(torch.where(live, tiles, 0))
     key_rows = per_rank(torch.where(live, keys, 0))
+    # a rank's pieces of one document read prefixes of its keys: the longest is what it reads
+    num_docs = cu.shape[0] - 1
+    longest = torch.zeros(cp_size * num_docs, dtype=torch.long).scatter_reduce_(
+        0, rank * num_docs + doc.reshape(-1)[first], torch.where(live, keys, 0).long(), "amax"
+    )
     tokens = torch.full((cp_size,), t_local, dtype=torch.long)
     return RankCosts(
         tokens=tokens,
@@ -156,6 +165,7 @@ def predict_rank_costs(
         pairs=per_rank(torch.where(live, pairs, 0)),
         tiles=tiles_r,
         key_rows=key_rows,
+        keys_read=longest.view(cp_size, num_docs).sum(1),
         cost=tiles_r * (model.block_q * model.block_k) + model.token_cost * tokens + model.key_cost * key_rows,
     )
 

@@ -75,7 +75,8 @@ def test_balanced_work_is_even(mix, cp):
 
 
 def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Tensor, model: CostModel):
-    """Per rank (pairs, tiles, pieces, short cuts, key rows), walking tokens and kernel blocks one by one."""
+    """Per rank (pairs, tiles, pieces, short cuts, key rows, keys read), walking tokens and kernel blocks
+    one by one."""
     real_len, bounds = cu.diff().tolist(), padded.tolist()
     out = []
     for idx in layout.tolist():
@@ -89,6 +90,7 @@ def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Ten
             else:
                 pieces.append([d, pos, 1, real])
         pairs = tiles = short = key_rows = 0
+        read = set()  # (document, key)
         for d, o, n, real in pieces:
             if not real:
                 continue
@@ -98,7 +100,8 @@ def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Ten
             tiles += sum(math.ceil(keys[row] / model.block_k) for row in last_rows)
             short += n < model.block_q and n < real_len[d]
             key_rows += keys[-1]  # the piece's key range
-        out.append((pairs, tiles, len(pieces), short, key_rows))
+            read |= {(d, key) for key in range(keys[-1])}
+        out.append((pairs, tiles, len(pieces), short, key_rows, len(read)))
     return out
 
 
@@ -130,6 +133,7 @@ def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks):
     assert costs.pieces.tolist() == [w[2] for w in want]
     assert costs.short_cuts.tolist() == [w[3] for w in want]
     assert costs.key_rows.tolist() == [w[4] for w in want]
+    assert costs.keys_read.tolist() == [w[5] for w in want]
     assert costs.tokens.tolist() == [layout.shape[1]] * cp
     assert costs.cost.tolist() == [w[1] * blocks[0] * blocks[1] + 5 * layout.shape[1] + 3 * w[4] for w in want]
     assert costs.step == max(costs.cost.tolist())

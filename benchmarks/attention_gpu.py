@@ -73,14 +73,14 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
     writes dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     args = (plan.cu_q, plan.k_start, plan.k_len(causal))
     scale = q.shape[-1] ** -0.5
-    sums = {"key_order": gathered.gathered_order(plan.gather_index)}
+    key_order = gathered.gathered_order(plan.gather_index)
 
     def run():
         bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
         out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
             dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, args, k, 1)
-            sums["dkv_out"] = (dk_sums[0], dv_sums[0])
+            sums = {"key_order": key_order, "dkv_out": (dk_sums[0], dv_sums[0])}
             kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums, **bounds)
 
     return run

@@ -151,11 +151,12 @@ def predict_rank_costs(
         return torch.zeros(cp_size, dtype=torch.long).index_add_(0, rank, x.long())
 
     tiles_r = per_rank(torch.where(live, tiles, 0))
-    key_rows = per_rank(torch.where(live, keys, 0))
+    live_keys = torch.where(live, keys, 0).long()
+    key_rows = per_rank(live_keys)
     # a rank's pieces of one document read prefixes of its keys: the longest is what it reads
     num_docs = cu.shape[0] - 1
     longest = torch.zeros(cp_size * num_docs, dtype=torch.long).scatter_reduce_(
-        0, rank * num_docs + doc.reshape(-1)[first], torch.where(live, keys, 0).long(), "amax"
+        0, rank * num_docs + doc.reshape(-1)[first], live_keys, "amax"
     )
     tokens = torch.full((cp_size,), t_local, dtype=torch.long)
     return RankCosts(

@@ -38,6 +38,7 @@ second call's tail ate what was hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -77,9 +78,19 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
+@dataclasses.dataclass
+class _Kept:
+    """One pair of kept buffers and what it was last used for."""
+
+    storage: torch.Tensor  # [2, capacity] float32: dK's and dV's
+    allocated: torch.cuda.Stream | None  # the stream it was allocated on (None off CUDA)
+    pieces: list | None = None  # tokens of the pieces it is zeroed for
+    chunks: int | None = None
+    last: torch.cuda.Stream | None = None  # the stream of the last call
+
+
 class _Held(dict):
-    """One thread's kept buffers: (device, Hkv, D) -> [storage, tokens of the pieces it is
-    zeroed for, chunks, the stream of the last call, the stream it was allocated on]."""
+    """One thread's kept buffers: (device, Hkv, D) -> :class:`_Kept`."""
 
 
 _local = threading.local()  # a thread's _Held goes with the thread
@@ -112,21 +123,19 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
         with _every_lock:
             _every[id(mine)] = mine
     current = torch.cuda.current_stream(k.device) if k.is_cuda else None
-    held = mine.get((k.device, hkv, d))
-    if held is None or held[0].shape[1] < n:
-        storage = torch.empty(2, n, dtype=torch.float32, device=k.device)
-        held = mine[k.device, hkv, d] = [storage, None, None, None, current]
-    storage, tokens, layout, last, allocated = held
-    if last is not None and last != current:
-        current.wait_stream(last)
-    if current is not None and current != allocated:
-        storage.record_stream(current)
+    kept = mine.get((k.device, hkv, d))
+    if kept is None or kept.storage.shape[1] < n:
+        kept = mine[k.device, hkv, d] = _Kept(torch.empty(2, n, dtype=torch.float32, device=k.device), current)
+    if kept.last is not None and kept.last != current:
+        current.wait_stream(kept.last)
+    if current is not None and current != kept.allocated:
+        kept.storage.record_stream(current)
     plan = (gather_index, *pieces)
-    if tokens is None or layout != chunks or not all(map(same_plan, tokens, plan)):
-        storage[:, :n].zero_()  # the previous pieces' sums
-        held[1:3] = [[token(x) for x in plan], chunks]
-    held[3] = current
-    pair = storage[:, :n].view(2, chunks, t, hkv // chunks, d)
+    if kept.pieces is None or kept.chunks != chunks or not all(map(same_plan, kept.pieces, plan)):
+        kept.storage[:, :n].zero_()  # the previous pieces' sums
+        kept.pieces, kept.chunks = [token(x) for x in plan], chunks
+    kept.last = current
+    pair = kept.storage[:, :n].view(2, chunks, t, hkv // chunks, d)
     return pair[0], pair[1]
 
 

@@ -1,7 +1,9 @@
 """CP attention step with real communication, on several GPUs (``torchrun``, NCCL).
 
 Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
-and in backward the re-gather and dK/dV reduce-scatter) on its shard of one pack;
+and in backward the re-gather and dK/dV reduce-scatter; or the sparse exchange of
+only the rows each rank reads, ``cpcompile.ops.exchange``, forced each way with
+``CPCOMPILE_KV_EXCHANGE``) on its shard of one pack;
 CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
 (``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
 timed beside it for dual_chunk_swap and balanced. Before each timing, every rank's output
@@ -143,16 +145,23 @@ def main() -> None:
                 where[real] = torch.arange(args.tokens)
                 src = where[batch.indices]
                 rows_real, picked = (src >= 0).to(device), src[src >= 0].to(device)
-                variants = [("all_gather", 1)]
+                # (comm, K/V head groups, exchange setting): the all-gather and the sparse exchange
+                # forced each way, so that both are timed for every layout
+                variants = [("all_gather", 1, "never"), ("all_gather", 1, "always")]
                 if spec == STRATEGIES[0]:  # the K/V gather pipelined over head groups
-                    variants.append(("all_gather", 2))
+                    variants.append(("all_gather", 2, "never"))
                 if "ring" in comms:
-                    variants.append(("ring", 1))
-                for comm, chunks in variants:
+                    variants.append(("ring", 1, "never"))
+                for comm, chunks, exchange in variants:
                     os.environ["CPCOMPILE_KV_CHUNKS"] = str(chunks)
+                    os.environ["CPCOMPILE_KV_EXCHANGE"] = exchange
                     padded = batch.cu_seqlens_padded.to(device)
                     plan = rank_plan(cu, padded, spec, comm, local[0].shape[0], device)
-                    label = f"{hq}/{hkv} {spec.strategy.value} {comm} x{chunks}"
+                    if comm == "ring":
+                        how = "ring"
+                    else:
+                        how = "exchange" if exchange == "always" else f"all-gather, {chunks} chunk(s)"
+                    label = f"{hq}/{hkv} {spec.strategy.value} {how}"
                     check_rank(local, cu.to(device), padded, spec, max_len, comm, plan, want,
                                dout if backward else None, rows_real, picked, label)  # fmt: skip
                     run = step(*local, cu.to(device), padded, spec, max_len, backward, comm, plan)
@@ -161,7 +170,7 @@ def main() -> None:
                     name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
                     rows.append(
                         f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
-                        f"{'ring' if comm == 'ring' else f'all-gather, {chunks} chunk(s)'} | {single_ms:.2f} | "
+                        f"{how} | {single_ms:.2f} | "
                         f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
                     )
                     if rank == 0:

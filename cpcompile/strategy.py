@@ -43,8 +43,10 @@ class StrategySpec:
     """A strategy with its parameters: what a layout function needs to know.
 
     ``stripe_size`` only matters for :attr:`Strategy.STRIPED` (tokens per stripe).
-    ``comm`` is how attention moves K/V (one of :data:`COMMS`): ``"all_gather"`` gathers
-    them once, ``"ring"`` passes them around the ring, one rank's block per step. It
+    ``comm`` is how attention moves K/V (one of :data:`COMMS`): ``"all_gather"`` brings each
+    rank the rows it reads once (all-gathered, or exchanged alone where ranks read few of
+    the others', ``cpcompile.ops.exchange``), ``"ring"`` passes them around the ring, one
+    rank's block per step. It
     does not change the layout; it is part of the spec so that compiled graphs are
     guarded on it like on the strategy.
     """

@@ -129,6 +129,24 @@ def test_kv_chunks_setting(monkeypatch):
         kv_chunks(8)
 
 
+def test_exchange_rule(monkeypatch):
+    """The sparse exchange is used when the busiest rank's rows sent or received are at most
+    EXCHANGE_AT of an all-gather's; counts[r][s]: rows rank r reads from rank s."""
+    from cpcompile.ops.exchange import EXCHANGE_AT, setting, use_exchange
+
+    assert EXCHANGE_AT == 0.75
+    assert use_exchange([[10, 7], [0, 10]], 10)  # rank 0 receives 7 of 10
+    assert not use_exchange([[10, 8], [0, 10]], 10)  # 8 > 7.5
+    # cp=3, all-gather brings 2 x 10 rows: rank 2 sends 8 + 8 > 15, though no rank receives more than 8
+    assert not use_exchange([[10, 0, 8], [0, 10, 8], [0, 0, 10]], 10)
+    assert use_exchange([[10, 0, 7], [0, 10, 8], [0, 0, 10]], 10)
+    assert use_exchange([[10, 10], [10, 10]], 10, "always") and not use_exchange([[10, 0], [0, 10]], 10, "never")
+    assert setting() == "auto"
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "sometimes")
+    with pytest.raises(ValueError, match="CPCOMPILE_KV_EXCHANGE must be one of .*'sometimes'"):
+        setting()
+
+
 def test_grad_buffers_are_zeroed_once_per_plan():
     """The backward's dK/dV buffers: zero for new pieces (plan or mask) or head grouping; for
     the same ones, what the last layer's kernel wrote stays (each layer rewrites the same rows)."""

@@ -98,20 +98,25 @@ def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("kv", ["never", "always"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_cp_attention_matches_fp64_reference(world):
+def test_cp_attention_matches_fp64_reference(world, kv, monkeypatch):
+    """Both K/V paths, forced: the all-gather, and the sparse exchange of the rows that are read."""
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)  # spawned ranks inherit it
     run_ranks(_check_rank, world)
 
 
 def test_kv_gather_pipelined_over_head_groups(monkeypatch):
     """The same checks with the K/V gather pipelined over two head groups (opt-in)."""
-    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "2")  # spawned ranks inherit it
+    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "2")
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "never")
     run_ranks(_check_rank, 2)
 
 
 def _masks_share_a_plan(rank: int, world: int) -> None:
-    """A causal and a full layer on one plan, in both orders: their backwards write different
-    rows of the same kept dK/dV buffers (float64 reference on one device)."""
+    """A causal and a full layer on one plan, in both orders: they read different keys, so their
+    backwards write different rows of the same kept dK/dV buffers (all-gather) or exchange
+    different rows (float64 reference on one device)."""
     cu = torch.tensor([0, 3, 24, 32], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(32, 2, 8, generator=g) for _ in range(4))
@@ -130,7 +135,9 @@ def _masks_share_a_plan(rank: int, world: int) -> None:
             assert relative_error(got, want[sharded.indices]) < TOLERANCE, f"d{name} causal first: {causal_first}"
 
 
-def test_causal_and_full_layers_share_a_plan():
+@pytest.mark.parametrize("kv", ["never", "always"])
+def test_causal_and_full_layers_share_a_plan(kv, monkeypatch):
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)
     run_ranks(_masks_share_a_plan, 2)
 
 

@@ -2,10 +2,11 @@
 
 Both run the same piece kernel (``kernels``) over an :class:`AttentionPlan`:
 single-device attention is the plan of one rank that holds everything.
-``cp_attention`` all-gathers K and V (as they are, one collective each), puts them in physical
-order, runs one kernel call over the rank's pieces, and in backward re-gathers
-K/V (autograd saves nothing of size ``T``), keeps dQ local and reduce-scatters
-dK/dV to their owners from float32 buffers that ``gathered`` keeps across layers.
+``cp_attention`` brings each rank the K/V rows its pieces read, runs one kernel call over
+its pieces, and in backward fetches K/V again (autograd saves nothing of size ``T``),
+keeps dQ local and returns the float32 dK/dV sums to their owners. Per plan, the rows
+go by a sparse all-to-all of only those rows (``exchange``) where ranks read few of
+the others' keys, else by an all-gather and reduce-scatter (``gathered``).
 
 Each op: ``custom_op`` -> ``register_fake`` -> ``register_autograd``, whose backward
 is again a custom op. Groups travel by name.
@@ -20,7 +21,7 @@ from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enab
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
-from . import gathered, kernels
+from . import exchange, gathered, kernels
 from .kernels.per_plan import per_plan
 
 
@@ -192,19 +193,12 @@ def _cp_attention(
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
-    return gathered.forward(
-        kernels.select(q),
-        q,
-        k,
-        v,
-        gather_index,
-        (cu_q, k_start, k_len),
-        group,
-        causal=causal,
-        scale=_scale(q, scale),
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen,
-    )
+    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
+    kernel = kernels.select(q)
+    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.setting())
+    if ex is not None:
+        return exchange.forward(kernel, q, k, v, ex, cu_q, k_len, group, **kw)
+    return gathered.forward(kernel, q, k, v, gather_index, (cu_q, k_start, k_len), group, **kw)
 
 
 @_cp_attention.register_fake
@@ -238,22 +232,12 @@ def _cp_attention_backward(
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
-    return gathered.backward(
-        kernels.select(q),
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        gather_index,
-        (cu_q, k_start, k_len),
-        group,
-        causal=causal,
-        scale=_scale(q, scale),
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen,
-    )
+    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
+    kernel = kernels.select(q)
+    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.setting())
+    if ex is not None:
+        return exchange.backward(kernel, dout, q, k, v, out, lse, ex, cu_q, k_len, group, **kw)
+    return gathered.backward(kernel, dout, q, k, v, out, lse, gather_index, (cu_q, k_start, k_len), group, **kw)
 
 
 @_cp_attention_backward.register_fake
@@ -302,7 +286,8 @@ def cp_attention(
             :func:`cpcompile.pad_for_cp` of ``cu_seqlens``).
         group: the CP process group, its name, or ``None`` (default group).
         strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`).
-        comm: ``"all_gather"`` (gather K/V once) or ``"ring"`` (pass K/V blocks around the
+        comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
+            ``cpcompile.ops.exchange``) or ``"ring"`` (pass K/V blocks around the
             ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
             unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).

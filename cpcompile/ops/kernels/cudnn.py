@@ -403,6 +403,7 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
+    pack_keys=None,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32,
     rows in ``key_order``, into ``dkv_out`` if given (see ``reference.backward``)."""

@@ -98,6 +98,7 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
+    pack_keys=None,
 ):
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     dk_out, dv_out = (None, None) if dkv_out is None else dkv_out

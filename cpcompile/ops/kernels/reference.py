@@ -116,6 +116,7 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
+    pack_keys=None,
 ):
     """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
     in the accumulation dtype (callers sum them over ranks before rounding). ``disjoint_keys`` (key
@@ -124,7 +125,9 @@ def backward(
     so that sums can go to a reduce-scatter in the all-gather's order as they are.
     ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
     sums are written into the others, in the buffers' dtype, and the buffers returned
-    (``scratch.place``; ``cp_attention``'s are float32, also for float64 inputs)."""
+    (``scratch.place``; ``cp_attention``'s are float32, also for float64 inputs).
+    ``pack_keys``: where ``k`` holds only the keys that are read (``exchange``), the pack's
+    key count, which ``auto`` budgets the backward's scratch against; unused by the others."""
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]

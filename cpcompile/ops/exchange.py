@@ -1,0 +1,177 @@
+"""Sparse K/V exchange: each rank receives only the K/V rows its pieces read.
+
+A rank's pieces read document prefixes, which under balanced and no_load_balance
+lie mostly on the rank itself: on two ProLong packs of 128K tokens the busiest rank
+reads from other ranks 0.17-0.21 of what an all-gather brings it at cp 2-8
+(balanced; no_load_balance 0.02-0.16), and dual_chunk_swap all of it. So,
+per plan, every rank tells every other which of its rows it reads (one all-gather
+of counts, one all-to-all of row indices, one host sync), and each layer then:
+
+- forward: one all-to-all each of K and V carries the rows that are read, while the
+  rank's own read rows are put in place; the kernel runs over the *compact* keys
+  ``[R, Hkv, D]`` (the read rows in physical order, so that each piece's keys stay
+  one range, at a new start ``k_start``);
+- backward: the same exchange, then the compact dK/dV (float32) of other ranks' rows
+  go back to their owners in one all-to-all each, and are added to the local rows
+  in sender order (each sender's rows are distinct, so every add is one per row:
+  deterministic).
+
+Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
+``[T, Hkv, D]`` reduce-scatter buffer. The all-gather path (``gathered``) stays
+for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the
+same way on every rank, from the count matrix they all hold.
+
+Measured on 2 H200s at cp=2 (BENCHMARKS.md, cp_step, ProLong 128K tokens), all-gather ->
+exchange, slowest rank ms: balanced heads 16/16 forward 6.30 -> 5.23 and forward+backward
+27.89 -> 24.42, heads 32/8 9.19 -> 8.75 and 42.52 -> 40.64; no_load_balance 16/16
+forward+backward 28.76 -> 24.83. Where the volume is the same (dual_chunk_swap) the
+exchange is 1-6 % slower (its index copies and the all-to-all against NCCL's ring
+collectives), hence the rule's margin (:data:`EXCHANGE_AT`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from .. import distributed as cpdist
+from .kernels.per_plan import per_plan
+from .kernels.scratch import keys_read
+
+#: Exchange when the busiest rank's rows sent or received are at most this fraction of an
+#: all-gather's ``(cp - 1) x T_local``; ``CPCOMPILE_KV_EXCHANGE`` overrides (``auto``,
+#: ``always``, ``never``).
+EXCHANGE_AT = 0.75
+_SETTINGS = ("auto", "always", "never")
+
+
+class Exchange(NamedTuple):
+    """One rank's exchange for one plan (``R`` keys read, ``cp`` ranks).
+
+    - ``k_start``: ``[P]`` int32, each piece's first key among the compact keys.
+    - ``local_src``, ``local_dst``: ``[n_own]`` int64, the rank's own rows that it reads,
+      and where they go among the compact keys.
+    - ``recv_dst``: ``[n_recv]`` int64, where the received rows go, in sender order.
+    - ``send_rows``: ``[n_send]`` int64, the local rows others read, in receiver order.
+    - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
+    """
+
+    keys: int
+    k_start: torch.Tensor
+    local_src: torch.Tensor
+    local_dst: torch.Tensor
+    recv_dst: torch.Tensor
+    send_rows: torch.Tensor
+    recv_counts: list[int]
+    send_counts: list[int]
+
+
+def setting() -> str:
+    value = os.environ.get("CPCOMPILE_KV_EXCHANGE", "auto")
+    if value not in _SETTINGS:
+        raise ValueError(f"CPCOMPILE_KV_EXCHANGE must be one of {_SETTINGS}, got {value!r}")
+    return value
+
+
+def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
+    """Whether to exchange, from ``counts[r][s]`` (rows rank r reads from rank s): the
+    same answer on every rank, since every rank holds the whole matrix."""
+    if choice != "auto":
+        return choice == "always"
+    cp = len(counts)
+    received = [sum(row) - row[r] for r, row in enumerate(counts)]
+    sent = [sum(counts[r][s] for r in range(cp)) - counts[s][s] for s in range(cp)]
+    return max(received + sent) <= EXCHANGE_AT * (cp - 1) * t_local
+
+
+@per_plan
+def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, group_name: str, choice: str):
+    """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical
+    keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used.
+
+    Collective: every rank of the group calls it with its own plan, once per plan
+    (``per_plan``), and all get the same answer to :func:`use_exchange`.
+    """
+    group = cpdist.resolve_group(group_name)
+    cp, rank = group.size(), group.rank()
+    t = gather_index.shape[0]
+    t_local = t // cp
+    read = keys_read(k_start, k_len, t)
+    read[0] |= ~read.any()  # a rank that reads nothing still gets one row: kernels need keys
+    rows = read.nonzero().squeeze(1)  # [R] physical, in order
+    compact = read.cumsum(0) - 1  # [T] each read key's compact row
+    gathered_row = gather_index[rows]
+    owner, local_row = gathered_row // t_local, gathered_row % t_local
+    counts = torch.bincount(owner, minlength=cp)
+    matrix = cpdist.all_gather_rows(counts, group).view(cp, cp).tolist()  # the host sync
+    if not use_exchange(matrix, t_local, choice):
+        return None
+    mine = owner == rank
+    by_owner = torch.argsort(torch.where(mine, -1, owner), stable=True)[int(mine.sum()) :]  # others', by owner
+    recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
+    send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
+    send_rows = cpdist.all_to_all_rows(local_row[by_owner], send_counts, recv_counts, group)
+    return Exchange(
+        keys=rows.shape[0],
+        k_start=torch.where(k_len > 0, compact[k_start.long()], 0).to(torch.int32),
+        local_src=local_row[mine],
+        local_dst=mine.nonzero().squeeze(1),
+        recv_dst=by_owner,
+        send_rows=send_rows,
+        recv_counts=recv_counts,
+        send_counts=send_counts,
+    )
+
+
+def _fetch(x: torch.Tensor, ex: Exchange, group):
+    """Start bringing the read rows of ``x [T_local, H, D]`` together:
+    ``(compact [R, H, D] with the rank's own rows in place, received, work)``."""
+    received, work = cpdist.all_to_all_rows(
+        x.index_select(0, ex.send_rows), ex.recv_counts, ex.send_counts, group, async_op=True
+    )
+    compact = x.new_empty((ex.keys, *x.shape[1:]))
+    compact.index_copy_(0, ex.local_dst, x.index_select(0, ex.local_src))
+    return compact, received, work
+
+
+def _compact_kv(k, v, ex: Exchange, group):
+    """k, v ``[T_local, Hkv, D]`` -> the compact keys and values ``[R, Hkv, D]`` this rank reads."""
+    pending = [_fetch(x, ex, group) for x in (k, v)]  # both in flight before either is waited for
+    out = []
+    for compact, received, work in pending:
+        work.wait()
+        out.append(compact.index_copy_(0, ex.recv_dst, received))
+    return out
+
+
+def forward(kernel, q, k, v, ex: Exchange, cu_q, k_len, group, **kw):
+    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+    k_read, v_read = _compact_kv(k, v, ex, group)
+    return kernel.forward(q, k_read, v_read, cu_q, ex.k_start, k_len, **kw)
+
+
+def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, **kw):
+    """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]``, summed over ranks."""
+    k_read, v_read = _compact_kv(k, v, ex, group)  # re-fetched, not saved by the forward
+    pack_keys = k.shape[0] * group.size()  # what the kernel's scratch is budgeted against
+    dq, dk_read, dv_read = kernel.backward(
+        dout, q, k_read, v_read, out, lse, cu_q, ex.k_start, k_len, pack_keys=pack_keys, **kw
+    )
+    # float32 partial sums of other ranks' rows go back to their owners, both in flight at once
+    returns = [
+        cpdist.all_to_all_rows(g.index_select(0, ex.recv_dst), ex.send_counts, ex.recv_counts, group, async_op=True)
+        for g in (dk_read, dv_read)
+    ]
+    grads = []
+    for g, (received, work) in zip((dk_read, dv_read), returns):
+        total = g.new_zeros((k.shape[0], *g.shape[1:]))
+        total.index_copy_(0, ex.local_src, g.index_select(0, ex.local_dst))
+        work.wait()
+        start = 0
+        for n in ex.send_counts:  # one sender at a time: its rows are distinct
+            total.index_add_(0, ex.send_rows[start : start + n], received[start : start + n])
+            start += n
+        grads.append(total.to(k.dtype))
+    return dq, *grads

@@ -1,7 +1,9 @@
 """Packed attention on one GPU: the single-GPU ceiling, then every CP rank's local step.
 
 CP efficiency = single-GPU time / (cp x slowest rank), each rank's pieces timed with
-the real kernel against the full K/V (communication excluded: DESIGN.md section 8).
+the real kernel on the keys ``cp_attention`` gives it: all of them (all-gather), or
+those it reads (sparse exchange, where it would be chosen; column K/V); communication
+excluded (DESIGN.md section 8).
 Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072]
@@ -27,7 +29,7 @@ from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
 from report import REPO, command, machine, write_section  # noqa: E402
 
 import cpcompile  # noqa: E402
-from cpcompile.ops import gathered, kernels  # noqa: E402
+from cpcompile.ops import exchange, gathered, kernels  # noqa: E402
 from cpcompile.ops.kernels import cudnn  # noqa: E402
 from cpcompile.plan import max_piece_len  # noqa: E402
 
@@ -68,22 +70,42 @@ def causal_flops(lengths: list[int], hq: int, d: int) -> float:
     return 4.0 * d * hq * sum(n * (n + 1) / 2 for n in lengths)
 
 
-def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None):
-    """A rank's kernel calls as ``cp_attention`` makes them, K/V already gathered: the backward
-    writes dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
-    args = (plan.cu_q, plan.k_start, plan.k_len(causal))
+def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
+    """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
+    ``read`` (the sparse exchange's :class:`~cpcompile.ops.exchange.Reads`) over the keys the
+    rank reads, dK/dV for those alone; else over all the keys (all-gathered), the backward
+    writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
+    k_len = plan.k_len(causal)
     scale = q.shape[-1] ** -0.5
-    key_order = gathered.gathered_order(plan.gather_index)
+    bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
+    if read is not None:
+        k, v = k[read.rows], v[read.rows]
+        args = (plan.cu_q, read.k_start, k_len)
+
+        def sums():
+            return {"pack_keys": plan.gather_index.shape[0]}
+    else:
+        args = (plan.cu_q, plan.k_start, k_len)
+        key_order = gathered.gathered_order(plan.gather_index)
+
+        def sums():
+            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, args, k, 1)
+            return {"key_order": key_order, "dkv_out": (dk_sums[0], dv_sums[0])}
 
     def run():
-        bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
         out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
         if backward:
-            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, args, k, 1)
-            sums = {"key_order": key_order, "dkv_out": (dk_sums[0], dv_sums[0])}
-            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums, **bounds)
+            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums(), **bounds)
 
     return run
+
+
+def rank_reads(plans: list, cp: int) -> list | None:
+    """Each rank's keys read, where ``cp_attention`` would exchange them (the rule its ranks
+    apply to the counts they all hold), else ``None``: the all-gather."""
+    read = [exchange.reads(p.gather_index, p.k_start, p.k_len_causal, cp) for p in plans]
+    counts = [r.counts.tolist() for r in read]
+    return read if exchange.use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
 
 
 def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
@@ -137,15 +159,26 @@ def measure(
         kernel = kernels.select(q, name)
         padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
         n = int(padded[-1])
-        per_rank, short = [], 0
-        for rank in range(cp):
-            plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
-            q_len = plan.cu_q.diff()
-            short += int(((q_len > 0) & (q_len < 128) & (plan.k_len_causal > 0)).sum())
-            plan = cpcompile.AttentionPlan(*(x.to(dev) for x in plan))
+        plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
+        short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
+        plans = [cpcompile.AttentionPlan(*(x.to(dev) for x in p)) for p in plans]
+        read = rank_reads(plans, cp)
+        per_rank = []
+        for rank, plan in enumerate(plans):
             q_local = q[: n // cp]  # values do not matter, sizes and pieces do
             bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
-            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound)
+            step = kernel_step(
+                kernel,
+                q_local,
+                k[:n],
+                v[:n],
+                plan,
+                True,
+                max_len,
+                backward,
+                bound,
+                None if read is None else read[rank],
+            )
             per_rank.append(timed(step))
         predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
         # the forward is modelled by kernel tiles; the step cost adds tokens and backward key copies
@@ -162,6 +195,7 @@ def measure(
                 "imbalance": slowest / statistics.mean(per_rank),
                 "short_pieces": short / cp,
                 "padding": n - t,
+                "exchange": float(read is not None),
             }
         )
     return rows, samples
@@ -209,8 +243,8 @@ def main() -> None:
                 f"### {title}",
                 "",
                 "| layout | ms (slowest rank) | TFLOP/s per GPU | efficiency | max/mean |"
-                " short pieces/rank | padding |",
-                "| --- | --- | --- | --- | --- | --- | --- |",
+                " short pieces/rank | padding | K/V |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             for i, row in enumerate(per_pack[0]):
                 med = {key: statistics.median(pp[i][key] for pp in per_pack) for key in row if key != "what"}
@@ -220,6 +254,7 @@ def main() -> None:
                     + [
                         f"{med['short_pieces']:.1f}" if "short_pieces" in med else "",
                         f"{med['padding']:.0f}" if "padding" in med else "",
+                        {1.0: "exchange", 0.0: "all-gather", None: ""}.get(med.get("exchange"), "mixed"),
                     ]
                 )
                 lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")

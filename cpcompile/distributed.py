@@ -48,7 +48,9 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: 
     return (out, work) if async_op else out
 
 
-def all_to_all_rows(x: torch.Tensor, out_counts: list[int], in_counts: list[int], group, *, async_op: bool = False):
+def all_to_all_rows(
+    x: torch.Tensor, out_counts: list[int], in_counts: list[int], group: dist.ProcessGroup, *, async_op: bool = False
+):
     """Rows ``x [sum(in_counts), ...]``, ``in_counts[s]`` of them to rank s in rank order ->
     ``[sum(out_counts), ...]``, ``out_counts[s]`` from rank s in rank order; with ``async_op``,
     ``(output, work)``."""

@@ -129,10 +129,10 @@ def test_kv_chunks_setting(monkeypatch):
         kv_chunks(8)
 
 
-def test_exchange_rule(monkeypatch):
+def test_exchange_rule():
     """The sparse exchange is used when the busiest rank's rows sent or received are at most
     EXCHANGE_AT of an all-gather's; counts[r][s]: rows rank r reads from rank s."""
-    from cpcompile.ops.exchange import EXCHANGE_AT, setting, use_exchange
+    from cpcompile.ops.exchange import EXCHANGE_AT, use_exchange
 
     assert EXCHANGE_AT == 0.75
     assert use_exchange([[10, 7], [0, 10]], 10)  # rank 0 receives 7 of 10
@@ -141,10 +141,13 @@ def test_exchange_rule(monkeypatch):
     assert not use_exchange([[10, 0, 8], [0, 10, 8], [0, 0, 10]], 10)
     assert use_exchange([[10, 0, 7], [0, 10, 8], [0, 0, 10]], 10)
     assert use_exchange([[10, 10], [10, 10]], 10, "always") and not use_exchange([[10, 0], [0, 10]], 10, "never")
-    assert setting() == "auto"
+
+
+def test_exchange_setting_is_checked(single_rank_group, monkeypatch):
+    cu, _, q, k, v, _ = _case([3, 9, 4])
     monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "sometimes")
-    with pytest.raises(ValueError, match="CPCOMPILE_KV_EXCHANGE must be one of .*'sometimes'"):
-        setting()
+    with pytest.raises(ValueError, match=r"CPCOMPILE_KV_EXCHANGE must be one of .* got \['\(not one of them\)'\]"):
+        cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
 
 
 def test_grad_buffers_are_zeroed_once_per_plan():

@@ -6,6 +6,8 @@ start-up is the expensive part, so cases share it.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -152,6 +154,11 @@ def _ranks_disagree(rank: int, world: int) -> None:
     cu = torch.tensor([0, 16], dtype=torch.int32)
     message = "does not match the token count 20" if rank else "another rank .* rejected its arguments"
     with pytest.raises(ValueError, match=message):
+        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
+    # Ranks set to different K/V paths: every rank is told, inside the op, before either path.
+    os.environ["CPCOMPILE_KV_EXCHANGE"] = "always" if rank else "never"
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match=r"the same on every rank, got \['always', 'never'\]"):
         cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
 
 

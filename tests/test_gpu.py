@@ -189,8 +189,12 @@ def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
     return full[0], full[1:]
 
 
-def test_cp_attention_on_one_nccl_rank():
+@pytest.mark.parametrize("kv", ["never", "always"])
+def test_cp_attention_on_one_nccl_rank(kv, monkeypatch):
+    """Both K/V paths through NCCL (at cp=1: an all-gather, or an all-to-all of no rows)."""
     import torch.distributed as dist
+
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
@@ -198,7 +202,7 @@ def test_cp_attention_on_one_nccl_rank():
         want = cpcompile.packed_attention(q, k, v, cu)
         got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
         assert torch.equal(got, want)
-        # the backward through the all-gather path's kept dK/dV buffers, for two plans in turn
+        # the backward (the all-gather path's through its kept dK/dV buffers), for two plans in turn
         for lengths in ([3, 300, 77], [150, 2, 200, 28]):
             cu, q, k, v, dout = _case(lengths, seed=len(lengths))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -316,6 +316,22 @@ def test_per_plan_knows_views_by_memory_and_keeps_plans_while_they_live():
     gc.collect()
     assert result() is None  # the plan is gone, and with it what was derived from it
 
+    @module.per_plan(collective=True)
+    def agreed(x):  # runs collectives: no rank may evict an entry another keeps
+        calls.append(1)
+        return x * 2
+
+    kept = torch.arange(3)
+    agreed(kept)
+    for x in newer:
+        agreed(x)
+    before = len(calls)
+    agreed(kept)  # still there, past ENTRIES newer plans
+    assert len(calls) == before
+    result = weakref.ref(agreed(torch.arange(4)))
+    gc.collect()
+    assert result() is None  # entries still go with their plans
+
 
 def _chunks_case(seed: int):
     from cpcompile.ops.kernels import chunks

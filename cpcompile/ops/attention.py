@@ -177,6 +177,15 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
+def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+    """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
+    :class:`~cpcompile.ops.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
+    group = cpdist.resolve_group(group_name)
+    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.exchange_setting())
+    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
+    return group, kernels.select(q), ex, kw
+
+
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
 def _cp_attention(
     q: torch.Tensor,
@@ -192,10 +201,9 @@ def _cp_attention(
     max_seqlen: int | None,
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    group = cpdist.resolve_group(group_name)
-    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
-    kernel = kernels.select(q)
-    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.setting())
+    group, kernel, ex, kw = _cp_call(
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q
+    )
     if ex is not None:
         return exchange.forward(kernel, q, k, v, ex, cu_q, k_len, group, **kw)
     return gathered.forward(kernel, q, k, v, gather_index, (cu_q, k_start, k_len), group, **kw)
@@ -231,10 +239,9 @@ def _cp_attention_backward(
     max_seqlen: int | None,
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group = cpdist.resolve_group(group_name)
-    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
-    kernel = kernels.select(q)
-    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.setting())
+    group, kernel, ex, kw = _cp_call(
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q
+    )
     if ex is not None:
         return exchange.backward(kernel, dout, q, k, v, out, lse, ex, cu_q, k_len, group, **kw)
     return gathered.backward(kernel, dout, q, k, v, out, lse, gather_index, (cu_q, k_start, k_len), group, **kw)

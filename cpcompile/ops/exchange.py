@@ -5,21 +5,22 @@ lie mostly on the rank itself: on two ProLong packs of 128K tokens the busiest r
 reads from other ranks 0.17-0.21 of what an all-gather brings it at cp 2-8
 (balanced; no_load_balance 0.02-0.16), and dual_chunk_swap all of it. So,
 per plan, every rank tells every other which of its rows it reads (one all-gather
-of counts, one all-to-all of row indices, one host sync), and each layer then:
+of counts, one all-to-all of row indices, a few host syncs), and each layer then:
 
 - forward: one all-to-all each of K and V carries the rows that are read, while the
   rank's own read rows are put in place; the kernel runs over the *compact* keys
   ``[R, Hkv, D]`` (the read rows in physical order, so that each piece's keys stay
   one range, at a new start ``k_start``);
-- backward: the same exchange, then the compact dK/dV (float32) of other ranks' rows
-  go back to their owners in one all-to-all each, and are added to the local rows
-  in sender order (each sender's rows are distinct, so every add is one per row:
-  deterministic).
+- backward: the same exchange, then the compact dK/dV (float32; float64 for float64
+  inputs) of other ranks' rows go back to their owners in one all-to-all each, and
+  are added to the local rows in sender order (each sender's rows are distinct, so
+  every add is one per row: deterministic).
 
 Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
 ``[T, Hkv, D]`` reduce-scatter buffer. The all-gather path (``gathered``) stays
 for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the
-same way on every rank, from the count matrix they all hold.
+same way on every rank, from the count matrix they all hold. The exchange is one
+collective each of K and V: ``CPCOMPILE_KV_CHUNKS`` pipelines the all-gather only.
 
 Measured on 2 H200s at cp=2 (BENCHMARKS.md, cp_step, ProLong 128K tokens), all-gather ->
 exchange, slowest rank ms: balanced heads 16/16 forward 6.30 -> 5.23 and forward+backward
@@ -41,10 +42,9 @@ from .kernels.per_plan import per_plan
 from .kernels.scratch import keys_read
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
-#: all-gather's ``(cp - 1) x T_local``; ``CPCOMPILE_KV_EXCHANGE`` overrides (``auto``,
-#: ``always``, ``never``).
+#: all-gather's ``(cp - 1) x T_local``; ``CPCOMPILE_KV_EXCHANGE`` overrides.
 EXCHANGE_AT = 0.75
-_SETTINGS = ("auto", "always", "never")
+SETTINGS = ("auto", "always", "never")
 
 
 class Exchange(NamedTuple):
@@ -58,7 +58,7 @@ class Exchange(NamedTuple):
     - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
     """
 
-    keys: int
+    keys: int  # R
     k_start: torch.Tensor
     local_src: torch.Tensor
     local_dst: torch.Tensor
@@ -68,11 +68,10 @@ class Exchange(NamedTuple):
     send_counts: list[int]
 
 
-def setting() -> str:
-    value = os.environ.get("CPCOMPILE_KV_EXCHANGE", "auto")
-    if value not in _SETTINGS:
-        raise ValueError(f"CPCOMPILE_KV_EXCHANGE must be one of {_SETTINGS}, got {value!r}")
-    return value
+def exchange_setting() -> str:
+    """``CPCOMPILE_KV_EXCHANGE`` as set (default ``auto``); :func:`exchange_plan` checks it,
+    alike on every rank, so that a rank with a bad or different value leaves none waiting."""
+    return os.environ.get("CPCOMPILE_KV_EXCHANGE", "auto")
 
 
 def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
@@ -86,38 +85,75 @@ def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") ->
     return max(received + sent) <= EXCHANGE_AT * (cp - 1) * t_local
 
 
-@per_plan
+class Reads(NamedTuple):
+    """The keys one rank's pieces read, ``R`` of the layout's ``T`` (over ``cp`` ranks).
+
+    - ``rows``: ``[R]`` int64, their physical rows, in order: the compact keys.
+    - ``k_start``: ``[P]`` int32, each piece's first key among them (0 for pieces without keys).
+    - ``owner``, ``local_row``: ``[R]`` int64, the rank holding each and its row there.
+    - ``counts``: ``[cp]`` int64, how many each rank holds.
+    """
+
+    rows: torch.Tensor
+    k_start: torch.Tensor
+    owner: torch.Tensor
+    local_row: torch.Tensor
+    counts: torch.Tensor
+
+
+def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp: int) -> Reads:
+    """:class:`Reads` of pieces ``k_start``, ``k_len`` ``[P]`` (physical keys) over the layout
+    ``gather_index [T]`` of ``cp`` ranks; finding ``R`` is a host sync."""
+    t = gather_index.shape[0]
+    read = keys_read(k_start, k_len, t)
+    read[0] |= ~read.any()  # a rank that reads nothing still gets one row: kernels need keys
+    rows = read.nonzero().squeeze(1)
+    compact = read.cumsum(0) - 1  # [T] each read key's compact row
+    owner, local_row = gather_index[rows].div(t // cp, rounding_mode="floor"), gather_index[rows] % (t // cp)
+    return Reads(
+        rows=rows,
+        k_start=torch.where(k_len > 0, compact[k_start.long()], 0).to(torch.int32),
+        owner=owner,
+        local_row=local_row,
+        counts=torch.bincount(owner, minlength=cp),
+    )
+
+
+@per_plan(collective=True)
 def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, group_name: str, choice: str):
     """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical
-    keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used.
+    keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used;
+    ``choice``: one of :data:`SETTINGS` (:func:`exchange_setting`).
 
     Collective: every rank of the group calls it with its own plan, once per plan
-    (``per_plan``), and all get the same answer to :func:`use_exchange`.
+    (``per_plan``), and all get the same answer to :func:`use_exchange`, or the same
+    error where their ``choice`` is not valid or not the same. Host syncs: finding
+    ``R``, the counts, and the row indices of the requests.
     """
     group = cpdist.resolve_group(group_name)
     cp, rank = group.size(), group.rank()
-    t = gather_index.shape[0]
-    t_local = t // cp
-    read = keys_read(k_start, k_len, t)
-    read[0] |= ~read.any()  # a rank that reads nothing still gets one row: kernels need keys
-    rows = read.nonzero().squeeze(1)  # [R] physical, in order
-    compact = read.cumsum(0) - 1  # [T] each read key's compact row
-    gathered_row = gather_index[rows]
-    owner, local_row = gathered_row // t_local, gathered_row % t_local
-    counts = torch.bincount(owner, minlength=cp)
-    matrix = cpdist.all_gather_rows(counts, group).view(cp, cp).tolist()  # the host sync
-    if not use_exchange(matrix, t_local, choice):
+    mine = reads(gather_index, k_start, k_len, cp)
+    code = SETTINGS.index(choice) if choice in SETTINGS else -1
+    shared = cpdist.all_gather_rows(torch.cat([mine.counts, mine.counts.new_full((1,), code)]), group)
+    table = shared.view(cp, cp + 1).tolist()  # row r: rank r's counts, then its choice
+    matrix, codes = [row[:cp] for row in table], [row[cp] for row in table]  # matrix[r][s]: r reads from s
+    if min(codes) < 0 or max(codes) != min(codes):
+        seen = sorted({SETTINGS[c] if c >= 0 else "(not one of them)" for c in codes})
+        raise ValueError(f"CPCOMPILE_KV_EXCHANGE must be one of {SETTINGS} and the same on every rank, got {seen}")
+    if not use_exchange(matrix, gather_index.shape[0] // cp, choice):
         return None
-    mine = owner == rank
-    by_owner = torch.argsort(torch.where(mine, -1, owner), stable=True)[int(mine.sum()) :]  # others', by owner
+    own = mine.owner == rank
+    by_owner = torch.argsort(torch.where(own, -1, mine.owner), stable=True)[matrix[rank][rank] :]  # others', by owner
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
-    send_rows = cpdist.all_to_all_rows(local_row[by_owner], send_counts, recv_counts, group)
+    # the requests: this rank's row indices go out as it will receive the rows (recv_counts), and
+    # come in as it will send them (send_counts)
+    send_rows = cpdist.all_to_all_rows(mine.local_row[by_owner], send_counts, recv_counts, group)
     return Exchange(
-        keys=rows.shape[0],
-        k_start=torch.where(k_len > 0, compact[k_start.long()], 0).to(torch.int32),
-        local_src=local_row[mine],
-        local_dst=mine.nonzero().squeeze(1),
+        keys=mine.rows.shape[0],
+        k_start=mine.k_start,
+        local_src=mine.local_row[own],
+        local_dst=own.nonzero().squeeze(1),
         recv_dst=by_owner,
         send_rows=send_rows,
         recv_counts=recv_counts,

@@ -49,7 +49,7 @@ def same_plan(known, t: torch.Tensor) -> bool:
     return owner() is not None and key == _key(t)
 
 
-def per_plan(fn):
+def per_plan(fn=None, *, collective: bool = False):
     """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
 
     An entry goes when an argument tensor (or the tensor it is a view of) is freed,
@@ -57,7 +57,16 @@ def per_plan(fn):
     change only through itself or its views (which bump its version), not through
     another alias of its memory (``torch.from_numpy``, say). Inference tensors have
     no version counter: calls with them are not cached.
+
+    ``collective``: ``fn`` runs collectives, so every rank must miss where the others
+    miss. Then entries go only with their tensors, never to bound the cache: which
+    entry a bound evicts depends on how many others are alive, which differs between
+    ranks that free tensors at other times (garbage collection), and a rank that hits
+    while another misses leaves that one waiting in a collective. Whether a live,
+    unchanged plan was seen before is the same on every rank running the same program.
     """
+    if fn is None:
+        return functools.partial(per_plan, collective=collective)
     local = threading.local()
 
     @functools.wraps(fn)
@@ -77,7 +86,7 @@ def per_plan(fn):
         tensors = (a for a in args if isinstance(a, torch.Tensor))
         owners = {id(t): t for t in (a if a._base is None else a._base for a in tensors)}  # a view's base
         cache[key] = ([weakref.ref(o, forget) for o in owners.values()], result)
-        if len(cache) > ENTRIES:
+        if len(cache) > ENTRIES and not collective:
             cache.popitem(last=False)
         return result
 

@@ -135,6 +135,8 @@ def measure(lengths: list[int], cp: int) -> dict:
             "short_cuts": float(costs.short_cuts.double().mean()),
             # share of the pack's keys the busiest reader reads: the dK/dV rows its backward writes
             "keys_read": float(costs.keys_read.max()) / int(costs.tokens.sum()),
+            # what the sparse K/V exchange brings the busiest rank, over what an all-gather brings it
+            "exchange": float(costs.keys_remote.max()) / max(int(costs.tokens.sum()) - int(costs.tokens[0]), 1),
             "step": costs.step,
         }
     for name in STRATEGIES:
@@ -214,7 +216,8 @@ BALANCE_HEADER = (
 KERNEL_HEADER = (
     "| mix | tokens | cp | short cuts/rank DCS | short cuts/rank BAL | tiles max/mean BAL "
     "| tile bound DCS | tile bound BAL | step DCS / BAL | step NLB / BAL | step S128 / BAL "
-    "| keys read DCS | keys read NLB | keys read BAL | auto picks |\n" + "|---" * 15 + "|"
+    "| keys read DCS | keys read NLB | keys read BAL | exchange DCS | exchange NLB | exchange BAL "
+    "| auto picks |\n" + "|---" * 18 + "|"
 )
 LOWER_IS_WORSE = ("step", "tile_bound")
 
@@ -235,7 +238,8 @@ def _kernel_row(r: dict) -> str:
     w = r["worst"]
     steps = " | ".join(f"{w[n]['step']:.3f}" for n in ("dual_chunk_swap", "no_load_balance", "striped_128"))
     bounds = " | ".join(f"{w[n]['tile_bound']:.3f}" for n in ("dual_chunk_swap", "balanced"))
-    reads = " | ".join(f"{w[n]['keys_read']:.2f}" for n in ("dual_chunk_swap", "no_load_balance", "balanced"))
+    layouts = ("dual_chunk_swap", "no_load_balance", "balanced")
+    reads = " | ".join(f"{w[n][key]:.2f}" for key in ("keys_read", "exchange") for n in layouts)
     return (
         f"{_config(r)} {w['dual_chunk_swap']['short_cuts']:.1f} | {w['balanced']['short_cuts']:.2f} | "
         f"{w['balanced']['tiles']:.3f} | {bounds} | {steps} | {reads} | "
@@ -308,7 +312,10 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
         "step X / BAL = predicted step (slowest rank) of X",
         "over balanced's, on the pack least favourable to balanced (< 1: X predicted faster); keys read = the",
         "share of the pack's keys that the rank reading the most reads (worst pack): the dK/dV rows its backward",
-        "writes, and the K/V rows it needs of the all-gather; auto picks = what `auto` chose over the packs.",
+        "writes, and the K/V rows it needs of the all-gather; exchange = the K/V rows other ranks hold that the",
+        "busiest rank reads, over the rows an all-gather brings it, (cp - 1) / cp of the pack (worst pack): what",
+        "the sparse exchange moves instead (it is used where this, or the rows a rank sends, is at most 0.75);",
+        "auto picks = what `auto` chose over the packs.",
         "",
         KERNEL_HEADER,
         *(_kernel_row(r) for r in results),

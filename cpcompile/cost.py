@@ -30,6 +30,8 @@ Model, in units of one query-key pair of attention (its forward and backward):
 - ``keys_read_r`` (reported beside the cost): the distinct keys the rank's pieces
   read, the rows of dK/dV its backward writes (``ops/gathered.py``: the others stay
   zero) and the rows of K/V it needs from the all-gather.
+- ``keys_remote_r`` (reported beside the cost): those of them other ranks hold, the
+  K/V rows the sparse exchange brings the rank (``ops/exchange.py``).
 
 ``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
 and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
@@ -78,6 +80,7 @@ class RankCosts(NamedTuple):
     tiles: torch.Tensor  # kernel tiles visited
     key_rows: torch.Tensor  # keys of all pieces, summed (rows the backward copies)
     keys_read: torch.Tensor  # distinct keys the pieces read (dK/dV rows the backward writes)
+    keys_remote: torch.Tensor  # of those, keys other ranks hold (K/V rows the sparse exchange brings)
     cost: torch.Tensor  # tiles * block_q * block_k + token_cost * tokens + key_cost * key_rows
 
     @property
@@ -158,6 +161,11 @@ def predict_rank_costs(
     longest = torch.zeros(cp_size * num_docs, dtype=torch.long).scatter_reduce_(
         0, rank * num_docs + doc.reshape(-1)[first], live_keys, "amax"
     )
+    # of a prefix [s, s + n) of a document, the rank holds those of its sorted rows that fall in it
+    held = layout.sort(dim=1).values  # [cp, T_local]
+    first_key = padded[:-1].long().expand(cp_size, num_docs).contiguous()  # [cp, B]
+    longest = longest.view(cp_size, num_docs)
+    own = torch.searchsorted(held, first_key + longest) - torch.searchsorted(held, first_key)
     tokens = torch.full((cp_size,), t_local, dtype=torch.long)
     return RankCosts(
         tokens=tokens,
@@ -166,7 +174,8 @@ def predict_rank_costs(
         pairs=per_rank(torch.where(live, pairs, 0)),
         tiles=tiles_r,
         key_rows=key_rows,
-        keys_read=longest.view(cp_size, num_docs).sum(1),
+        keys_read=longest.sum(1),
+        keys_remote=(longest - own).sum(1),
         cost=tiles_r * (model.block_q * model.block_k) + model.token_cost * tokens + model.key_cost * key_rows,
     )
 

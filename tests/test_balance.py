@@ -91,6 +91,7 @@ def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Ten
                 pieces.append([d, pos, 1, real])
         pairs = tiles = short = key_rows = 0
         read = set()  # (document, key)
+        held = set(idx)  # physical positions this rank holds
         for d, o, n, real in pieces:
             if not real:
                 continue
@@ -101,7 +102,8 @@ def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Ten
             short += n < model.block_q and n < real_len[d]
             key_rows += keys[-1]  # the piece's key range
             read |= {(d, key) for key in range(keys[-1])}
-        out.append((pairs, tiles, len(pieces), short, key_rows, len(read)))
+        remote = sum(bounds[d] + key not in held for d, key in read)
+        out.append((pairs, tiles, len(pieces), short, key_rows, len(read), remote))
     return out
 
 
@@ -134,6 +136,7 @@ def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks):
     assert costs.short_cuts.tolist() == [w[3] for w in want]
     assert costs.key_rows.tolist() == [w[4] for w in want]
     assert costs.keys_read.tolist() == [w[5] for w in want]
+    assert costs.keys_remote.tolist() == [w[6] for w in want]
     assert costs.tokens.tolist() == [layout.shape[1]] * cp
     assert costs.cost.tolist() == [w[1] * blocks[0] * blocks[1] + 5 * layout.shape[1] + 3 * w[4] for w in want]
     assert costs.step == max(costs.cost.tolist())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.ops import kernels
+from cpcompile.ops import exchange, kernels
 from cpcompile.ops.kernels import cudnn, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
@@ -126,6 +126,19 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
             dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **sums, **bounds
         )
         assert ok is into[0] and torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
+        # the sparse exchange's call: the same pieces over only the keys they read
+        read = exchange.reads(plan.gather_index, plan.k_start, plan.k_len(causal), cp)
+        compact = (k[read.rows], v[read.rows], plan.cu_q, read.k_start, plan.k_len(causal))
+        oc, lc = kernel.forward(q[idx], *compact[:2], *compact[2:], causal=causal, scale=128**-0.5, **bounds)
+        assert torch.equal(oc, o) and torch.equal(lc, lse)
+        cq, ck, cv = kernel.backward(
+            dout[idx], q[idx], *compact[:2], o, lse, *compact[2:], causal=causal, scale=128**-0.5, pack_keys=n, **bounds
+        )
+        assert torch.equal(ck, gk[read.rows]) and torch.equal(cv, gv[read.rows])
+        unread = torch.ones(n, dtype=torch.bool, device="cuda")
+        unread[read.rows] = False
+        assert not gk[unread].any() and not gv[unread].any()
+        assert _err(cq, gq) <= 1e-2 * gq.abs().max().item()  # dQ's accumulation order may differ
         dq[idx] = gq
         dk += gk
         dv += gv

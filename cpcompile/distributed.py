@@ -49,12 +49,18 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: 
 
 
 def all_to_all_rows(
-    x: torch.Tensor, out_counts: list[int], in_counts: list[int], group: dist.ProcessGroup, *, async_op: bool = False
+    x: torch.Tensor,
+    out_counts: list[int],
+    in_counts: list[int],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
 ):
     """Rows ``x [sum(in_counts), ...]``, ``in_counts[s]`` of them to rank s in rank order ->
-    ``[sum(out_counts), ...]``, ``out_counts[s]`` from rank s in rank order; with ``async_op``,
-    ``(output, work)``."""
-    out = x.new_empty((sum(out_counts), *x.shape[1:]))
+    ``[sum(out_counts), ...]`` (into ``out``, contiguous, if given), ``out_counts[s]`` from
+    rank s in rank order; with ``async_op``, ``(output, work)``."""
+    out = x.new_empty((sum(out_counts), *x.shape[1:])) if out is None else out
     work = dist.all_to_all_single(out, x.contiguous(), out_counts, in_counts, group=group, async_op=async_op)
     return (out, work) if async_op else out
 

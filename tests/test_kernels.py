@@ -200,6 +200,8 @@ def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
     rest = torch.ones(keys, dtype=torch.bool)
     rest[some] = False
     assert torch.equal(out.cpu()[some], want[some]) and (out.cpu()[rest] == 7).all()
+    rounded = torch.empty(keys, 12, 128, dtype=torch.bfloat16, device="cuda")  # float32 sums, rounded once
+    assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows, rounded).cpu(), want.bfloat16())
 
 
 def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):

@@ -7,14 +7,21 @@ reads from other ranks 0.17-0.21 of what an all-gather brings it at cp 2-8
 per plan, every rank tells every other which of its rows it reads (one all-gather
 of counts, one all-to-all of row indices, a few host syncs), and each layer then:
 
-- forward: one all-to-all each of K and V carries the rows that are read, while the
-  rank's own read rows are put in place; the kernel runs over the *compact* keys
-  ``[R, Hkv, D]`` (the read rows in physical order, so that each piece's keys stay
-  one range, at a new start ``k_start``);
-- backward: the same exchange, then the compact dK/dV (float32; float64 for float64
-  inputs) of other ranks' rows go back to their owners in one all-to-all each, and
-  are added to the local rows in sender order (each sender's rows are distinct, so
-  every add is one per row: deterministic).
+- forward: one all-to-all each of K and V carries the rows that are read into a buffer
+  behind a copy of the rank's own rows (made while they travel), and one gather takes
+  the *compact* keys ``[R, Hkv, D]`` from it (the read rows in physical order, so that
+  each piece's keys stay one range, at a new start ``k_start``); the kernel runs over them;
+- backward: the same exchange; the kernel writes the compact dK/dV sums (float32;
+  float64 for float64 inputs) into one buffer per tensor, other ranks' rows go back to
+  their owners in one all-to-all each, received into the same buffer, and one
+  ``sum_rows`` pass adds each local row's own sum and the returned ones, in sender
+  order (deterministic), rounding once to the input dtype.
+
+Scattering into the compact keys (``index_copy_``) and adding the returned rows into
+zeroed float32 sums (``index_add_``, then a cast) cost, per tensor at cp=2 on the H200
+(heads 16/16, a balanced rank of a 128K ProLong pack), 0.58 ms in the forward and 1.17
+in the backward's tail; the gather and ``sum_rows`` take 0.31 and 0.26 (a profile of the
+step: 2.9 ms of its 24 ms were ``index_copy_``).
 
 Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
 ``[T, Hkv, D]`` reduce-scatter buffer. The all-gather path (``gathered``) stays
@@ -26,8 +33,9 @@ Measured on 2 H200s at cp=2 (BENCHMARKS.md, cp_step, ProLong 128K tokens), all-g
 exchange, slowest rank ms: balanced heads 16/16 forward 6.30 -> 5.23 and forward+backward
 27.89 -> 24.42, heads 32/8 9.19 -> 8.75 and 42.52 -> 40.64; no_load_balance 16/16
 forward+backward 28.76 -> 24.83. Where the volume is the same (dual_chunk_swap) the
-exchange is 1-6 % slower (its index copies and the all-to-all against NCCL's ring
-collectives), hence the rule's margin (:data:`EXCHANGE_AT`).
+exchange was 1-6 % slower (its index copies and the all-to-all against NCCL's ring
+collectives), hence the rule's margin (:data:`EXCHANGE_AT`). These were measured before
+the gather and ``sum_rows`` replaced the scatters.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 
 from .. import distributed as cpdist
 from .kernels.per_plan import per_plan
-from .kernels.scratch import keys_read
+from .kernels.scratch import keys_read, sum_layers
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
 #: all-gather's ``(cp - 1) x T_local``; ``CPCOMPILE_KV_EXCHANGE`` overrides.
@@ -48,24 +56,28 @@ SETTINGS = ("auto", "always", "never")
 
 
 class Exchange(NamedTuple):
-    """One rank's exchange for one plan (``R`` keys read, ``cp`` ranks).
+    """One rank's exchange for one plan (``R`` keys read, ``cp`` ranks, ``L`` layers of sums).
 
     - ``k_start``: ``[P]`` int32, each piece's first key among the compact keys.
-    - ``local_src``, ``local_dst``: ``[n_own]`` int64, the rank's own rows that it reads,
-      and where they go among the compact keys.
-    - ``recv_dst``: ``[n_recv]`` int64, where the received rows go, in sender order.
+    - ``gather``: ``[R]`` int64, the compact keys' rows in the rank's own rows followed by
+      the received ones.
     - ``send_rows``: ``[n_send]`` int64, the local rows others read, in receiver order.
+    - ``recv_dst``: ``[n_recv]`` int64, the compact rows of the received keys, in sender order.
+    - ``sums``: ``[L, T_local]`` int64, the rows of ``[compact dK; returned dK; spare]``
+      each local row's gradient sums: its own compact row, then one layer per sender.
     - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
+    - ``idle``: no piece reads a key (``R`` is then 1: kernels need keys).
     """
 
     keys: int  # R
     k_start: torch.Tensor
-    local_src: torch.Tensor
-    local_dst: torch.Tensor
-    recv_dst: torch.Tensor
+    gather: torch.Tensor
     send_rows: torch.Tensor
+    recv_dst: torch.Tensor
+    sums: torch.Tensor
     recv_counts: list[int]
     send_counts: list[int]
+    idle: bool
 
 
 def exchange_setting() -> str:
@@ -92,6 +104,7 @@ class Reads(NamedTuple):
     - ``k_start``: ``[P]`` int32, each piece's first key among them (0 for pieces without keys).
     - ``owner``, ``local_row``: ``[R]`` int64, the rank holding each and its row there.
     - ``counts``: ``[cp]`` int64, how many each rank holds.
+    - ``idle``: no piece reads a key; ``rows`` is then physical row 0 alone (kernels need keys).
     """
 
     rows: torch.Tensor
@@ -99,6 +112,7 @@ class Reads(NamedTuple):
     owner: torch.Tensor
     local_row: torch.Tensor
     counts: torch.Tensor
+    idle: bool
 
 
 def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp: int) -> Reads:
@@ -106,8 +120,10 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
     ``gather_index [T]`` of ``cp`` ranks; finding ``R`` is a host sync."""
     t = gather_index.shape[0]
     read = keys_read(k_start, k_len, t)
-    read[0] |= ~read.any()  # a rank that reads nothing still gets one row: kernels need keys
-    rows = read.nonzero().squeeze(1)
+    count = int(read.sum())  # the host sync
+    if count == 0:
+        read[0] = True
+    rows = torch.nonzero_static(read, size=max(count, 1)).squeeze(1)
     compact = read.cumsum(0) - 1  # [T] each read key's compact row
     owner, local_row = gather_index[rows].div(t // cp, rounding_mode="floor"), gather_index[rows] % (t // cp)
     return Reads(
@@ -116,6 +132,7 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
         owner=owner,
         local_row=local_row,
         counts=torch.bincount(owner, minlength=cp),
+        idle=count == 0,
     )
 
 
@@ -149,36 +166,56 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     # the requests: this rank's row indices go out as it will receive the rows (recv_counts), and
     # come in as it will send them (send_counts)
     send_rows = cpdist.all_to_all_rows(mine.local_row[by_owner], send_counts, recv_counts, group)
+    r, t_local = mine.rows.shape[0], gather_index.shape[0] // cp
+    gather = mine.local_row.clone()
+    gather[by_owner] = t_local + torch.arange(by_owner.shape[0], device=gather.device)  # past the own rows
     return Exchange(
-        keys=mine.rows.shape[0],
+        keys=r,
         k_start=mine.k_start,
-        local_src=mine.local_row[own],
-        local_dst=own.nonzero().squeeze(1),
-        recv_dst=by_owner,
+        gather=gather,
         send_rows=send_rows,
+        recv_dst=by_owner,
+        sums=_sum_layers(mine.local_row[own], own.nonzero().squeeze(1), send_rows, send_counts, r, t_local),
         recv_counts=recv_counts,
         send_counts=send_counts,
+        idle=mine.idle,
     )
 
 
-def _fetch(x: torch.Tensor, ex: Exchange, group):
-    """Start bringing the read rows of ``x [T_local, H, D]`` together:
-    ``(compact [R, H, D] with the rank's own rows in place, received, work)``."""
-    received, work = cpdist.all_to_all_rows(
-        x.index_select(0, ex.send_rows), ex.recv_counts, ex.send_counts, group, async_op=True
-    )
-    compact = x.new_empty((ex.keys, *x.shape[1:]))
-    compact.index_copy_(0, ex.local_dst, x.index_select(0, ex.local_src))
-    return compact, received, work
+def _sum_layers(own_rows, own_compact, send_rows, send_counts: list[int], r: int, t_local: int) -> torch.Tensor:
+    """:attr:`Exchange.sums`: layer 0 the compact row of each local row the rank reads itself,
+    then per sender (rank order) the row where its sum for that local row is returned; the
+    returned rows follow the ``r`` compact ones, and the spare row (none) comes last."""
+    senders = [n for n in send_counts if n]
+    spare = r + sum(senders)
+    index = torch.full((1 + len(senders), t_local), spare, dtype=torch.int64, device=send_rows.device)
+    index[0, own_rows] = own_compact
+    start = 0
+    for layer, n in enumerate(senders, 1):  # each sender's rows are distinct: one per layer
+        index[layer, send_rows[start : start + n]] = r + start + torch.arange(n, device=index.device)
+        start += n
+    return index
 
 
 def _compact_kv(k, v, ex: Exchange, group):
     """k, v ``[T_local, Hkv, D]`` -> the compact keys and values ``[R, Hkv, D]`` this rank reads."""
-    pending = [_fetch(x, ex, group) for x in (k, v)]  # both in flight before either is waited for
+    pending = []
+    for x in (k, v):  # both in flight before either is waited for
+        both = x.new_empty((x.shape[0] + sum(ex.recv_counts), *x.shape[1:]))  # own rows, then the received
+        _, work = cpdist.all_to_all_rows(
+            x.index_select(0, ex.send_rows),
+            ex.recv_counts,
+            ex.send_counts,
+            group,
+            async_op=True,
+            out=both[x.shape[0] :],
+        )
+        both[: x.shape[0]].copy_(x)  # while the rows travel
+        pending.append((both, work))
     out = []
-    for compact, received, work in pending:
+    for both, work in pending:
         work.wait()
-        out.append(compact.index_copy_(0, ex.recv_dst, received))
+        out.append(both.index_select(0, ex.gather))
     return out
 
 
@@ -191,23 +228,34 @@ def forward(kernel, q, k, v, ex: Exchange, cu_q, k_len, group, **kw):
 def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, **kw):
     """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]``, summed over ranks."""
     k_read, v_read = _compact_kv(k, v, ex, group)  # re-fetched, not saved by the forward
+    # per tensor one buffer: the compact keys' sums (the kernel's), the sums other ranks return
+    # (received in place), and the spare row; at least float32, rounded once at the end
+    r, returned = ex.keys, sum(ex.send_counts)
+    acc = torch.promote_types(k.dtype, torch.float32)
+    sums = [k.new_empty((r + returned + 1, *k.shape[1:]), dtype=acc) for _ in range(2)]
+    if ex.idle:  # the kernel writes the rows of keys that are read: here none
+        for s in sums:
+            s[:r].zero_()
     pack_keys = k.shape[0] * group.size()  # what the kernel's scratch is budgeted against
-    dq, dk_read, dv_read = kernel.backward(
-        dout, q, k_read, v_read, out, lse, cu_q, ex.k_start, k_len, pack_keys=pack_keys, **kw
+    dq, _, _ = kernel.backward(
+        *(dout, q, k_read, v_read, out, lse, cu_q, ex.k_start, k_len),
+        dkv_out=(sums[0][:r], sums[1][:r]),
+        pack_keys=pack_keys,
+        **kw,
     )
-    # float32 partial sums of other ranks' rows go back to their owners, both in flight at once
-    returns = [
-        cpdist.all_to_all_rows(g.index_select(0, ex.recv_dst), ex.send_counts, ex.recv_counts, group, async_op=True)
-        for g in (dk_read, dv_read)
+    returns = [  # other ranks' rows go back to their owners, both in flight at once
+        cpdist.all_to_all_rows(
+            s[:r].index_select(0, ex.recv_dst),
+            ex.send_counts,
+            ex.recv_counts,
+            group,
+            async_op=True,
+            out=s[r : r + returned],
+        )  # fmt: skip
+        for s in sums
     ]
     grads = []
-    for g, (received, work) in zip((dk_read, dv_read), returns):
-        total = g.new_zeros((k.shape[0], *g.shape[1:]))
-        total.index_copy_(0, ex.local_src, g.index_select(0, ex.local_dst))
+    for s, (_, work) in zip(sums, returns):
         work.wait()
-        start = 0
-        for n in ex.send_counts:  # one sender at a time: its rows are distinct
-            total.index_add_(0, ex.send_rows[start : start + n], received[start : start + n])
-            start += n
-        grads.append(total.to(k.dtype))
+        grads.append(sum_layers(s, ex.sums, r + returned, torch.empty_like(k)))  # own, then senders in order
     return dq, *grads

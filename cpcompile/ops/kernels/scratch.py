@@ -120,12 +120,27 @@ def add_back(
     """
     index = scratch.index if key_order is None else _columns(scratch.index, key_order)
     rows = None if out is None else _rows(scratch.read, key_order, scratch.num_read)
+    return sum_layers(partial, index, scratch.rows, out, rows)
+
+
+def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None) -> torch.Tensor:
+    """``out[k] = sum over l of partial[index[l, k]]``: ``partial [n, H, D]``, ``index [L, Tk]``
+    int64 (``spare``, a row of ``partial``: none), summed in at least float32, in layer order.
+
+    ``out``: ``[Tk, H, D]`` to write, in its dtype (default: a new float32 one); ``rows``:
+    ``[m]`` int64, the only rows of ``out`` computed (its others are kept). On CUDA one
+    ``sum_rows`` kernel; elsewhere torch gathers, reading ``partial[spare]`` zeroed.
+    """
     if sum_rows.available(partial):
-        return sum_rows.sum_rows(partial, index, scratch.rows, out, rows)
-    partial[scratch.rows].zero_()  # the gathers' source where a layer has no row
+        return sum_rows.sum_rows(partial, index, spare, out, rows)
+    partial[spare].zero_()  # the gathers' source where a layer has no row
+    acc = torch.promote_types(partial.dtype, torch.float32)
     if out is None:
-        return torch.sum(partial[index], dim=0, dtype=torch.float32)
-    out[rows] = torch.sum(partial[index[:, rows]], dim=0, dtype=torch.float32)
+        return torch.sum(partial[index], dim=0, dtype=acc)
+    if rows is None:
+        out.copy_(torch.sum(partial[index], dim=0, dtype=acc))
+    else:
+        out[rows] = torch.sum(partial[index[:, rows]], dim=0, dtype=acc).to(out.dtype)
     return out
 
 

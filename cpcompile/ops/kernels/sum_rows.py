@@ -40,7 +40,8 @@ if triton is not None:
         block: tl.constexpr,
         some: tl.constexpr,
     ):
-        # partial [R, width], index [num_layers, num_keys] int64, out [num_keys, width] float32;
+        # partial [R, width], index [num_layers, num_keys] int64, out [num_keys, width] (the sum is
+        # float32, rounded once to out's dtype on the store);
         # program (key, column block), the key the program's own or, with ``some``, keys[program]
         if some:
             key = tl.load(keys + tl.program_id(0))
@@ -58,10 +59,11 @@ if triton is not None:
 
 def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, keys=None) -> torch.Tensor:
     """``partial [R, H, D]``, ``index [L, Tk]`` int64 rows of ``partial`` (``spare``: none)
-    -> ``[Tk, H, D]`` float32, ``out[k] = sum over l of partial[index[l, k]]``.
+    -> ``[Tk, H, D]``, ``out[k] = sum over l of partial[index[l, k]]``, summed in float32.
 
-    ``out``: the ``[Tk, H, D]`` float32 tensor to write (default: a new one); ``keys``:
-    ``[n]`` int64, the only rows computed and written (``out``'s others are kept).
+    ``out``: the ``[Tk, H, D]`` tensor to write, float32 or a dtype to round the sums to
+    once (default: a new float32 one); ``keys``: ``[n]`` int64, the only rows computed and
+    written (``out``'s others are kept).
     """
     num_layers, num_keys = index.shape
     partial, index = partial.contiguous(), index.contiguous()
@@ -71,9 +73,9 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, k
         if keys is not None:
             raise ValueError("sum_rows: keys needs out, the tensor whose other rows it keeps")
         out = torch.empty(shape, dtype=torch.float32, device=partial.device)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != partial.device:
+    elif out.shape != shape or not out.is_floating_point() or not out.is_contiguous() or out.device != partial.device:
         raise ValueError(
-            f"sum_rows: out must be a contiguous float32 {list(shape)} on {partial.device}, "
+            f"sum_rows: out must be a contiguous floating-point {list(shape)} on {partial.device}, "
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
     block = min(triton.next_power_of_2(width), 1024)

@@ -143,6 +143,26 @@ def test_exchange_rule():
     assert use_exchange([[10, 10], [10, 10]], 10, "always") and not use_exchange([[10, 0], [0, 10]], 10, "never")
 
 
+def test_exchange_sums_take_own_rows_then_senders_in_rank_order():
+    """Each local row's gradient parts, by layer: its own compact sum, then each sender's
+    returned one in rank order (a fixed order: deterministic sums)."""
+    from cpcompile.ops.exchange import _sum_layers
+
+    # 5 local rows; the rank reads rows 0 and 3 itself (compact rows 2 and 0); 4 compact keys;
+    # rank 0 returns rows 3, 4 and rank 2 returns row 3 (rank 1, this one, and rank 3 send none)
+    own_rows, own_compact = torch.tensor([0, 3]), torch.tensor([2, 0])
+    send_rows, send_counts = torch.tensor([3, 4, 3]), [2, 0, 1, 0]
+    spare = 4 + 3
+    want = torch.tensor(
+        [
+            [2, spare, spare, 0, spare],  # own
+            [spare, spare, spare, 4, 5],  # rank 0's, returned at rows 4 and 5
+            [spare, spare, spare, 6, spare],  # rank 2's, at row 6
+        ]
+    )
+    assert torch.equal(_sum_layers(own_rows, own_compact, send_rows, send_counts, 4, 5), want)
+
+
 def test_exchange_setting_is_checked(single_rank_group, monkeypatch):
     cu, _, q, k, v, _ = _case([3, 9, 4])
     monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "sometimes")

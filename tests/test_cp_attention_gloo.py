@@ -42,6 +42,17 @@ def _global_case(lengths, hq, hkv, d, seed):
     return cu, q, k, v, dout
 
 
+def _fp64_reference(cu, sharded, q, k, v, dout, causal: bool):
+    """float64 attention and its gradients on the padded physical buffer, rows in physical
+    order (the rank's are at ``sharded.indices``)."""
+    phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
+    n = int(sharded.cu_seqlens_padded[-1])
+    full = [t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double() for t in (q, k, v, dout)]
+    leaves = [t.requires_grad_() for t in full[:3]]
+    ref = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
+    return ref, torch.autograd.grad(ref, leaves, full[3])
+
+
 def _check_rank(rank: int, world: int) -> None:
     for case, (spec, causal, (hq, hkv)) in enumerate(
         (s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2))
@@ -52,19 +63,7 @@ def _check_rank(rank: int, world: int) -> None:
         sharded = cpcompile.shard_batch(
             {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec
         )
-        # float64 reference on the padded physical buffer, sharded by the same layout
-        phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
-        n = int(sharded.cu_seqlens_padded[-1])
-        full = {
-            name: t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double().requires_grad_()
-            for name, t in (("q", q), ("k", k), ("v", v))
-        }
-        ref = attention_fp64(
-            full["q"], full["k"], full["v"], cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded
-        )
-        dout_full = dout.new_zeros((n, *dout.shape[1:])).index_copy_(0, phys, dout).double()
-        ref_grads = torch.autograd.grad(ref, list(full.values()), dout_full)
-
+        ref, ref_grads = _fp64_reference(cu, sharded, q, k, v, dout, causal)
         local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
         out = cpcompile.cp_attention(
             local["q"],
@@ -141,6 +140,34 @@ def _masks_share_a_plan(rank: int, world: int) -> None:
 def test_causal_and_full_layers_share_a_plan(kv, monkeypatch):
     monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)
     run_ranks(_masks_share_a_plan, 2)
+
+
+def _ranks_that_read_nothing(rank: int, world: int) -> None:
+    """Packs where some ranks hold only padding (their pieces read no key), through the
+    sparse exchange: those ranks still take part, with zero gradients for their rows."""
+    cases = [("no_load_balance", [1]), ("no_load_balance", [2]), ("balanced", [1]), ("dual_chunk_swap", [1, 1, 1])]
+    for case, (name, lengths) in enumerate(cases):
+        spec = cpcompile.StrategySpec(cpcompile.Strategy(name))
+        cu, q, k, v, dout = _global_case(lengths, 4, 2, 8, seed=case)
+        for causal in (True, False):
+            sharded = cpcompile.shard_batch(
+                {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec
+            )
+            local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
+            out = cpcompile.cp_attention(
+                *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=spec, causal=causal
+            )
+            grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
+            want, want_grads = _fp64_reference(cu, sharded, q, k, v, dout, causal)
+            label = f"rank {rank}/{world} {name} {lengths} causal={causal}"
+            assert relative_error(out, want[sharded.indices]) < TOLERANCE, f"out {label}"
+            for n, got, w in zip("qkv", grads, want_grads):
+                assert relative_error(got, w[sharded.indices]) < TOLERANCE, f"d{n} {label}"
+
+
+def test_ranks_that_read_nothing(monkeypatch):
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "always")
+    run_ranks(_ranks_that_read_nothing, 3)
 
 
 def _ranks_disagree(rank: int, world: int) -> None:

@@ -17,12 +17,6 @@ of counts, one all-to-all of row indices, a few host syncs), and each layer then
   ``sum_rows`` pass adds each local row's own sum and the returned ones, in sender
   order (deterministic), rounding once to the input dtype.
 
-Scattering into the compact keys (``index_copy_``) and adding the returned rows into
-zeroed float32 sums (``index_add_``, then a cast) cost, per tensor at cp=2 on the H200
-(heads 16/16, a balanced rank of a 128K ProLong pack), 0.58 ms in the forward and 1.17
-in the backward's tail; the gather and ``sum_rows`` take 0.31 and 0.26 (a profile of the
-step: 2.9 ms of its 24 ms were ``index_copy_``).
-
 Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
 ``[T, Hkv, D]`` reduce-scatter buffer. The all-gather path (``gathered``) stays
 for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the
@@ -30,12 +24,16 @@ same way on every rank, from the count matrix they all hold. The exchange is one
 collective each of K and V: ``CPCOMPILE_KV_CHUNKS`` pipelines the all-gather only.
 
 Measured on 2 H200s at cp=2 (BENCHMARKS.md, cp_step, ProLong 128K tokens), all-gather ->
-exchange, slowest rank ms: balanced heads 16/16 forward 6.30 -> 5.23 and forward+backward
-27.89 -> 24.42, heads 32/8 9.19 -> 8.75 and 42.52 -> 40.64; no_load_balance 16/16
-forward+backward 28.76 -> 24.83. Where the volume is the same (dual_chunk_swap) the
-exchange was 1-6 % slower (its index copies and the all-to-all against NCCL's ring
-collectives), hence the rule's margin (:data:`EXCHANGE_AT`). These were measured before
-the gather and ``sum_rows`` replaced the scatters.
+exchange, slowest rank ms: balanced heads 16/16 forward 6.17 -> 4.59 and forward+backward
+27.62 -> 21.89, heads 32/8 9.00 -> 8.34 and 41.98 -> 39.27; no_load_balance 16/16
+forward+backward 28.70 -> 22.21. At the same volume (dual_chunk_swap) the exchange is 1-4 %
+faster; striped's 0.98 of it, 1-2 % slower. :data:`EXCHANGE_AT` keeps a margin for cp > 2,
+where the all-to-all spans more GPUs (not measured).
+
+A first version scattered (``index_copy_`` into the compact keys, ``index_add_`` into
+zeroed float32 sums, then a cast): per tensor on the H200 at these sizes (16 KV heads),
+0.58 ms in the forward and 1.17 in the backward's tail, against 0.31 and 0.26 for the
+gather and ``sum_rows``; the step's forward+backward went 24.42 -> 21.89 ms.
 """
 
 from __future__ import annotations
@@ -63,8 +61,9 @@ class Exchange(NamedTuple):
       the received ones.
     - ``send_rows``: ``[n_send]`` int64, the local rows others read, in receiver order.
     - ``recv_dst``: ``[n_recv]`` int64, the compact rows of the received keys, in sender order.
-    - ``sums``: ``[L, T_local]`` int64, the rows of ``[compact dK; returned dK; spare]``
-      each local row's gradient sums: its own compact row, then one layer per sender.
+    - ``sums``: ``[L, T_local]`` int64, per layer the row of ``[compact sums; returned
+      sums; spare]`` that holds a part of each local row's gradient: layer 0 its own
+      compact row, then one layer per sender, in rank order (``spare``: no part).
     - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
     - ``idle``: no piece reads a key (``R`` is then 1: kernels need keys).
     """
@@ -121,9 +120,7 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
     t = gather_index.shape[0]
     read = keys_read(k_start, k_len, t)
     count = int(read.sum())  # the host sync
-    if count == 0:
-        read[0] = True
-    rows = torch.nonzero_static(read, size=max(count, 1)).squeeze(1)
+    rows = torch.nonzero_static(read, size=max(count, 1), fill_value=0).squeeze(1)  # none read: row 0
     compact = read.cumsum(0) - 1  # [T] each read key's compact row
     owner, local_row = gather_index[rows].div(t // cp, rounding_mode="floor"), gather_index[rows] % (t // cp)
     return Reads(
@@ -183,9 +180,11 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
 
 
 def _sum_layers(own_rows, own_compact, send_rows, send_counts: list[int], r: int, t_local: int) -> torch.Tensor:
-    """:attr:`Exchange.sums`: layer 0 the compact row of each local row the rank reads itself,
-    then per sender (rank order) the row where its sum for that local row is returned; the
-    returned rows follow the ``r`` compact ones, and the spare row (none) comes last."""
+    """:attr:`Exchange.sums` ``[L, T_local]`` int64. ``own_rows``, ``own_compact``: ``[n_own]``
+    int64, the local rows the rank reads itself and their compact rows (layer 0);
+    ``send_rows``: ``[n_send]`` int64, the local rows each sender's returned sums belong to,
+    ``send_counts[s]`` of them per rank in rank order (a layer per sender). The returned
+    rows follow the ``r`` compact ones; the spare row (no part) comes last."""
     senders = [n for n in send_counts if n]
     spare = r + sum(senders)
     index = torch.full((1 + len(senders), t_local), spare, dtype=torch.int64, device=send_rows.device)
@@ -245,17 +244,13 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, 
     )
     returns = [  # other ranks' rows go back to their owners, both in flight at once
         cpdist.all_to_all_rows(
-            s[:r].index_select(0, ex.recv_dst),
-            ex.send_counts,
-            ex.recv_counts,
-            group,
-            async_op=True,
-            out=s[r : r + returned],
-        )  # fmt: skip
+            s[:r].index_select(0, ex.recv_dst), ex.send_counts, ex.recv_counts, group, async_op=True, out=s[r:-1]
+        )
         for s in sums
     ]
     grads = []
-    for s, (_, work) in zip(sums, returns):
+    for s, x, (_, work) in zip(sums, (k, v), returns):
         work.wait()
-        grads.append(sum_layers(s, ex.sums, r + returned, torch.empty_like(k)))  # own, then senders in order
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+        grads.append(sum_layers(s, ex.sums, r + returned, out))  # own, then senders in rank order
     return dq, *grads

@@ -125,7 +125,7 @@ def backward(
     so that sums can go to a reduce-scatter in the all-gather's order as they are.
     ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
     sums are written into the others, in the buffers' dtype, and the buffers returned
-    (``scratch.place``; ``cp_attention``'s are float32, also for float64 inputs).
+    (``scratch.place``; the all-gather path's are float32, also for float64 inputs).
     ``pack_keys``: where ``k`` holds only the keys that are read (``exchange``), the pack's
     key count, which ``auto`` budgets the backward's scratch against; unused by the others."""
     acc = _acc_dtype(q.dtype)

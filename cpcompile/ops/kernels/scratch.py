@@ -125,13 +125,14 @@ def add_back(
 
 def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None) -> torch.Tensor:
     """``out[k] = sum over l of partial[index[l, k]]``: ``partial [n, H, D]``, ``index [L, Tk]``
-    int64 (``spare``, a row of ``partial``: none), summed in at least float32, in layer order.
+    int64 (``spare``, a row of ``partial``: none), summed in at least float32.
 
     ``out``: ``[Tk, H, D]`` to write, in its dtype (default: a new float32 one); ``rows``:
     ``[m]`` int64, the only rows of ``out`` computed (its others are kept). On CUDA one
-    ``sum_rows`` kernel; elsewhere torch gathers, reading ``partial[spare]`` zeroed.
+    ``sum_rows`` kernel (float32 sums); elsewhere, and for float64, torch gathers, reading
+    ``partial[spare]`` zeroed, and sums over the layers with ``torch.sum`` (deterministic).
     """
-    if sum_rows.available(partial):
+    if sum_rows.available(partial) and partial.dtype != torch.float64:
         return sum_rows.sum_rows(partial, index, spare, out, rows)
     partial[spare].zero_()  # the gathers' source where a layer has no row
     acc = torch.promote_types(partial.dtype, torch.float32)

@@ -1,4 +1,6 @@
-"""One GPU kernel for ``scratch.add_back``: each key's rows over all layers, summed once.
+"""One GPU kernel for ``scratch.sum_layers`` (the backward's add-back of per-piece dK/dV
+rows, and the sparse exchange's sums of returned ones): each key's rows over all layers,
+summed once.
 
 The torch ways were slower on the H200: gathering every key once per layer (the
 spare row where a layer has none) and summing the gathered ``[L, Tk, H, D]``

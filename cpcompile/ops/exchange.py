@@ -211,11 +211,11 @@ def _compact_kv(k, v, ex: Exchange, group):
         )
         both[: x.shape[0]].copy_(x)  # while the rows travel
         pending.append((both, work))
-    out = []
+    compact = []
     for both, work in pending:
         work.wait()
-        out.append(both.index_select(0, ex.gather))
-    return out
+        compact.append(both.index_select(0, ex.gather))
+    return compact
 
 
 def forward(kernel, q, k, v, ex: Exchange, cu_q, k_len, group, **kw):
@@ -251,6 +251,6 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, 
     grads = []
     for s, x, (_, work) in zip(sums, (k, v), returns):
         work.wait()
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        grads.append(sum_layers(s, ex.sums, r + returned, out))  # own, then senders in rank order
+        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+        grads.append(sum_layers(s, ex.sums, r + returned, total))  # own, then senders in rank order
     return dq, *grads

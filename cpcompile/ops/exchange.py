@@ -68,7 +68,6 @@ class Exchange(NamedTuple):
     - ``idle``: no piece reads a key (``R`` is then 1: kernels need keys).
     """
 
-    keys: int  # R
     k_start: torch.Tensor
     gather: torch.Tensor
     send_rows: torch.Tensor
@@ -122,7 +121,8 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
     count = int(read.sum())  # the host sync
     rows = torch.nonzero_static(read, size=max(count, 1), fill_value=0).squeeze(1)  # none read: row 0
     compact = read.cumsum(0) - 1  # [T] each read key's compact row
-    owner, local_row = gather_index[rows].div(t // cp, rounding_mode="floor"), gather_index[rows] % (t // cp)
+    gathered_row = gather_index[rows]  # all-gathered rows are rank-major: owner, then its row
+    owner, local_row = gathered_row // (t // cp), gathered_row % (t // cp)
     return Reads(
         rows=rows,
         k_start=torch.where(k_len > 0, compact[k_start.long()], 0).to(torch.int32),
@@ -146,6 +146,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     """
     group = cpdist.resolve_group(group_name)
     cp, rank = group.size(), group.rank()
+    t_local = gather_index.shape[0] // cp
     mine = reads(gather_index, k_start, k_len, cp)
     code = SETTINGS.index(choice) if choice in SETTINGS else -1
     shared = cpdist.all_gather_rows(torch.cat([mine.counts, mine.counts.new_full((1,), code)]), group)
@@ -154,7 +155,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     if min(codes) < 0 or max(codes) != min(codes):
         seen = sorted({SETTINGS[c] if c >= 0 else "(not one of them)" for c in codes})
         raise ValueError(f"CPCOMPILE_KV_EXCHANGE must be one of {SETTINGS} and the same on every rank, got {seen}")
-    if not use_exchange(matrix, gather_index.shape[0] // cp, choice):
+    if not use_exchange(matrix, t_local, choice):
         return None
     own = mine.owner == rank
     by_owner = torch.argsort(torch.where(own, -1, mine.owner), stable=True)[matrix[rank][rank] :]  # others', by owner
@@ -163,16 +164,16 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     # the requests: this rank's row indices go out as it will receive the rows (recv_counts), and
     # come in as it will send them (send_counts)
     send_rows = cpdist.all_to_all_rows(mine.local_row[by_owner], send_counts, recv_counts, group)
-    r, t_local = mine.rows.shape[0], gather_index.shape[0] // cp
     gather = mine.local_row.clone()
     gather[by_owner] = t_local + torch.arange(by_owner.shape[0], device=gather.device)  # past the own rows
     return Exchange(
-        keys=r,
         k_start=mine.k_start,
         gather=gather,
         send_rows=send_rows,
         recv_dst=by_owner,
-        sums=_sum_layers(mine.local_row[own], own.nonzero().squeeze(1), send_rows, send_counts, r, t_local),
+        sums=_sum_layers(
+            mine.local_row[own], own.nonzero().squeeze(1), send_rows, send_counts, gather.shape[0], t_local
+        ),
         recv_counts=recv_counts,
         send_counts=send_counts,
         idle=mine.idle,
@@ -229,7 +230,7 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, 
     k_read, v_read = _compact_kv(k, v, ex, group)  # re-fetched, not saved by the forward
     # per tensor one buffer: the compact keys' sums (the kernel's), the sums other ranks return
     # (received in place), and the spare row; at least float32, rounded once at the end
-    r, returned = ex.keys, sum(ex.send_counts)
+    r, returned = ex.gather.shape[0], sum(ex.send_counts)  # R compact keys, rows returned to this rank
     acc = torch.promote_types(k.dtype, torch.float32)
     sums = [k.new_empty((r + returned + 1, *k.shape[1:]), dtype=acc) for _ in range(2)]
     if ex.idle:  # the kernel writes the rows of keys that are read: here none

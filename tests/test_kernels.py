@@ -11,7 +11,9 @@ import torch
 
 import cpcompile
 from cpcompile.ops import kernels
-from cpcompile.ops.kernels import cudnn, reference
+from cpcompile.ops.kernels import cudnn, dead_rows, reference
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 
 
 def _pieces(seed: int):
@@ -93,11 +95,21 @@ def test_bucket_rounds_up_by_less_than_an_eighth():
 
 
 def test_live_rows_marks_rows_that_see_a_key():
-    from cpcompile.ops.kernels import flash
-
     cu_q = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
     k_len = torch.tensor([0, 4, 1], dtype=torch.int32)
-    assert flash.live_rows(cu_q, k_len, 5).tolist() == [False, False, True, True, True]
+    assert dead_rows.live_rows(cu_q, k_len, 5).tolist() == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("shape", [(100, 3), (70, 12, 128)])  # 1536 columns: a store of 1024, then 512
+def test_dead_rows_zero_sets_those_rows_alone(device, shape):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(shape, generator=g).to(torch.bfloat16)
+    live = torch.rand(shape[0], generator=g) < 0.7
+    live[:40] = True  # a program of 32 rows with none dead: it must store nothing
+    got = dead_rows.zero(t.to(device), live.to(device)).cpu()
+    assert torch.equal(got[live], t[live]) and (got[~live] == 0).all()
+    assert torch.equal(dead_rows.zero(t.to(device)[:, :2], live.to(device)).cpu(), got[:, :2])  # strided
 
 
 def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
@@ -137,22 +149,21 @@ def _prefix_pieces(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))]
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, device):
     """On CPU torch's gathers add back, on CUDA the ``sum_rows`` kernel."""
     from cpcompile.ops.kernels import scratch
 
     cu_q, k_start, k_len, num_keys = (t.to(device) if torch.is_tensor(t) else t for t in _prefix_pieces(seed))
     s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
-    want = [r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]
-    assert s.src.tolist() == [*want, 0] and s.rows == len(want)
     q_len = (cu_q[1:] - cu_q[:-1]).tolist()
-    live = [p for p, (m, n) in enumerate(zip(q_len, k_len.tolist())) if m and n]
+    rows = [n if m else 0 for m, n in zip(q_len, k_len.tolist())]  # pieces without query rows: no gradient
+    want = [r for start, n in zip(k_start.tolist(), rows) for r in range(start, start + n)]
+    assert s.src.tolist() == [*want, 0] and s.rows == len(want)
+    live = [p for p, n in enumerate(rows) if n]
     assert s.live.tolist() == live
-    assert (s.max_q, s.max_k) == (max((q_len[p] for p in live), default=0), int(k_len.max()))
-    assert s.cu.tolist() == [0, *k_len.cumsum(0).tolist()] and s.cu.dtype == torch.int32
+    assert (s.max_q, s.max_k) == (max((q_len[p] for p in live), default=0), max(rows))
+    assert s.cu.tolist() == [0, *torch.tensor(rows).cumsum(0).tolist()] and s.cu.dtype == torch.int32
     partial = torch.randn(s.rows + 1, 2, 3, dtype=torch.float64).to(torch.bfloat16)
     partial[s.rows] = float("nan")  # the spare row holds no gradient: it must not count
     summed = torch.zeros(num_keys, 2, 3, dtype=torch.float32)
@@ -171,15 +182,16 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     got = scratch.add_back(partial.to(device), s, order.to(device), out)
     assert got is out and torch.equal(got.cpu()[read[order]], summed[order][read[order]])
     assert (got.cpu()[~read[order]] == 7).all()
-    # a whole dK (kernels without scratch) the same way
+    # a whole dK (kernels without scratch) the same way, at the keys of every piece that reads some
     dense = torch.randn(num_keys, 2, 3, dtype=torch.float64).to(torch.bfloat16).to(device)
     assert torch.equal(scratch.place(dense, k_start, k_len).cpu(), dense.float().cpu())
+    read[[r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]] = True
     out = torch.full((num_keys, 2, 3), 7.0, device=device)
     got = scratch.place(dense, k_start, k_len, order.to(device), out).cpu()
     assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@CUDA
 def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
     from cpcompile.ops.kernels import sum_rows
 

@@ -18,9 +18,8 @@ packs of 128K tokens, balanced's slowest rank 0.655 -> 0.621 ms and 1.092 -> 1.0
 (heads 16/16), 1.206 -> 1.156 (32/8); single-device time within noise.
 
 A piece that sees no keys (padding) is an empty entry: cuDNN would write NaN
-rows for it, so its rows are left alone, and the outputs start as 0 (and lse as
--inf). That costs one memset where masking the rows afterwards took a broadcast
-pass 4x slower (0.18 ms per rank at cp=8 on the H200).
+rows for it, so its rows are left alone, and then set to 0 (``dead_rows``; lse
+starts as -inf).
 
 The backward writes dK/dV at their own ragged offsets. Where pieces are not causal
 and their key ranges are consecutive (``disjoint_keys``) those are the keys' rows.
@@ -52,6 +51,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import dead_rows
 from .chunks import row_chunks
 from .per_plan import per_plan
 from .scratch import add_back, place, scratch_rows
@@ -354,20 +354,27 @@ def forward(
     tq, hq, d = q.shape
     meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0])
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
-    # rows of pieces that see no keys are not entries: they keep these initial values
-    out = torch.empty_like(q) if disjoint_keys else torch.zeros_like(q)
-    stats = torch.full((tq, hq, 1), float("-inf"), device=q.device)
-    q_offset = meta.q_rows * (hq * d)
-    k_offset = meta.k_rows * k.stride(0)
+    out = torch.empty_like(q)
+    stats = torch.full((tq, hq, 1), float("-inf"), device=q.device)  # pieces that see no keys keep it
+    q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
     _run(
         _forward_graph(shape),
         {
             _Q: q, _K: k, _V: v, _O: out, _STATS: stats, _SEQ_Q: meta.seq_q, _SEQ_KV: meta.seq_kv,
-            _OFF_Q: q_offset, _OFF_K: k_offset, _OFF_V: k_offset, _OFF_O: q_offset, _OFF_STATS: meta.q_rows * hq,
+            _OFF_Q: q_offset, _OFF_K: k_offset, _OFF_V: k_offset, _OFF_O: q_offset,
+            _OFF_STATS: _offsets(meta.q_rows, hq),
         },
         q.device,
     )  # fmt: skip
+    if not disjoint_keys:  # whole documents: every row is an entry's
+        dead_rows.zero(out, dead_rows.live_rows(cu_q, k_len, tq))
     return out, stats.view(tq, hq).t().contiguous()
+
+
+@per_plan
+def _offsets(rows: torch.Tensor, stride: int) -> torch.Tensor:
+    """Entries' first ``rows`` as ragged offsets in elements (``stride`` per row); once per plan."""
+    return rows * stride
 
 
 @per_plan
@@ -411,6 +418,7 @@ def backward(
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
     tq, hq, d = q.shape
+    live = None if disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)  # before the pieces become chunks
     in_place = disjoint_keys and not causal  # each key read by one whole piece: dK/dV at its row
     if in_place:
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
@@ -421,12 +429,18 @@ def backward(
         rows = scratch.rows + 1  # and the spare row ``add_back`` takes
         max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
-    dq = torch.empty_like(q) if disjoint_keys else torch.zeros_like(q)  # as the forward's ``out``
-    dkc = torch.zeros(max(rows, 1), *k.shape[1:], dtype=k.dtype, device=k.device)
-    dvc = torch.zeros(max(rows, 1), *v.shape[1:], dtype=v.dtype, device=v.device)
-    q_offset = meta.q_rows * (hq * d)
-    k_offset = meta.k_rows * k.stride(0)
-    dk_offset = meta.dk_rows * dkc.stride(0)
+    dq = torch.empty_like(q)
+    # In place, keys no piece reads keep 0. A scratch's rows are each an entry's (``scratch_rows``) and
+    # cuDNN writes every key row of an entry, so only the spare row is zeroed: zeroing all of them
+    # took 2 x 50 us of a 4.8 ms balanced rank's forward+backward at cp=8 (heads 16/16, H200).
+    dkc, dvc = (
+        (torch.zeros if in_place else torch.empty)(max(rows, 1), *t.shape[1:], dtype=t.dtype, device=t.device)
+        for t in (k, v)
+    )
+    if not in_place:
+        dkc[-1].zero_(), dvc[-1].zero_()
+    q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
+    dk_offset = _offsets(meta.dk_rows, dkc.stride(0))
     stats = padded_lse(lse, meta.q_rows, meta.q_len, shape.b, shape.s_q)
     _run(
         _backward_graph(shape, bucket(tq), bucket(max(k.shape[0], rows))),
@@ -437,6 +451,8 @@ def backward(
         },
         q.device,
     )  # fmt: skip
+    if live is not None:  # as the forward's ``out``
+        dead_rows.zero(dq, live)
     dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
     if in_place:
         return dq, place(dkc, k_start, k_len, key_order, dk_out), place(dvc, k_start, k_len, key_order, dv_out)

@@ -15,17 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from . import dead_rows
 from .per_plan import per_plan
 from .scratch import add_back, place, scratch_rows
-
-
-@per_plan
-def live_rows(cu_q: torch.Tensor, k_len: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[Tq]`` bool: rows whose piece sees at least one key (the others output 0).
-
-    Built once per plan: every layer's call reuses it."""
-    q_len = (cu_q[1:] - cu_q[:-1]).long()
-    return torch.repeat_interleave(k_len > 0, q_len, output_size=num_rows)
 
 
 @per_plan
@@ -68,9 +60,9 @@ def forward(
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=k_len
     )
-    live = live_rows(cu_q, k_len, q.shape[0])
-    # in place: the kernel's fresh outputs, and a copy would double the pass over ``out``
-    return out.masked_fill_(~live[:, None, None], 0), lse.masked_fill_(~live[None, :], float("-inf"))
+    live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
+    # in place: the kernel's fresh outputs
+    return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
 
 
 def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -111,5 +103,4 @@ def backward(
     src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
     dq, dkc, dvc = _backward_call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
     dk, dv = add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)
-    live = live_rows(cu_q, k_len, q.shape[0])
-    return dq.masked_fill_(~live[:, None, None], 0), dk, dv
+    return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv

@@ -35,7 +35,8 @@ from .per_plan import per_plan
 class Scratch(NamedTuple):
     """Scratch rows of ``P`` pieces over ``Tk`` keys, in ``L`` layers, and the live pieces.
 
-    - ``cu``: ``[P + 1]`` int32, first scratch row of each piece (last: ``rows``).
+    - ``cu``: ``[P + 1]`` int32, first scratch row of each piece (last: ``rows``); a piece
+      without query rows has none (it adds no gradient), so each row is a live piece's.
     - ``src``: ``[rows + 1]`` int64, the key row behind each scratch row, then 0 for
       the spare row (``rows``).
     - ``index``: ``[L, Tk]`` int64, per layer, the scratch row holding each key's
@@ -86,11 +87,12 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     Key ranges must be disjoint or start at the same key, as every plan's are.
     """
     device = k_start.device
-    cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0, dtype=torch.int32)])  # [P + 1]
-    layer = layers(k_start, k_len)
-    k_len = k_len.long()
     q_len = (cu_q[1:] - cu_q[:-1]).long()
-    is_live = (q_len > 0) & (k_len > 0)
+    # a piece without query rows adds no gradient: it gets no rows, so every row is a live piece's
+    k_len = torch.where(q_len > 0, k_len.long(), 0)
+    cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).to(torch.int32)  # [P + 1]
+    layer = layers(k_start, k_len)
+    is_live = k_len > 0
     read = keys_read(k_start, k_len, num_keys)
     sizes = [is_live.sum(), (q_len * is_live).max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
     num_live, max_q, max_k, rows, num_layers, num_read = torch.stack(sizes).tolist()  # the host sync

@@ -174,18 +174,17 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     order = torch.randperm(num_keys, generator=torch.Generator().manual_seed(seed))
     got = scratch.add_back(partial.to(device), s, order.to(device))  # each key's sum at its place in ``order``
     assert torch.equal(got.cpu(), summed[order])
-    read = torch.zeros(num_keys, dtype=torch.bool)
-    read[want] = True
+    read = torch.zeros(num_keys, dtype=torch.bool)  # every piece's keys, also those without query rows (0)
+    read[[r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]] = True
     assert torch.equal(s.read.cpu(), read) and s.num_read == int(read.sum())
     # into a buffer: only the rows of keys that pieces read are written, the others kept
     out = torch.full((num_keys, 2, 3), 7.0, device=device)
     got = scratch.add_back(partial.to(device), s, order.to(device), out)
     assert got is out and torch.equal(got.cpu()[read[order]], summed[order][read[order]])
     assert (got.cpu()[~read[order]] == 7).all()
-    # a whole dK (kernels without scratch) the same way, at the keys of every piece that reads some
+    # a whole dK (kernels without scratch) the same way
     dense = torch.randn(num_keys, 2, 3, dtype=torch.float64).to(torch.bfloat16).to(device)
     assert torch.equal(scratch.place(dense, k_start, k_len).cpu(), dense.float().cpu())
-    read[[r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]] = True
     out = torch.full((num_keys, 2, 3), 7.0, device=device)
     got = scratch.place(dense, k_start, k_len, order.to(device), out).cpu()
     assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()

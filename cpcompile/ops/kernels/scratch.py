@@ -88,12 +88,12 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     """
     device = k_start.device
     q_len = (cu_q[1:] - cu_q[:-1]).long()
+    read = keys_read(k_start, k_len, num_keys)  # every piece's: their sums are written, 0 where no row adds
     # a piece without query rows adds no gradient: it gets no rows, so every row is a live piece's
     k_len = torch.where(q_len > 0, k_len.long(), 0)
     cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).to(torch.int32)  # [P + 1]
     layer = layers(k_start, k_len)
     is_live = k_len > 0
-    read = keys_read(k_start, k_len, num_keys)
     sizes = [is_live.sum(), (q_len * is_live).max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
     num_live, max_q, max_k, rows, num_layers, num_read = torch.stack(sizes).tolist()  # the host sync
     live = torch.sort((~is_live).to(torch.uint8), stable=True).indices[:num_live]

@@ -181,10 +181,28 @@ def test_cudnn_backward_in_row_chunks_within_twice_the_kernel_error(monkeypatch)
         assert _err(got, want) / want.abs().max().item() < 2.5e-2  # the baseline shares the add-back
 
 
+@_needs_cudnn
+def test_cudnn_backward_zeroes_dq_rows_no_chunk_writes():
+    """A causal piece may read fewer keys than it has rows (the kernel contract, ``reference``):
+    its first rows see none. Cut into row chunks, the first chunk then sees no key and is no
+    entry of cuDNN's call; its dQ rows must still come back 0, not as the buffer held them."""
+    cu, q, k, v, dout = _case([3000])
+    cu_q, k_start, k_len = cu, cu[:1], torch.tensor([600], dtype=torch.int32, device="cuda")
+    kw = {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 3000, "max_seqlen_k": 600}
+    out, lse = cudnn.forward(q, k, v, cu_q, k_start, k_len, **kw)
+    (chunk_cu, _, chunk_k_len), _ = cudnn.backward_pieces(cu_q, k_start, k_len, 3000, 3000, True)
+    assert chunk_cu[:3].tolist() == [0, 1500, 3000] and chunk_k_len[:2].tolist() == [0, 600]
+    _poison_allocator()
+    dq, _, _ = cudnn.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kw)
+    assert (dq[:1500] == 0).all()
+
+
 def _poison_allocator():
     """Leave NaN in the caching allocator's free memory, so that rows a kernel fails
     to write (padding pieces' outputs and gradients) show as NaN, not as lucky zeros."""
     torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed at once
+    # buffers of at most 1 MiB come from the allocator's small pool: poison it too
+    [torch.full((256 << 10,), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(128)]
 
 
 def _whole_pack(kernel, q, k, v, dout, cu, causal):

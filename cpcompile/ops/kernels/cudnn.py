@@ -418,7 +418,6 @@ def backward(
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
     tq, hq, d = q.shape
-    live = None if disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)  # before the pieces become chunks
     in_place = disjoint_keys and not causal  # each key read by one whole piece: dK/dV at its row
     if in_place:
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
@@ -428,6 +427,8 @@ def backward(
         meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)
         rows = scratch.rows + 1  # and the spare row ``add_back`` takes
         max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
+    # rows that no entry writes: the chunks', as a causal piece's first rows may see no key
+    live = None if disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     dq = torch.empty_like(q)
     # In place, keys no piece reads keep 0. A scratch's rows are each an entry's (``scratch_rows``) and

@@ -439,7 +439,8 @@ def backward(
         for t in (k, v)
     )
     if not in_place:
-        dkc[-1].zero_(), dvc[-1].zero_()
+        for t in (dkc, dvc):
+            t[-1].zero_()
     q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
     dk_offset = _offsets(meta.dk_rows, dkc.stride(0))
     stats = padded_lse(lse, meta.q_rows, meta.q_len, shape.b, shape.s_q)

@@ -158,6 +158,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     if not use_exchange(matrix, t_local, choice):
         return None
     own = mine.owner == rank
+    own_compact = torch.nonzero_static(own, size=matrix[rank][rank]).squeeze(1)  # its size known: no sync
     by_owner = torch.argsort(torch.where(own, -1, mine.owner), stable=True)[matrix[rank][rank] :]  # others', by owner
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
@@ -171,9 +172,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
         gather=gather,
         send_rows=send_rows,
         recv_dst=by_owner,
-        sums=_sum_layers(
-            mine.local_row[own], own.nonzero().squeeze(1), send_rows, send_counts, gather.shape[0], t_local
-        ),
+        sums=_sum_layers(mine.local_row[own_compact], own_compact, send_rows, send_counts, gather.shape[0], t_local),
         recv_counts=recv_counts,
         send_counts=send_counts,
         idle=mine.idle,

@@ -154,18 +154,23 @@ def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_or
     if out is None:
         grad = grad if key_order is None else grad[key_order]
         return grad.to(torch.promote_types(grad.dtype, torch.float32))
-    rows = _rows(_keys_read(k_start, k_len, grad.shape[0]), key_order)  # a host sync, once per plan
-    out[rows] = grad[rows if key_order is None else key_order[rows]].to(out.dtype)
+    rows, src = _placement(k_start, k_len, grad.shape[0], key_order)
+    out[rows] = grad[src].to(out.dtype)
     return out
+
+
+@per_plan
+def _placement(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int, key_order=None):
+    """:func:`place`'s rows of ``out`` (``[n]`` int64, :func:`_rows`) and the rows of the
+    gradient they take; once per plan (finding them is a host sync)."""
+    rows = _rows(keys_read(k_start, k_len, num_keys), key_order)
+    return rows, rows if key_order is None else key_order[rows]
 
 
 @per_plan
 def _columns(index: torch.Tensor, key_order: torch.Tensor) -> torch.Tensor:
     """``index [L, Tk]`` with its columns in ``key_order``; once per plan."""
     return index[:, key_order]
-
-
-_keys_read = per_plan(keys_read)
 
 
 @per_plan

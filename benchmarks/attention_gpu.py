@@ -47,15 +47,20 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
 
     Each timing queues ``calls`` calls back to back, as a training step queues its
     layers: the host's work per call is hidden behind the GPU's unless a call waits
-    for the GPU (a host sync), as it is in training. A single call from an idle GPU
-    would also count the host's work before its first kernel (0.4 ms per rank, on
-    the H200 at cp=8, 128K tokens).
+    for the GPU (a host sync) or takes the host longer than the GPU, as it is in
+    training. The start event is queued behind one more call, so the GPU is busy
+    when it starts: from an idle GPU it would also count the host's work before
+    the first call's kernels. On the H200 a rank's cuDNN forward takes the host
+    about 0.3 ms (cp=8, heads 16/16, 128K tokens); counted once per 4 calls, that
+    made the ranks' forward 2-7 % slower than the GPU ran it (one device's 4-8 ms
+    call: about 1 %).
     """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # the lead call: the GPU runs it while the host queues the timed ones
         start.record()
         for _ in range(calls):
             fn()
@@ -228,8 +233,9 @@ def main() -> None:
         f"{machine()}. Command: `{command()}`.",
         "",
         f"{args.tokens} tokens per pack from `{args.doclens.name}`, median of {args.packs} packs (each cell the "
-        "median over packs of a median of 5 timed runs). Efficiency = best single-GPU time / (cp x slowest "
-        "rank), the best single-GPU kernel timed again right before each layout's ranks (the H200 runs "
+        "median over packs of a median of 5 timed runs, each queued behind an untimed call: `timed`). "
+        "Efficiency = best single-GPU time / (cp x slowest rank), the best single-GPU kernel timed again "
+        "right before each layout's ranks (the H200 runs "
         "these kernels at its power cap, its clock moving between 1.74 and 1.98 GHz: a reference timed "
         "once, apart, differed by up to 11 % from the same kernel timed beside the ranks); short = pieces "
         "per rank under 128 query rows.",

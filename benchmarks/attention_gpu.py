@@ -156,7 +156,7 @@ def measure(
     def same_code(name: str):
         # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once:
         # timed apart, one forward differed by up to 10 % with its place in the run (BENCHMARKS.md)
-        return (name,) if backward else kernels.select(q, name).forward
+        return name if backward else kernels.select(q, name).forward
 
     singles = {"torch varlen_attn": torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)}
     single_ms = {"torch varlen_attn": timed(singles["torch varlen_attn"])}
@@ -180,11 +180,11 @@ def measure(
         read = rank_reads(plans, cp)
         first = first_of[same_code(name)]
         if first == name:
+            q_local = q[: n // cp]  # values do not matter, sizes and pieces do
+            bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
             reference = timed(best)  # in the GPU's power state of the ranks' timings (see ``main``)
             per_rank = []
             for rank, plan in enumerate(plans):
-                q_local = q[: n // cp]  # values do not matter, sizes and pieces do
-                bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
                 read_r = None if read is None else read[rank]
                 step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound, read_r)
                 per_rank.append(timed(step))

@@ -112,6 +112,23 @@ def test_dead_rows_zero_sets_those_rows_alone(device, shape):
     assert torch.equal(dead_rows.zero(t.to(device)[:, :2], live.to(device)).cpu(), got[:, :2])  # strided
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize(("rows", "heads"), [(100, 3), (130, 16)])  # programs of 64 rows, the last one partial
+def test_dead_rows_finish_transposes_statistics_and_clears_dead_rows(device, rows, heads):
+    g = torch.Generator().manual_seed(2)
+    out = torch.randn(rows, heads, 8, generator=g).to(torch.bfloat16)
+    stats = torch.randn(rows, heads, generator=g)
+    live = torch.rand(rows, generator=g) < 0.7
+    live[:64] = True  # a program with no dead row: it must store no output row
+    stats[~live] = float("nan")  # rows no entry wrote hold whatever the buffer held
+    got = out.to(device)
+    lse = dead_rows.finish(got, stats.to(device), live.to(device)).cpu()
+    expected = [[stats[r, h].item() if live[r] else float("-inf") for r in range(rows)] for h in range(heads)]
+    assert lse.is_contiguous() and lse.tolist() == expected
+    got = got.cpu()
+    assert torch.equal(got[live], out[live]) and (got[~live] == 0).all()
+
+
 def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
     q = torch.zeros(4, 2, 8)
     assert kernels.select(q) is reference

@@ -19,8 +19,8 @@ packs of 128K tokens, balanced's slowest rank 0.655 -> 0.621 ms and 1.092 -> 1.0
 (heads 16/16), 1.206 -> 1.156 (32/8); single-device time within noise.
 
 A piece that sees no keys (padding) is an empty entry: cuDNN would write NaN
-rows for it, so its rows are left alone, and then set to 0 (``dead_rows``; lse
-starts as -inf).
+rows for it, so its rows are left alone, and then set to 0, its lse to -inf, in
+the kernel that transposes the statistics (``dead_rows.finish``).
 
 The backward writes dK/dV at their own ragged offsets. Where pieces are not causal
 and their key ranges are consecutive (``disjoint_keys``) those are the keys' rows.
@@ -356,7 +356,7 @@ def forward(
     meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0])
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     out = torch.empty_like(q)
-    stats = torch.full((tq, hq, 1), float("-inf"), device=q.device)  # pieces that see no keys keep it
+    stats = torch.empty((tq, hq, 1), device=q.device)  # pieces that see no keys: set by ``finish``
     q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
     _run(
         _forward_graph(shape),
@@ -367,9 +367,7 @@ def forward(
         },
         q.device,
     )  # fmt: skip
-    if not disjoint_keys:  # whole documents: every row is an entry's
-        dead_rows.zero(out, dead_rows.live_rows(cu_q, k_len, tq))
-    return out, stats.view(tq, hq).t().contiguous()
+    return out, dead_rows.finish(out, stats.view(tq, hq), dead_rows.live_rows(cu_q, k_len, tq))
 
 
 @per_plan

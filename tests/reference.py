@@ -60,7 +60,7 @@ def layout_brute_force(doc_lengths_padded: list[int], cp: int, rank: int, strate
     return held
 
 
-def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128) -> list[list[int]]:
+def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tiles: int = 10, slack: int = 256):
     """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time."""
     total = sum(lengths)
     t = total // cp
@@ -82,30 +82,105 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128) -> list[l
             dealt.add(d)
     # 2. the rest, longest first, each in pair order 0, L-1, 1, L-2, ...; twice each token's
     # work counted as L + 1 (its document's mean), so a prefix's count never falls
-    seq, count2 = [], [0]
+    seq, seq_doc, count2 = [], [], [0]
     for d in order:
         if d not in dealt:
             n = lengths[d]
             for k in range(n):
                 seq.append(starts[d] + (k // 2 if k % 2 == 0 else n - 1 - k // 2))
+                seq_doc.append(d)
                 count2.append(count2[-1] + n + 1)
     # 3. rank r takes a front and a back range: the cut before rank r is the smallest F at which ranks
     # 0..r-1 (F tokens from the front, the rest from the back) have r / cp of the total work
     work = sum(n * (n + 1) // 2 for n in lengths)
     take = [t - len(h) for h in held]
+    taken = [sum(take[:r]) for r in range(cp + 1)]
+    wanted = [2 * (r * work - cp * sum(dealt_work[:r])) for r in range(cp + 1)]
     cuts = [0]
     for r in range(1, cp):
-        taken = sum(take[:r])
-        wanted = 2 * (r * work - cp * sum(dealt_work[:r]))
         f = next(
-            (f for f in range(taken + 1) if cp * (count2[f] + count2[-1] - count2[f + len(seq) - taken]) >= wanted),
-            taken,
+            (
+                f
+                for f in range(taken[r] + 1)
+                if cp * (count2[f] + count2[-1] - count2[f + len(seq) - taken[r]]) >= wanted[r]
+            ),
+            taken[r],
         )
         cuts.append(min(max(f, cuts[-1]), cuts[-1] + take[r - 1]))
     cuts.append(cuts[-1])
+    # 4. each front cut tries the splits of its document into whole head tiles and a tail starting on
+    # a tile, up to snap_tiles either side of the pair order's, for the one nearest the share of work
+    # with the back cut moved by as many tokens; it moves where that is within W / slack
+    at, doc_start = cuts, {}
+    for p, d in enumerate(seq_doc):
+        doc_start.setdefault(d, p)
+
+    def doc_at(p):
+        return seq_doc[min(max(p, 0), len(seq) - 1)]
+
+    def pair_split(p):  # (head, tail) tokens before p of its document in pair order
+        x = p - doc_start[doc_at(p)]
+        return (x + 1) // 2, x // 2
+
+    twice_before = {}  # document length -> twice the work of its first q tokens, q = 0..n, token by token
+    for n in set(lengths):
+        twice_before[n] = [0]
+        for q in range(n):
+            twice_before[n].append(twice_before[n][-1] + 2 * (q + 1))
+    moves = {}
+    for r in range(1, cp if seq and t >= 8 * (snap_tiles + 1) * tile else 1):
+        f = cuts[r]
+        d = doc_at(f)
+        n, x = lengths[d], f - doc_start[d]
+        if not 0 < x < n:
+            continue
+        best = None
+        for i in range(-snap_tiles, snap_tiles + 2):
+            for j in range(-snap_tiles, snap_tiles + 2):
+                h = ((x + 1) // 2) // tile * tile + i * tile
+                tl = n - (n - x // 2) // tile * tile + j * tile
+                pos = f - x + h + tl
+                back = pos + len(seq) - taken[r]
+                if h < 0 or tl < 0 or h + tl > n or back < pos or back > len(seq):
+                    continue
+                twice = count2[f - x] + twice_before[n][h] + twice_before[n][n] - twice_before[n][n - tl]
+                off = abs(cp * (twice + count2[-1] - count2[back]) - wanted[r])
+                if best is None or off < best[0]:
+                    best = (off, pos, h, tl)
+        if best is not None and best[0] <= 2 * cp * (work // (cp * slack)):
+            moves[r] = best[1:]
+    while seq:  # undo moves that break ranks' token counts, a document's cut order or meet a back cut
+        at = [0] + [moves[r][0] if r in moves else cuts[r] for r in range(1, cp)]
+        at.append(at[-1])
+        split = {r: moves[r][1:] if r in moves else pair_split(cuts[r]) for r in range(1, cp)}
+        near = {doc_at(g) for r in range(1, cp) for g in (at[r] + len(seq) - taken[r] + e for e in (-1, 0))}
+        bad = set()
+        for r in moves:
+            fronts_fit = 0 <= at[r] - at[r - 1] <= take[r - 1] and 0 <= at[r + 1] - at[r] <= take[r]
+            if not fronts_fit or doc_at(cuts[r]) in near:
+                bad.add(r)
+        for r in range(1, cp - 1):
+            if doc_at(cuts[r]) == doc_at(cuts[r + 1]) and any(a > b for a, b in zip(split[r], split[r + 1])):
+                bad |= {r, r + 1} & moves.keys()
+        if not bad:
+            break
+        for r in bad:
+            del moves[r]
+
+    # the tokens of document d before sequence position p: a moved cut's split, else the pair order's
+    def before(d, p):
+        if p in {moves[r][0] for r in moves} and doc_start[d] < p < doc_start[d] + lengths[d]:
+            _, h, tl = next(moves[r] for r in moves if moves[r][0] == p)
+            return {starts[d] + q for q in [*range(h), *range(lengths[d] - tl, lengths[d])]}
+        y = min(max(p - doc_start[d], 0), lengths[d])
+        return set(seq[doc_start[d] : doc_start[d] + y])
+
+    def tokens(a, b):
+        return [q for d in dict.fromkeys(seq_doc[a:b]) for q in before(d, b) - before(d, a)]
+
     for r in range(cp):
-        back_end = cuts[r] + len(seq) - sum(take[:r])
-        held[r] += seq[cuts[r] : cuts[r + 1]] + seq[back_end - (take[r] - cuts[r + 1] + cuts[r]) : back_end]
+        back_end = at[r] + len(seq) - taken[r]
+        held[r] += tokens(at[r], at[r + 1]) + tokens(back_end - (take[r] - at[r + 1] + at[r]), back_end)
     return [sorted(h) for h in held]
 
 

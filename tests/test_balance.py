@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 import cpcompile
-from cpcompile import Strategy, StrategySpec
+from cpcompile import Strategy, StrategySpec, balanced
 from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs
 from cpcompile.plan import max_pieces
 from tests.reference import balanced_brute_force
@@ -64,14 +64,38 @@ def _mixes() -> dict[str, list[int]]:
 @pytest.mark.parametrize("mix", list(_mixes()))
 def test_balanced_work_is_even(mix, cp):
     # Each cut is off the exact share by at most one token's step plus half of the
-    # two documents it falls in: 1.5 x the longest document, however long the pack.
+    # two documents it falls in: 1.5 x the longest document, however long the pack;
+    # a cut moved to tiles (step 4) adds at most W / SNAP_SLACK.
     lengths = _mixes()[mix]
     padded = cpcompile.pad_for_cp(_cu(lengths), cp_size=cp, strategy=BALANCED)
     work = _work(padded, cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED))
     total = int(work.sum())
     held = work.cumsum(0)[:-1]  # ranks 0..r-1
     share = torch.arange(1, cp) * total / cp
-    assert (held - share).abs().max() <= 1.5 * max(padded.diff().tolist())
+    assert (held - share).abs().max() <= 1.5 * max(padded.diff().tolist()) + total / (cp * balanced.SNAP_SLACK)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_balanced_front_cuts_move_to_tiles(seed, cp):
+    # 30 documents of 1000-8000 tokens (at least SNAP_MIN_TOKENS per rank), none dealt: step 4 moves
+    # front cuts, checked token by token against the brute force, and fewer pieces start off a tile.
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1000, 8000, (30,), generator=g).tolist()
+    assert sum(lengths) // cp >= balanced.SNAP_MIN_TOKENS
+    padded = cpcompile.pad_for_cp(_cu(lengths), cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), cp)
+
+    def off_tile(layout):  # pieces whose first token is not on a tile of its document
+        cu = padded.long()
+        doc = torch.searchsorted(cu, layout, right=True) - 1
+        first = torch.ones_like(layout, dtype=torch.bool)
+        first[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (layout[:, 1:] != layout[:, :-1] + 1)
+        return int(((layout - cu[doc]) % balanced.TILE != 0)[first].sum())
+
+    unmoved = balanced_brute_force(padded.diff().tolist(), cp, slack=10**12)  # only exact moves
+    assert off_tile(layout) < off_tile(torch.tensor(unmoved))
 
 
 def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Tensor, model: CostModel):

@@ -34,11 +34,11 @@ Algorithm (``t = T / cp`` tokens per rank, ``W`` = total causal work / cp):
 4. Each front cut then moves to a *tile-aligned split* of its document, where its
    head ends and its tail starts on the document's ``TILE``-token tiles (a piece
    starting off a tile has every query tile read one more, partly masked, key
-   tile): of the splits up to ``_SNAP_TILES`` tiles either side of the pair
-   order's, the one whose work, with the back cut moved by the same number of
-   tokens, is nearest the share; and only where that is within ``W / SNAP_SLACK``
-   of it, and ranks hold at least ``SNAP_MIN_TOKENS``. Back cuts fall in light
-   documents and stay where they are.
+   tile): of the splits whose head and tail are within about ``_SNAP_TILES``
+   tiles of the pair order's, the one whose work, with the back cut moved by the
+   same number of tokens, is nearest the share; and only where that is within
+   ``W / SNAP_SLACK`` of it, and ranks hold at least ``SNAP_MIN_TOKENS``. Back
+   cuts, in light documents, move by tokens only: they are not put on tiles.
 5. Each rank stores its runs in physical order.
 
 A document thus lands on a rank whole (one piece) or, where a cut falls in it, as
@@ -56,12 +56,12 @@ TILE = 128
 DEAL_BELOW = 4 * TILE
 #: A front cut moves to a tile-aligned split where ranks' work stays within W / SNAP_SLACK (step 4).
 SNAP_SLACK = 256
-#: Step 4 looks this many tiles either side of the pair order's split, for head and tail alike.
+#: Step 4 tries heads and tails from this many tiles below to one more above the pair order's (on tiles).
 _SNAP_TILES = 10
-#: Step 4 runs where a rank holds at least this many tokens: a move shifts the back cut by up
-#: to 2 (_SNAP_TILES + 1) TILE = 2816 tokens, and where that is more than a quarter of a rank it
-#: reshapes much of it (the cost model, on packs of one dominant document with 2-8K tokens per
-#: rank: slowest ranks up to 4.5 % slower; with 16K and more, 0-0.5 % faster).
+#: Step 4 runs where a rank holds at least this many tokens: a move shifts the back cut by up to
+#: about 2,900 tokens, and where that is more than a quarter of a rank it reshapes much of it (the
+#: cost model, on packs of one dominant document with 2-8K tokens per rank: slowest ranks up to
+#: 4.5 % slower; with 16K and more, 0-0.5 % faster).
 SNAP_MIN_TOKENS = 8 * (_SNAP_TILES + 1) * TILE
 _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] head or tail moves
 _SNAP_SUMS = torch.arange(4 * _SNAP_TILES + 3) * TILE  # [2K - 1] their sums, from the smallest
@@ -91,9 +91,10 @@ class _Sequence:
     def runs(self, starts: torch.Tensor, ends: torch.Tensor, splits=None) -> tuple[torch.Tensor, ...]:
         """Ranges ``[starts, ends)`` of the sequence as runs of document positions.
 
-        ``splits``: ``(position, head, tail)`` ``[C]`` each, positions ascending and
-        inside their documents: a range that starts or ends there splits its
-        document into ``head`` and ``tail`` tokens instead of the pair order's.
+        ``splits``: ``(position, head, tail)`` ``[C]`` each, positions ascending: a
+        range that starts or ends at one inside a document splits that document into
+        ``head`` and ``tail`` tokens instead of the pair order's (at a document's
+        start a split, which ended the document before, does not apply).
         Returns ``(range, doc, first, length)``, two runs (head, tail, either may be
         empty) per document a range overlaps, heads first.
         """
@@ -123,7 +124,7 @@ class _Sequence:
             return head, tail
         at, split_head, split_tail = splits
         i = torch.searchsorted(at, p).clamp(max=at.shape[0] - 1)
-        moved = at[i] == p
+        moved = (at[i] == p) & (x > 0)  # a split that ends its document is the next one's start
         return torch.where(moved, split_head[i], head), torch.where(moved, split_tail[i], tail)
 
 

@@ -176,7 +176,11 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tile
         return set(seq[doc_start[d] : doc_start[d] + y])
 
     def tokens(a, b):
-        return [q for d in dict.fromkeys(seq_doc[a:b]) for q in before(d, b) - before(d, a)]
+        held = []
+        for d in dict.fromkeys(seq_doc[a:b]):
+            assert before(d, a) <= before(d, b), "a document's splits must nest"
+            held += before(d, b) - before(d, a)
+        return held
 
     for r in range(cp):
         back_end = at[r] + len(seq) - taken[r]

@@ -85,6 +85,7 @@ def test_balanced_front_cuts_move_to_tiles(seed, cp):
     assert sum(lengths) // cp >= balanced.SNAP_MIN_TOKENS
     padded = cpcompile.pad_for_cp(_cu(lengths), cp_size=cp, strategy=BALANCED)
     layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
     assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), cp)
 
     def off_tile(layout):  # pieces whose first token is not on a tile of its document
@@ -96,6 +97,33 @@ def test_balanced_front_cuts_move_to_tiles(seed, cp):
 
     unmoved = balanced_brute_force(padded.diff().tolist(), cp, slack=10**12)  # only exact moves
     assert off_tile(layout) < off_tile(torch.tensor(unmoved))
+
+
+def test_balanced_moved_cut_at_a_document_end():
+    # A cut moved to take its whole document ends where the next document starts: that one's
+    # pieces must not take the moved cut's split (a review found tokens lost, others held twice).
+    lengths = [7097, 4221, 7936, 3267, 6465, 6839, 3530, 1095, 4911, 6688, 5171, 3867, 3090, 2955, 7272]
+    lengths += [5696, 3780, 7304, 5358, 4090, 1211, 5262, 5700, 7450, 6543, 6705, 4225, 5032, 5141, 2905]
+    padded = cpcompile.pad_for_cp(_cu(lengths), cp_size=4, strategy=BALANCED)
+    layout = cpcompile.all_partition_indices(padded, cp_size=4, strategy=BALANCED)
+    assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
+    assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), 4)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    lengths=st.lists(
+        st.one_of(st.integers(0, 127), st.integers(128, 9000), st.integers(20000, 120000)), min_size=1, max_size=40
+    ),
+    cp=st.integers(2, 8),
+)
+def test_balanced_covers_every_token_once_on_large_packs(lengths, cp):
+    # Packs with enough tokens per rank for step 4, one dominant document included: the layout
+    # alone (no brute force, so many packs) holds every token once.
+    lengths = [*lengths, max(0, balanced.SNAP_MIN_TOKENS * cp - sum(lengths))]
+    padded = cpcompile.pad_for_cp(_cu(lengths), cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
 
 
 def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Tensor, model: CostModel):

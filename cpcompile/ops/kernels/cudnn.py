@@ -20,7 +20,9 @@ packs of 128K tokens, balanced's slowest rank 0.655 -> 0.621 ms and 1.092 -> 1.0
 
 A piece that sees no keys (padding) is an empty entry: cuDNN would write NaN
 rows for it, so its rows are left alone, and then set to 0, its lse to -inf, in
-the kernel that transposes the statistics (``dead_rows.finish``).
+the kernel that transposes the statistics (``dead_rows.finish``). Every other
+row's statistics are cuDNN's: plans never make a causal piece with keys but
+fewer than its rows (whose first rows would see none).
 
 The backward writes dK/dV at their own ragged offsets. Where pieces are not causal
 and their key ranges are consecutive (``disjoint_keys``) those are the keys' rows.

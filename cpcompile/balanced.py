@@ -173,10 +173,8 @@ def _align(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.Tenso
     ranks ``0..r-1`` keep within ``slack`` of their work (``work_target`` as in :func:`_front_cuts`).
 
     Returns the cuts ``[cp + 1]`` and the moved ones as ``(position, head, tail)`` for
-    :meth:`_Sequence.runs` (``None`` if there are none).
+    :meth:`_Sequence.runs` (``None`` if there are none). Needs ``cp > 1`` and a sequence.
     """
-    if cp == 1 or not seq.tokens:
-        return torch.tensor(cuts), None
     exact = torch.tensor(cuts[1:-1])  # [cp - 1]
     d = seq.doc_at(exact)
     n, x = seq.lengths[d], exact - seq.starts[d]
@@ -254,11 +252,9 @@ def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tens
     dealt_work = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * (dealt_len + 1) // 2)
     total_work = int(seq.work_before[-1] + dealt_work.sum())
     work_target = total_work - cp * dealt_work
-    cuts = _front_cuts(seq, cp, take, work_target)
-    if t_local >= SNAP_MIN_TOKENS:
-        front, splits = _align(seq, cp, take, work_target, cuts, total_work // (cp * SNAP_SLACK))
-    else:
-        front, splits = torch.tensor(cuts), None
+    front, splits = torch.tensor(_front_cuts(seq, cp, take, work_target)), None
+    if cp > 1 and seq.tokens and t_local >= SNAP_MIN_TOKENS:
+        front, splits = _align(seq, cp, take, work_target, front.tolist(), total_work // (cp * SNAP_SLACK))
     back = front + seq.tokens - torch.cat([take.new_zeros(1), take.cumsum(0)])  # G_r: every rank gets `take`
 
     # ranges in the order (rank 0 front, rank 0 back, rank 1 front, ...)

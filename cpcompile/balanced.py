@@ -1,7 +1,7 @@
 """The BALANCED layout: equal tokens and equal causal attention work on every rank.
 
 Design constraint: a deterministic pure function of ``(cu_seqlens_padded, cp_size)``
-that every rank computes alone, fast enough for a data loader (about 1.5 ms for
+that every rank computes alone, fast enough for a data loader (about 1.8 ms for
 100K tokens in 1,000 documents). It chooses cut points from document lengths, so
 it reads ``cu_seqlens_padded`` on the host: on CUDA that is one host sync
 (:func:`balanced_layout` copies the offsets to the CPU and moves the layout back).
@@ -11,34 +11,48 @@ The custom op ``cpcompile::balanced_layout`` wraps it so that tracing sees a
 The layout uses padded lengths as document lengths: BALANCED pads only the total,
 so the padding (fewer than ``cp`` tokens) counts as part of the last document.
 
-Algorithm (``t = T / cp`` tokens per rank, ``W`` = total causal work / cp):
+Algorithm (``t = T / cp`` tokens per rank, ``W`` = total work / cp):
+
+*Work* is what a causal kernel with ``s x s`` tiles does: the area of the tiles a
+document's query tiles visit, ``s**2 x tiles(L)``. With ``s = 1`` that is the
+attention pairs ``L (L + 1) / 2``. Where ranks hold at least ``SNAP_MIN_TOKENS``
+the layout counts kernel tiles (``s = TILE``): a rank's kernel time follows its
+tiles more than its pairs. On the H200 (cuDNN, cp=8), ranks with the same pairs
+ran up to 8 % apart, the slowest the one holding a long document's last, partial
+query tile, which reads every key tile for a few rows; their tiles told them apart
+(r = 0.74-0.94 over a pack's 8 ranks). Below that, pieces are too short to keep on
+tiles and it counts pairs (``s = 1``).
 
 1. Short documents (fewer than ``4 * TILE`` tokens) are never cut. Sorted by
    length they are dealt in rounds of ``cp``, one per rank, in snake order
    (0..cp-1, then cp-1..0), as long as every rank keeps room for them; so every
    rank holds the same number and mix of them, and with it the same kernel-tile
    waste that short documents cause.
-2. The other documents form one sequence, longest first, each read in *pair
-   order* ``0, L-1, 1, L-2, ...``: every two tokens carry ``L + 1`` causal work
-   (dual_chunk_swap's idea), so any run of it is a head piece plus a mirrored
-   tail piece, and work per token never rises along the sequence (a whole
+2. The other documents form one sequence, densest first (twice the work per
+   token, rounded up: ``rate = ceil(2 work / L)``, with pairs ``L + 1``, so longest
+   first), each read in *pair order* ``0, L-1, 1, L-2, ...``, a token counted at
+   ``rate / 2``. Two tokens carry ``L + 1`` pairs (dual_chunk_swap's idea), so any
+   run of the sequence is a head piece plus a mirrored tail piece with about its
+   share of the work, and work per token never rises along the sequence (a whole
    document in a run is one piece again: its head and tail meet).
 3. Rank ``r`` takes a front range ``[F_r, F_{r+1})`` (dense, long documents) and
    a back range ``[G_{r+1}, G_r)`` (light ones) of the sequence, with as many
    tokens as its dealt documents leave free. Each cut ``F_r`` is found
    independently: the smallest position where ranks ``0..r-1`` hold ``r / cp`` of
-   the total work, counting a partly taken document's work as proportional to its
-   tokens (exact for whole pairs; so each cut is within 1.5 x the longest document
-   of the exact share). That count never falls as ``F_r`` grows, so a vectorized
-   64-way search finds the cut exactly.
-4. Each front cut then moves to a *tile-aligned split* of its document, where its
-   head ends and its tail starts on the document's ``TILE``-token tiles (a piece
-   starting off a tile has every query tile read one more, partly masked, key
-   tile): of the splits whose head and tail are within about ``_SNAP_TILES``
-   tiles of the pair order's, the one whose work, with the back cut moved by the
-   same number of tokens, is nearest the share; and only where that is within
-   ``W / SNAP_SLACK`` of it, and ranks hold at least ``SNAP_MIN_TOKENS``. Back
-   cuts, in light documents, move by tokens only: they are not put on tiles.
+   the total work, as step 2 counts it (exact for whole documents; with pairs,
+   each cut is within 1.5 x the longest document of the exact share). That count
+   never falls as ``F_r`` grows, so a vectorized 64-way search finds the cut exactly.
+4. Where ranks hold at least ``SNAP_MIN_TOKENS``, each front cut then moves to a
+   *tile-aligned split* of its document: its head ends on one of the document's
+   ``TILE``-token tiles and its tail, if any, starts on one (a piece starting off
+   a tile has every query tile read one more, partly masked, key tile). A split's
+   work is counted exactly, the last, partial tile's with the tail. Candidates:
+   heads and tails within about ``_SNAP_TILES`` tiles of the pair order's, the back
+   cut moved by as many tokens. Cuts in order take the first of their
+   ``_SNAP_TRIES`` candidates nearest the share that is within ``W / SNAP_SLACK``
+   of it and consistent with the cuts before: ranks keep their tokens, a
+   document's splits nest, and no back cut falls in a moved cut's document.
+   Back cuts, in light documents, move by tokens only: they are not put on tiles.
 5. Each rank stores its runs in physical order.
 
 A document thus lands on a rank whole (one piece) or, where a cut falls in it, as
@@ -55,27 +69,42 @@ TILE = 128
 #: Documents shorter than this are dealt whole (step 1).
 DEAL_BELOW = 4 * TILE
 #: A front cut moves to a tile-aligned split where ranks' work stays within W / SNAP_SLACK (step 4).
-SNAP_SLACK = 256
+SNAP_SLACK = 128
 #: Step 4 tries heads and tails from this many tiles below to one more above the pair order's (on tiles).
 _SNAP_TILES = 10
-#: Step 4 runs where a rank holds at least this many tokens: a move shifts the back cut by up to
-#: about 2,900 tokens, and where that is more than a quarter of a rank it reshapes much of it (the
-#: cost model, on packs of one dominant document with 2-8K tokens per rank: slowest ranks up to
-#: 4.5 % slower; with 16K and more, 0-0.5 % faster).
+#: Work counts tiles, and front cuts move to them (step 4), where a rank holds at least this many
+#: tokens: a front cut's move shifts the back cut by up to about 2,900 tokens, and where that is more
+#: than a quarter of a rank it reshapes much of it (the cost model, on packs of one dominant document
+#: with 2-8K tokens per rank: slowest ranks up to 4.5 % slower; with 16K and more, 0-0.5 % faster).
 SNAP_MIN_TOKENS = 8 * (_SNAP_TILES + 1) * TILE
 _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] head or tail moves
-_SNAP_SUMS = torch.arange(4 * _SNAP_TILES + 3) * TILE  # [2K - 1] their sums, from the smallest
+#: Step 4 tries this many of a front cut's candidates, nearest the share first.
+_SNAP_TRIES = 32
 _SEARCH_WAYS = 64
 
 
-class _Sequence:
-    """The cut-able documents in sequence order (step 2) and their cumulative work."""
+def causal_tiles(rows, offset, block_q: int = TILE, block_k: int = TILE):
+    """Key tiles a causal kernel of ``block_q x block_k`` tiles (``block_q`` a multiple of ``block_k``)
+    visits for a piece of ``rows`` query rows whose first is ``offset`` tokens into its document (int64
+    tensors of any shapes, or ints): its query tiles start at its first row, its key tiles at the
+    document's start."""
+    m, n = block_q, block_k
+    full, rest = rows // m, rows % m
+    # full block b ends at row (b + 1) m: ceil((o + (b + 1) m) / n) = ceil(o / n) + (b + 1) m / n
+    tiles = full * ((offset + n - 1) // n) + (m // n) * full * (full + 1) // 2
+    return tiles + (rest > 0) * ((offset + rows + n - 1) // n)
 
-    def __init__(self, lengths: torch.Tensor) -> None:
-        self.lengths = lengths  # [D] int64, longest first
+
+class _Sequence:
+    """The cut-able documents in sequence order (step 2) and their cumulative work, doubled."""
+
+    def __init__(self, lengths: torch.Tensor, rate: torch.Tensor, tile: int) -> None:
+        self.lengths = lengths  # [D] int64
+        self.rate = rate  # [D] int64, twice the work per token, non-increasing
+        self.tile = tile
         zero = lengths.new_zeros(1)
         self.starts = torch.cat([zero, lengths.cumsum(0)])  # [D + 1] sequence offsets
-        self.work_before = torch.cat([zero, (lengths * (lengths + 1) // 2).cumsum(0)])  # [D + 1]
+        self.work2_before = torch.cat([zero, (lengths * rate).cumsum(0)])  # [D + 1]
         self.tokens = int(self.starts[-1])
 
     def doc_at(self, p: torch.Tensor) -> torch.Tensor:
@@ -83,10 +112,10 @@ class _Sequence:
         return (torch.searchsorted(self.starts, p, right=True) - 1).clamp(0, self.lengths.shape[0] - 1)
 
     def prefix_work2(self, p: torch.Tensor) -> torch.Tensor:
-        """Twice the work of the first ``p`` tokens (any shape, int64), a partly taken
-        document's counted at ``(L + 1) / 2`` per token: non-decreasing in ``p``."""
+        """Twice the work of the first ``p`` tokens (any shape, int64), as step 2 counts it:
+        non-decreasing in ``p``, by at most ``rate`` per token."""
         d = self.doc_at(p)
-        return 2 * self.work_before[d] + (p - self.starts[d]) * (self.lengths[d] + 1)
+        return self.work2_before[d] + (p - self.starts[d]) * self.rate[d]
 
     def runs(self, starts: torch.Tensor, ends: torch.Tensor, splits=None) -> tuple[torch.Tensor, ...]:
         """Ranges ``[starts, ends)`` of the sequence as runs of document positions.
@@ -140,14 +169,14 @@ def _deal_short(lengths_sorted: torch.Tensor, cp: int, t_local: int) -> tuple[in
     return first, rank[:rounds].reshape(-1)
 
 
-def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.Tensor) -> list[int]:
-    """Step 3: ``F_0..F_cp`` for ranks that take ``take`` ``[cp]`` tokens and ``work_target / cp`` work.
+def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor) -> list[int]:
+    """Step 3: ``F_0..F_cp`` for ranks that take ``take`` ``[cp]`` tokens and ``target2 / (2 cp)`` work.
 
-    ``work_target`` ``[cp]`` is scaled by ``cp`` so everything stays exact in int64.
+    ``target2`` ``[cp]`` is twice the work, scaled by ``cp``, so everything stays exact in int64.
     """
     taken = take.cumsum(0)[:-1, None]  # [cp - 1, 1] tokens held by ranks 0..r-1
-    wanted = 2 * work_target.cumsum(0)[:-1, None]
-    work2 = 2 * int(seq.work_before[-1])
+    wanted = target2.cumsum(0)[:-1, None]
+    work2 = int(seq.work2_before[-1])
     skip = seq.tokens - taken  # the middle of the sequence that ranks 0..r-1 leave
     lo, hi = torch.full_like(taken, -1), taken.clone()  # invariant: lo is short of the work, hi is not
     steps = torch.arange(1, _SEARCH_WAYS)
@@ -155,9 +184,8 @@ def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.
         span = hi - lo
         grid = lo + (span * steps + _SEARCH_WAYS - 1) // _SEARCH_WAYS  # [cp - 1, ways - 1]
         w = seq.prefix_work2(torch.stack([grid, grid + skip]))
-        enough = cp * (w[0] + work2 - w[1]) >= wanted
-        enough = torch.cat([enough, torch.ones_like(enough[:, :1])], 1)
-        i = enough.int().argmax(1, keepdim=True)  # first grid point with enough work
+        short = cp * (w[0] + work2 - w[1]) < wanted
+        i = short.sum(1, keepdim=True)  # the first grid point with enough work (the count never falls)
         grid = torch.cat([lo, grid, hi], 1)
         lo, hi = grid.gather(1, i), grid.gather(1, i + 1)
     # Integer rounding aside the cuts are ordered; make sure every range is non-negative.
@@ -168,9 +196,9 @@ def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.
     return cuts
 
 
-def _align(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.Tensor, cuts: list[int], slack: int):
+def _align(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor, cuts: list[int], slack2: int):
     """Step 4: step 3's cuts ``F_0..F_cp``, each front cut moved to a tile-aligned split where
-    ranks ``0..r-1`` keep within ``slack`` of their work (``work_target`` as in :func:`_front_cuts`).
+    ranks ``0..r-1`` keep within ``slack2 / 2`` of their work (``target2`` as in :func:`_front_cuts`).
 
     Returns the cuts ``[cp + 1]`` and the moved ones as ``(position, head, tail)`` for
     :meth:`_Sequence.runs` (``None`` if there are none). Needs ``cp > 1`` and a sequence.
@@ -179,53 +207,69 @@ def _align(seq: _Sequence, cp: int, take: torch.Tensor, work_target: torch.Tenso
     d = seq.doc_at(exact)
     n, x = seq.lengths[d], exact - seq.starts[d]
     head, tail = (x + 1) // 2, x // 2  # the pair order's split
-    # Candidates: K heads of whole tiles (i) times K tails that start on one (j), both
-    # ascending, so the tokens they take, and with them the back cut, depend on i + j alone.
-    size = _SNAP_STEPS.shape[0]  # K
+    # Candidates: K heads of whole tiles (i) times no tail or K tails that start on a tile (j)
     h = (head // TILE * TILE)[:, None] + _SNAP_STEPS  # [cp - 1, K]
-    t = (n - (n - tail) // TILE * TILE)[:, None] + _SNAP_STEPS
-    took = h[:, :1] + t[:, :1] + _SNAP_SUMS  # [cp - 1, 2K - 1] by i + j
-    pos = exact[:, None] + took - x[:, None]
-    back = pos + seq.tokens - take.cumsum(0)[:-1, None]  # the back cut keeps ranks 0..r-1's tokens
-    # 2 cp x (work of ranks 0..r-1 - their share) = by_h[i] - by_t[j] + by_took[i + j]
-    by_h = cp * (2 * seq.work_before[d][:, None] + h * (h + 1) + (n * (n + 1))[:, None])
-    by_h -= 2 * work_target.cumsum(0)[:-1, None]
-    by_t = cp * (n[:, None] - t) * (n[:, None] - t + 1)
-    by_took = cp * (2 * int(seq.work_before[-1]) - seq.prefix_work2(back.clamp(0, seq.tokens)))
-    fits = (took <= n[:, None]) & (back >= pos) & (back <= seq.tokens)
-    fits = fits.unfold(1, size, 1) & (h >= 0)[:, :, None] & (t >= 0)[:, None, :]  # [cp - 1, K, K]
-    off = (by_h[:, :, None] - by_t[:, None, :] + by_took.unfold(1, size, 1)).abs()
-    off = off.masked_fill_(~fits, torch.iinfo(off.dtype).max).flatten(1)
-    best = off.argmin(1)
-    i, j = (best // size).tolist(), (best % size).tolist()
-    moved = ((off.gather(1, best[:, None]).flatten() <= 2 * cp * slack) & (x > 0) & (x < n)).tolist()
-    pos = pos[torch.arange(cp - 1), best // size + best % size]  # took's index is i + j
+    t = torch.cat([torch.zeros_like(h[:, :1]), (n - (n - tail) // TILE * TILE)[:, None] + _SNAP_STEPS], 1)
+    took = h[:, :, None] + t[:, None, :]  # [cp - 1, K, K + 1]
+    pos = (exact - x)[:, None, None] + took
+    skip = seq.tokens - take.cumsum(0)[:-1]  # [cp - 1] from a front cut to its back cut
+    back = pos + skip[:, None, None]  # the back cut keeps ranks 0..r-1's tokens
+    # 2 cp x (work of ranks 0..r-1 - their share) = by_h[i] - by_t[j] + by_took[i, j]: a head
+    # on tiles does h (h + s) / 2, and a tail starting on one the rest of the document, whose
+    # first n - t tokens do (n - t) (n - t + s) / 2
+    s = seq.tile
+    doc2 = (n * seq.rate[d])[:, None]  # twice the document's work (step 2)
+    by_h = cp * (seq.work2_before[d][:, None] + h * (h + s)) - target2.cumsum(0)[:-1, None]
+    by_t = cp * torch.where(t > 0, (n[:, None] - t) * (n[:, None] - t + s) - doc2, 0)
+    by_took = cp * (int(seq.work2_before[-1]) - seq.prefix_work2(back.clamp(0, seq.tokens)))
+    fits = (took <= n[:, None, None]) & (back <= seq.tokens) & ((x > 0) & (x < n))[:, None, None]
+    fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :]
+    off = (by_h[:, :, None] - by_t[:, None, :] + by_took).abs()
+    off = off.masked_fill_(~fits, torch.iinfo(off.dtype).max).flatten(1)  # [cp - 1, K (K + 1)] by i (K + 1) + j
+    # each cut's _SNAP_TRIES candidates nearest the share (ties: the first), and whether within the slack
+    tries = torch.argsort(off, dim=1, stable=True)[:, :_SNAP_TRIES]  # [cp - 1, M]
+    ok = (off.gather(1, tries) <= cp * slack2).tolist()
+    i, j = tries // t.shape[1], tries % t.shape[1]
+    pos = torch.cat([exact[:, None], pos.flatten(1).gather(1, tries)], 1)  # [cp - 1, 1 + M]: unmoved, then the tries
+    g = pos + skip[:, None]  # their back cuts
+    back_docs = seq.doc_at(torch.stack([g - 1, g], 2).clamp(0, seq.tokens - 1)).tolist()  # each side
+    heads, tails = torch.cat([head[:, None], h.gather(1, i)], 1), torch.cat([tail[:, None], t.gather(1, j)], 1)
+    split = torch.stack([heads, tails], 2)  # [cp - 1, 1 + M, 2]
+    d, take, pos, split = d.tolist(), take.tolist(), pos.tolist(), split.tolist()
 
-    # the documents each side of each back cut, the front cut as is and moved: [cp - 1, 2, 2]
-    g = torch.stack([exact, pos], 1) + (seq.tokens - take.cumsum(0)[:-1])[:, None]
-    back_docs = seq.doc_at(torch.stack([g - 1, g], 2).clamp(0, seq.tokens - 1)).tolist()
-    exact, d, take, pos = exact.tolist(), d.tolist(), take.tolist(), pos.tolist()
-    split = list(zip(head.tolist(), tail.tolist(), strict=True))
-    h, t = h.tolist(), t.tolist()
-    moved_split = [(h[r][i[r]], t[r][j[r]]) for r in range(cp - 1)]
-    # The moves are checked together: a rank's ranges stay within its tokens, cuts in one
-    # document keep their order, and no back cut falls in a moved cut's document. Undoing
-    # the offending moves repeats until none offends (none does without moves).
-    while True:
-        at = [pos[r] if moved[r] else exact[r] for r in range(cp - 1)]
-        sp = [moved_split[r] if moved[r] else split[r] for r in range(cp - 1)]
-        front = [at[0]] + [b - a for a, b in zip(at, at[1:])] + [0]
-        bad_rank = [f < 0 or f > n_r for f, n_r in zip(front, take, strict=True)]
-        near_back = {doc for r in range(cp - 1) for doc in back_docs[r][moved[r]]}
-        bad = [moved[r] and (bad_rank[r] or bad_rank[r + 1] or d[r] in near_back) for r in range(cp - 1)]
-        for r in range(cp - 2):
-            if d[r] == d[r + 1] and (sp[r + 1][0] < sp[r][0] or sp[r + 1][1] < sp[r][1]):
-                bad[r], bad[r + 1] = bad[r] or moved[r], bad[r + 1] or moved[r + 1]
-        if not any(bad):
-            break
-        moved = [m and not b for m, b in zip(moved, bad, strict=True)]
-    splits = [(at[r], *sp[r]) for r in range(cp - 1) if moved[r]]
+    # Cuts in order take the first try consistent with the cut before as placed and the one after
+    # as is (it can always stay): the rank between them keeps its tokens, their splits nest where
+    # they share a document, and no back cut falls in a moved cut's document.
+    later = [set() for _ in range(cp)]  # the documents of the back cuts after each cut, unmoved
+    for r in range(cp - 2, -1, -1):
+        later[r] = later[r + 1] | set(back_docs[r][0])
+    choice, backs, moved = [0] * (cp - 1), set(), set()  # a column of pos, split and back_docs: 0 unmoved
+    for r in range(cp - 1):
+        before = (pos[r - 1][choice[r - 1]], split[r - 1][choice[r - 1]], d[r - 1]) if r else (0, None, None)
+        after = (pos[r + 1][0], split[r + 1][0], d[r + 1]) if r < cp - 2 else (None, None, None)
+        for m in range(1, _SNAP_TRIES + 1):
+            if not ok[r][m - 1]:
+                break  # and no later try is within the slack
+            p, these = pos[r][m], set(back_docs[r][m])
+            tokens = 0 <= p - before[0] <= take[r] and (after[0] is None or 0 <= after[0] - p <= take[r + 1])
+            nest = (before[2] != d[r] or _nested(before[1], split[r][m])) and (
+                after[2] != d[r] or _nested(split[r][m], after[1])
+            )
+            if tokens and nest and d[r] not in backs | these | later[r + 1] and not moved & these:
+                choice[r] = m
+                break
+        backs |= set(back_docs[r][choice[r]])
+        if choice[r]:
+            moved.add(d[r])
+    at = [pos[r][choice[r]] for r in range(cp - 1)]
+    sp = [split[r][choice[r]] for r in range(cp - 1)]
+    splits = [(at[r], *sp[r]) for r in range(cp - 1) if choice[r]]
     return torch.tensor([0, *at, at[-1]]), tuple(torch.tensor(c) for c in zip(*splits)) or None
+
+
+def _nested(a: list[int], b: list[int]) -> bool:
+    """Whether split ``a`` (head, tail) lies inside split ``b`` of the same document."""
+    return a[0] <= b[0] and a[1] <= b[1]
 
 
 def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -245,16 +289,21 @@ def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tens
 
     first, dealt_rank = _deal_short(by_len, cp, t_local)
     dealt = order[first : first + dealt_rank.shape[0]]
+    on_tiles = cp > 1 and t_local >= SNAP_MIN_TOKENS  # work in kernel tiles, and step 4
+    s = TILE if on_tiles else 1
+    work2 = 2 * s * s * causal_tiles(lengths, 0, s, s)  # [B] twice each document's work
+    rate = -(-work2 // lengths.clamp(min=1))  # [B] twice the work per token, rounded up (pairs: L + 1)
     rest = torch.cat([order[:first], order[first + dealt.shape[0] :]])
-    seq = _Sequence(lengths[rest])
+    rest = rest[torch.sort(-rate[rest], stable=True).indices]  # densest first, then longest
+    seq = _Sequence(lengths[rest], rate[rest], s)
     dealt_len = lengths[dealt]
     take = t_local - torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len)
-    dealt_work = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * (dealt_len + 1) // 2)
-    total_work = int(seq.work_before[-1] + dealt_work.sum())
-    work_target = total_work - cp * dealt_work
-    front, splits = torch.tensor(_front_cuts(seq, cp, take, work_target)), None
-    if cp > 1 and seq.tokens and t_local >= SNAP_MIN_TOKENS:
-        front, splits = _align(seq, cp, take, work_target, front.tolist(), total_work // (cp * SNAP_SLACK))
+    dealt_work2 = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * rate[dealt])
+    total2 = int(seq.work2_before[-1] + dealt_work2.sum())
+    target2 = total2 - cp * dealt_work2
+    front, splits = torch.tensor(_front_cuts(seq, cp, take, target2)), None
+    if on_tiles and seq.tokens:
+        front, splits = _align(seq, cp, take, target2, front.tolist(), total2 // (cp * SNAP_SLACK))
     back = front + seq.tokens - torch.cat([take.new_zeros(1), take.cumsum(0)])  # G_r: every rank gets `take`
 
     # ranges in the order (rank 0 front, rank 0 back, rank 1 front, ...)

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .balanced import causal_tiles
 from .checks import check_cp, check_cu_seqlens, check_int
 from .partition import all_partition_indices, pad_for_cp, piece_marks
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
@@ -104,10 +105,7 @@ def _tiles(q_len: torch.Tensor, offset: torch.Tensor, doc_len: torch.Tensor, mod
     m, n = model.block_q, model.block_k
     if not model.causal:
         return (q_len + m - 1) // m * ((doc_len + n - 1) // n)
-    full, rest = q_len // m, q_len % m
-    # full block b ends at row (b + 1) m: ceil((o + (b + 1) m) / n) = ceil(o / n) + (b + 1) m / n
-    tiles = full * ((offset + n - 1) // n) + (m // n) * full * (full + 1) // 2
-    return tiles + (rest > 0) * ((offset + q_len + n - 1) // n)
+    return causal_tiles(q_len, offset, m, n)
 
 
 def predict_rank_costs(

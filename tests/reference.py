@@ -60,14 +60,35 @@ def layout_brute_force(doc_lengths_padded: list[int], cp: int, rank: int, strate
     return held
 
 
-def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tiles: int = 10, slack: int = 256):
+def _tile_area(first: int, end: int, tile: int) -> int:
+    """The key tiles' area that query rows ``[first, end)`` of a document visit, query tiles from
+    ``first`` and key tiles from the document's start: one tile at a time."""
+    area = 0
+    for row in range(first, end, tile):
+        last = min(row + tile, end) - 1  # the tile's last row sees keys 0..last
+        area += tile * tile * -(-(last + 1) // tile)
+    return area
+
+
+def balanced_brute_force(
+    lengths: list[int],
+    cp: int,
+    tile: int = 128,
+    snap_tiles: int = 10,
+    slack: int = 128,
+    min_tokens: int = 11264,
+    tries: int = 32,
+):
     """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time."""
     total = sum(lengths)
     t = total // cp
+    s = tile if cp > 1 and t >= min_tokens else 1  # work counts kernel tiles of s x s (pairs when s = 1)
+    work2 = [2 * _tile_area(0, n, s) for n in lengths]
+    rate = [-(-w // n) if n else 0 for w, n in zip(work2, lengths, strict=True)]  # twice the work per token
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
     order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
     held = [[] for _ in range(cp)]
-    dealt_work = [0] * cp
+    dealt_work2 = [0] * cp
     # 1. documents of 1 to 4 tiles - 1 tokens, dealt whole in snake-order rounds while every rank has room
     short = [d for d in order if 0 < lengths[d] < 4 * tile]
     dealt = set()
@@ -78,24 +99,23 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tile
             break
         for r, d in zip(ranks, docs, strict=True):
             held[r] += range(starts[d], starts[d] + lengths[d])
-            dealt_work[r] += lengths[d] * (lengths[d] + 1) // 2
+            dealt_work2[r] += lengths[d] * rate[d]
             dealt.add(d)
-    # 2. the rest, longest first, each in pair order 0, L-1, 1, L-2, ...; twice each token's
-    # work counted as L + 1 (its document's mean), so a prefix's count never falls
+    # 2. the rest, densest first (then longest), each in pair order 0, L-1, 1, L-2, ...; each token
+    # counted at rate / 2, so a prefix's count never falls
     seq, seq_doc, count2 = [], [], [0]
-    for d in order:
-        if d not in dealt:
-            n = lengths[d]
-            for k in range(n):
-                seq.append(starts[d] + (k // 2 if k % 2 == 0 else n - 1 - k // 2))
-                seq_doc.append(d)
-                count2.append(count2[-1] + n + 1)
+    for d in sorted((d for d in order if d not in dealt), key=lambda d: -rate[d]):  # stable
+        n = lengths[d]
+        for k in range(n):
+            seq.append(starts[d] + (k // 2 if k % 2 == 0 else n - 1 - k // 2))
+            seq_doc.append(d)
+            count2.append(count2[-1] + rate[d])
     # 3. rank r takes a front and a back range: the cut before rank r is the smallest F at which ranks
     # 0..r-1 (F tokens from the front, the rest from the back) have r / cp of the total work
-    work = sum(n * (n + 1) // 2 for n in lengths)
+    total2 = sum(n * r for n, r in zip(lengths, rate, strict=True))
     take = [t - len(h) for h in held]
     taken = [sum(take[:r]) for r in range(cp + 1)]
-    wanted = [2 * (r * work - cp * sum(dealt_work[:r])) for r in range(cp + 1)]
+    wanted = [r * total2 - cp * sum(dealt_work2[:r]) for r in range(cp + 1)]
     cuts = [0]
     for r in range(1, cp):
         f = next(
@@ -108,10 +128,15 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tile
         )
         cuts.append(min(max(f, cuts[-1]), cuts[-1] + take[r - 1]))
     cuts.append(cuts[-1])
-    # 4. each front cut tries the splits of its document into whole head tiles and a tail starting on
-    # a tile, up to snap_tiles either side of the pair order's, for the one nearest the share of work
-    # with the back cut moved by as many tokens; it moves where that is within W / slack
-    at, doc_start = cuts, {}
+    slack2 = total2 // (cp * slack)
+    snap = seq and s > 1
+    # 4. each front cut tries the splits of its document into whole head tiles and no tail or one starting
+    # on a tile, up to snap_tiles either side of the pair order's (the head's and tail's tile areas, the
+    # tail taking the rest of the document's count), with the back cut moved by as many tokens; cuts in
+    # order take the first of their `tries` splits nearest the share (ties: head, then tail, ascending)
+    # that is within W / slack of it and keeps the rank before within its tokens, the document's splits
+    # nested and every back cut out of the moved cuts' documents
+    doc_start = {}
     for p, d in enumerate(seq_doc):
         doc_start.setdefault(d, p)
 
@@ -122,55 +147,63 @@ def balanced_brute_force(lengths: list[int], cp: int, tile: int = 128, snap_tile
         x = p - doc_start[doc_at(p)]
         return (x + 1) // 2, x // 2
 
-    twice_before = {}  # document length -> twice the work of its first q tokens, q = 0..n, token by token
-    for n in set(lengths):
-        twice_before[n] = [0]
-        for q in range(n):
-            twice_before[n].append(twice_before[n][-1] + 2 * (q + 1))
-    moves = {}
-    for r in range(1, cp if seq and t >= 8 * (snap_tiles + 1) * tile else 1):
+    def back_docs(f, r):  # the documents each side of the back cut of front cut f before rank r
+        g = f + len(seq) - taken[r]
+        return {doc_at(min(max(e, 0), len(seq) - 1)) for e in (g - 1, g)}
+
+    options = {}  # r -> [(position, head, tail), ...]: the tries within the slack, nearest the share first
+    for r in range(1, cp if snap else 1):
         f = cuts[r]
         d = doc_at(f)
         n, x = lengths[d], f - doc_start[d]
         if not 0 < x < n:
             continue
-        best = None
+        found = []
         for i in range(-snap_tiles, snap_tiles + 2):
-            for j in range(-snap_tiles, snap_tiles + 2):
+            tails = [n - (n - x // 2) // tile * tile + k * tile for k in range(-snap_tiles, snap_tiles + 2)]
+            for j, tl in enumerate([0, *tails]):
                 h = ((x + 1) // 2) // tile * tile + i * tile
-                tl = n - (n - x // 2) // tile * tile + j * tile
                 pos = f - x + h + tl
                 back = pos + len(seq) - taken[r]
-                if h < 0 or tl < 0 or h + tl > n or back < pos or back > len(seq):
+                if h < 0 or tl < 0 or h + tl > n or back > len(seq):
                     continue
-                twice = count2[f - x] + twice_before[n][h] + twice_before[n][n] - twice_before[n][n - tl]
-                off = abs(cp * (twice + count2[-1] - count2[back]) - wanted[r])
-                if best is None or off < best[0]:
-                    best = (off, pos, h, tl)
-        if best is not None and best[0] <= 2 * cp * (work // (cp * slack)):
-            moves[r] = best[1:]
-    while seq:  # undo moves that break ranks' token counts, a document's cut order or meet a back cut
-        at = [0] + [moves[r][0] if r in moves else cuts[r] for r in range(1, cp)]
-        at.append(at[-1])
+                split2 = 2 * _tile_area(0, h, s) + (n * rate[d] - 2 * _tile_area(0, n - tl, s) if tl else 0)
+                off = abs(cp * (count2[f - x] + split2 + count2[-1] - count2[back]) - wanted[r])
+                found.append((off, i, j, pos, h, tl))
+        found.sort()
+        options[r] = [o[3:] for o in found[:tries] if o[0] <= cp * slack2]
+    # cuts in order, each checked against the cut before as placed and the cut after unmoved
+    moves = {}
+    for r in range(1, cp if snap else 1):
+        before = moves.get(r - 1, (cuts[r - 1], *pair_split(cuts[r - 1]))) if r > 1 else None
+        after = (cuts[r + 1], *pair_split(cuts[r + 1])) if r < cp - 1 else None
+        for pos, h, tl in options.get(r, []):
+            fits = (before is None and pos <= take[0]) or (before and 0 <= pos - before[0] <= take[r - 1])
+            fits = fits and (after is None or 0 <= after[0] - pos <= take[r])
+            for other, lo, hi in ((before, r - 1, r), (after, r, r + 1)):
+                if other and doc_at(cuts[lo]) == doc_at(cuts[hi]):
+                    first, second = ((other[1], other[2]), (h, tl)) if lo < r else ((h, tl), (other[1], other[2]))
+                    fits = fits and first[0] <= second[0] and first[1] <= second[1]
+            placed = [moves[q][0] if q in moves else cuts[q] for q in range(1, r)] + [pos] + cuts[r + 1 : cp]
+            backs = {doc for q, f in enumerate(placed, 1) for doc in back_docs(f, q)}
+            if fits and doc_at(cuts[r]) not in backs and not {doc_at(cuts[q]) for q in moves} & back_docs(pos, r):
+                moves[r] = (pos, h, tl)
+                break
+    at = [0] + [moves[r][0] if r in moves else cuts[r] for r in range(1, cp)]
+    at.append(at[-1])
+    assert all(0 <= at[r + 1] - at[r] <= take[r] for r in range(cp))  # every rank within its tokens
+    if snap:  # nested splits in a document, and back cuts out of the moved cuts' documents
         split = {r: moves[r][1:] if r in moves else pair_split(cuts[r]) for r in range(1, cp)}
-        near = {doc_at(g) for r in range(1, cp) for g in (at[r] + len(seq) - taken[r] + e for e in (-1, 0))}
-        bad = set()
-        for r in moves:
-            fronts_fit = 0 <= at[r] - at[r - 1] <= take[r - 1] and 0 <= at[r + 1] - at[r] <= take[r]
-            if not fronts_fit or doc_at(cuts[r]) in near:
-                bad.add(r)
         for r in range(1, cp - 1):
-            if doc_at(cuts[r]) == doc_at(cuts[r + 1]) and any(a > b for a, b in zip(split[r], split[r + 1])):
-                bad |= {r, r + 1} & moves.keys()
-        if not bad:
-            break
-        for r in bad:
-            del moves[r]
+            if doc_at(cuts[r]) == doc_at(cuts[r + 1]):
+                assert split[r][0] <= split[r + 1][0] and split[r][1] <= split[r + 1][1]
+        assert not {doc_at(cuts[r]) for r in moves} & {doc for r in range(1, cp) for doc in back_docs(at[r], r)}
+    splits = {moves[r][0]: moves[r][1:] for r in moves}  # sequence position -> (head, tail)
 
     # the tokens of document d before sequence position p: a moved cut's split, else the pair order's
     def before(d, p):
-        if p in {moves[r][0] for r in moves} and doc_start[d] < p < doc_start[d] + lengths[d]:
-            _, h, tl = next(moves[r] for r in moves if moves[r][0] == p)
+        if p in splits and doc_start[d] < p < doc_start[d] + lengths[d]:
+            h, tl = splits[p]
             return {starts[d] + q for q in [*range(h), *range(lengths[d] - tl, lengths[d])]}
         y = min(max(p - doc_start[d], 0), lengths[d])
         return set(seq[doc_start[d] : doc_start[d] + y])

@@ -23,15 +23,17 @@ query tile, which reads every key tile for a few rows; their tiles told them apa
 (r = 0.74-0.94 over a pack's 8 ranks). Below that, pieces are too short to keep on
 tiles and it counts pairs (``s = 1``).
 
-1. Short documents (fewer than ``4 * TILE`` tokens) are never cut. Sorted by
-   length they are dealt in rounds of ``cp``, one per rank, in snake order
-   (0..cp-1, then cp-1..0), as long as every rank keeps room for them; so every
-   rank holds the same number and mix of them, and with it the same kernel-tile
-   waste that short documents cause.
+1. Short documents (fewer than ``4 * TILE`` tokens), sorted by length, are dealt
+   whole in rounds of ``cp``, one per rank, in snake order (0..cp-1, then
+   cp-1..0), as long as every rank keeps room for them; so every rank holds the
+   same number and mix of them, and with it the same kernel-tile waste that
+   short documents cause. The few left over (fewer than ``cp``, or those that no
+   longer fit) join the sequence.
 2. The other documents form one sequence, densest first (twice the work per
    token, rounded up: ``rate = ceil(2 work / L)``, with pairs ``L + 1``, so longest
-   first), each read in *pair order* ``0, L-1, 1, L-2, ...``, a token counted at
-   ``rate / 2``. Two tokens carry ``L + 1`` pairs (dual_chunk_swap's idea), so any
+   first; with tiles a leftover document of a few tokens, which costs a whole
+   tile, counts as dense), each read in *pair order* ``0, L-1, 1, L-2, ...``, a
+   token counted at ``rate / 2``. Two tokens carry ``L + 1`` pairs (dual_chunk_swap's idea), so any
    run of the sequence is a head piece plus a mirrored tail piece with about its
    share of the work, and work per token never rises along the sequence (a whole
    document in a run is one piece again: its head and tail meet).
@@ -39,19 +41,22 @@ tiles and it counts pairs (``s = 1``).
    a back range ``[G_{r+1}, G_r)`` (light ones) of the sequence, with as many
    tokens as its dealt documents leave free. Each cut ``F_r`` is found
    independently: the smallest position where ranks ``0..r-1`` hold ``r / cp`` of
-   the total work, as step 2 counts it (exact for whole documents; with pairs,
-   each cut is within 1.5 x the longest document of the exact share). That count
-   never falls as ``F_r`` grows, so a vectorized 64-way search finds the cut exactly.
+   the total work, as step 2 counts it (a whole document's within half a token's
+   rate of its work, exact with pairs; with pairs each cut is within 1.5 x the
+   longest document of the exact share). That count never falls as ``F_r`` grows,
+   so a vectorized 64-way search finds the cut exactly.
 4. Where ranks hold at least ``SNAP_MIN_TOKENS``, each front cut then moves to a
    *tile-aligned split* of its document: its head ends on one of the document's
    ``TILE``-token tiles and its tail, if any, starts on one (a piece starting off
    a tile has every query tile read one more, partly masked, key tile). A split's
-   work is counted exactly, the last, partial tile's with the tail. Candidates:
-   heads and tails within about ``_SNAP_TILES`` tiles of the pair order's, the back
-   cut moved by as many tokens. Cuts in order take the first of their
-   ``_SNAP_TRIES`` candidates nearest the share that is within ``W / SNAP_SLACK``
-   of it and consistent with the cuts before: ranks keep their tokens, a
-   document's splits nest, and no back cut falls in a moved cut's document.
+   head counts its tiles' work, and its tail the rest of the document's count,
+   the last, partial tile included. Candidates: heads and tails within about
+   ``_SNAP_TILES`` tiles of the pair order's, the back cut moved by as many
+   tokens. Cuts in order take the first of their ``_SNAP_TRIES`` candidates
+   nearest the share that is within ``W / SNAP_SLACK`` of it and consistent with
+   the cut before as placed and the cuts after as they are: ranks keep their
+   tokens, a document's splits nest, and no back cut falls in a moved cut's
+   document.
    Back cuts, in light documents, move by tokens only: they are not put on tiles.
 5. Each rank stores its runs in physical order.
 
@@ -188,7 +193,8 @@ def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tens
         i = short.sum(1, keepdim=True)  # the first grid point with enough work (the count never falls)
         grid = torch.cat([lo, grid, hi], 1)
         lo, hi = grid.gather(1, i), grid.gather(1, i + 1)
-    # Integer rounding aside the cuts are ordered; make sure every range is non-negative.
+    # A cut can fall before the one before it (where a rank's dealt documents carry more than its
+    # share of work, or by rounding): keep every range non-negative and within its rank's tokens.
     cuts = [0]
     for f, n in zip(hi.flatten().tolist(), take[:-1].tolist(), strict=True):
         cuts.append(min(max(f, cuts[-1]), cuts[-1] + n))
@@ -236,17 +242,18 @@ def _align(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor, c
     heads, tails = torch.cat([head[:, None], h.gather(1, i)], 1), torch.cat([tail[:, None], t.gather(1, j)], 1)
     split = torch.stack([heads, tails], 2)  # [cp - 1, 1 + M, 2]
     d, take, pos, split = d.tolist(), take.tolist(), pos.tolist(), split.tolist()
+    inner = [doc if 0 < a < b else None for doc, a, b in zip(d, x.tolist(), n.tolist(), strict=True)]
 
     # Cuts in order take the first try consistent with the cut before as placed and the one after
     # as is (it can always stay): the rank between them keeps its tokens, their splits nest where
-    # they share a document, and no back cut falls in a moved cut's document.
+    # both fall inside one document (`inner`), and no back cut falls in a moved cut's document.
     later = [set() for _ in range(cp)]  # the documents of the back cuts after each cut, unmoved
     for r in range(cp - 2, -1, -1):
         later[r] = later[r + 1] | set(back_docs[r][0])
     choice, backs, moved = [0] * (cp - 1), set(), set()  # a column of pos, split and back_docs: 0 unmoved
     for r in range(cp - 1):
-        before = (pos[r - 1][choice[r - 1]], split[r - 1][choice[r - 1]], d[r - 1]) if r else (0, None, None)
-        after = (pos[r + 1][0], split[r + 1][0], d[r + 1]) if r < cp - 2 else (None, None, None)
+        before = (pos[r - 1][choice[r - 1]], split[r - 1][choice[r - 1]], inner[r - 1]) if r else (0, None, None)
+        after = (pos[r + 1][0], split[r + 1][0], inner[r + 1]) if r < cp - 2 else (None, None, None)
         for m in range(1, _SNAP_TRIES + 1):
             if not ok[r][m - 1]:
                 break  # and no later try is within the slack

@@ -147,6 +147,10 @@ def balanced_brute_force(
         x = p - doc_start[doc_at(p)]
         return (x + 1) // 2, x // 2
 
+    def inner(p):  # the document a cut falls strictly inside, if any
+        x = p - doc_start[doc_at(p)]
+        return doc_at(p) if 0 < x < lengths[doc_at(p)] else None
+
     def back_docs(f, r):  # the documents each side of the back cut of front cut f before rank r
         g = f + len(seq) - taken[r]
         return {doc_at(min(max(e, 0), len(seq) - 1)) for e in (g - 1, g)}
@@ -181,7 +185,7 @@ def balanced_brute_force(
             fits = (before is None and pos <= take[0]) or (before and 0 <= pos - before[0] <= take[r - 1])
             fits = fits and (after is None or 0 <= after[0] - pos <= take[r])
             for other, lo, hi in ((before, r - 1, r), (after, r, r + 1)):
-                if other and doc_at(cuts[lo]) == doc_at(cuts[hi]):
+                if other and inner(cuts[lo]) is not None and inner(cuts[lo]) == inner(cuts[hi]):
                     first, second = ((other[1], other[2]), (h, tl)) if lo < r else ((h, tl), (other[1], other[2]))
                     fits = fits and first[0] <= second[0] and first[1] <= second[1]
             placed = [moves[q][0] if q in moves else cuts[q] for q in range(1, r)] + [pos] + cuts[r + 1 : cp]
@@ -195,7 +199,7 @@ def balanced_brute_force(
     if snap:  # nested splits in a document, and back cuts out of the moved cuts' documents
         split = {r: moves[r][1:] if r in moves else pair_split(cuts[r]) for r in range(1, cp)}
         for r in range(1, cp - 1):
-            if doc_at(cuts[r]) == doc_at(cuts[r + 1]):
+            if inner(cuts[r]) is not None and inner(cuts[r]) == inner(cuts[r + 1]):
                 assert split[r][0] <= split[r + 1][0] and split[r][1] <= split[r + 1][1]
         assert not {doc_at(cuts[r]) for r in moves} & {doc for r in range(1, cp) for doc in back_docs(at[r], r)}
     splits = {moves[r][0]: moves[r][1:] for r in moves}  # sequence position -> (head, tail)

@@ -176,15 +176,16 @@ def _deal_short(lengths_sorted: torch.Tensor, cp: int, t_local: int) -> tuple[in
     return first, rank[:rounds].reshape(-1)
 
 
-def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor) -> list[int]:
-    """Step 3: ``F_0..F_cp`` for ranks that take ``take`` ``[cp]`` tokens and ``target2 / (2 cp)`` work.
+def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, skip: torch.Tensor, target2: torch.Tensor) -> torch.Tensor:
+    """Step 3: ``F_0..F_cp`` ``[cp + 1]`` for ranks that take ``take`` ``[cp]`` tokens and ``target2 / (2 cp)``
+    work, the back cuts at ``G_r = F_r + skip[r]`` (``skip`` ``[cp + 1]``).
 
     ``target2`` ``[cp]`` is twice the work, scaled by ``cp``, so everything stays exact in int64.
     """
-    taken = take.cumsum(0)[:-1, None]  # [cp - 1, 1] tokens held by ranks 0..r-1
+    skip = skip[1:-1, None]  # [cp - 1, 1] the middle of the sequence that ranks 0..r-1 leave
+    taken = seq.tokens - skip  # tokens held by ranks 0..r-1
     wanted = target2.cumsum(0)[:-1, None]
     work2 = int(seq.work2_before[-1])
-    skip = seq.tokens - taken  # the middle of the sequence that ranks 0..r-1 leave
     lo, hi = torch.full_like(taken, -1), taken.clone()  # invariant: lo is short of the work, hi is not
     steps = torch.arange(1, _SEARCH_WAYS)
     while cp > 1 and seq.tokens and int((hi - lo).max()) > 1:
@@ -201,17 +202,26 @@ def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tens
     for f, n in zip(hi.flatten().tolist(), take[:-1].tolist(), strict=True):
         cuts.append(min(max(f, cuts[-1]), cuts[-1] + n))
     cuts.append(cuts[-1])
-    return cuts
+    return torch.tensor(cuts)
 
 
-def _align(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor, cuts: list[int], slack2: int):
-    """Step 4: step 3's cuts ``F_0..F_cp``, each front cut moved to a tile-aligned split where
-    ranks ``0..r-1`` keep within ``slack2 / 2`` of their work (``target2`` as in :func:`_front_cuts`).
+def _align(
+    seq: _Sequence,
+    cp: int,
+    take: torch.Tensor,
+    skip: torch.Tensor,
+    target2: torch.Tensor,
+    front: torch.Tensor,
+    slack2: int,
+):
+    """Step 4: step 3's cuts ``front`` (``F_0..F_cp``), each front cut moved to a tile-aligned split where
+    ranks ``0..r-1`` keep within ``slack2 / 2`` of their work (``skip`` and ``target2`` as in
+    :func:`_front_cuts`).
 
     Returns the cuts ``[cp + 1]`` and the moved ones as ``(position, head, tail)`` for
     :meth:`_Sequence.runs` (``None`` if there are none). Needs ``cp > 1`` and a sequence.
     """
-    exact = torch.tensor(cuts[1:-1])  # [cp - 1]
+    exact = front[1:-1]  # [cp - 1]
     d = seq.doc_at(exact)
     n, x = seq.lengths[d], exact - seq.starts[d]
     head, tail = (x + 1) // 2, x // 2  # the pair order's split
@@ -220,7 +230,7 @@ def _align(seq: _Sequence, cp: int, take: torch.Tensor, target2: torch.Tensor, c
     t = torch.cat([torch.zeros_like(h[:, :1]), (n - (n - tail) // TILE * TILE)[:, None] + _SNAP_STEPS], 1)
     took = h[:, :, None] + t[:, None, :]  # [cp - 1, K, K + 1]
     pos = (exact - x)[:, None, None] + took
-    skip = seq.tokens - take.cumsum(0)[:-1]  # [cp - 1] from a front cut to its back cut
+    skip = skip[1:-1]  # [cp - 1] from a front cut to its back cut
     back = pos + skip[:, None, None]  # the back cut keeps ranks 0..r-1's tokens
     # 2 cp x (work of ranks 0..r-1 - their share) = by_h[i] - by_t[j] + by_took[i, j]: a head
     # on tiles does h (h + s) / 2, and a tail starting on one the rest of the document, whose
@@ -317,10 +327,11 @@ def _host_layout(cu: torch.Tensor, cp_size: int) -> torch.Tensor:
     dealt_work2 = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * rate[dealt])
     total2 = int(seq.work2_before[-1] + dealt_work2.sum())
     target2 = total2 - cp * dealt_work2
-    front, splits = torch.tensor(_front_cuts(seq, cp, take, target2)), None
+    skip = seq.tokens - torch.cat([take.new_zeros(1), take.cumsum(0)])  # [cp + 1] G_r - F_r: every rank gets `take`
+    front, splits = _front_cuts(seq, cp, take, skip, target2), None
     if on_tiles and seq.tokens:
-        front, splits = _align(seq, cp, take, target2, front.tolist(), total2 // (cp * SNAP_SLACK))
-    back = front + seq.tokens - torch.cat([take.new_zeros(1), take.cumsum(0)])  # G_r: every rank gets `take`
+        front, splits = _align(seq, cp, take, skip, target2, front, total2 // (cp * SNAP_SLACK))
+    back = front + skip
 
     # ranges in the order (rank 0 front, rank 0 back, rank 1 front, ...)
     starts = torch.stack([front[:-1], back[1:]], 1).reshape(-1)

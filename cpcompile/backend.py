@@ -17,7 +17,7 @@ import torch
 
 from .distributed import resolve_group
 from .passes.overlap_matmul import overlap_matmul_pass
-from .passes.shard_attention import shard_attention_pass
+from .passes.shard_attention import check_unsupported, shard_attention_pass
 from .strategy import check_comm, current_spec
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
@@ -57,6 +57,7 @@ def backend(
     comm: str | None = None,
     overlap_tp: bool = True,
     tp_capacity_tokens: int | None = None,
+    unsupported: str = "raise",
 ) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
@@ -73,6 +74,10 @@ def backend(
             overlapped ``ag_gemm`` / ``gemm_rs``; their groups come from the graph.
         tp_capacity_tokens: the most tokens per TP rank, so overlap buffers are
             allocated once (``None``: they grow to the largest call seen).
+        unsupported: a packed attention call CP cannot compute exactly (a sliding
+            window, different query and key documents, ``seqused_k``, paged keys):
+            ``"raise"`` (default) fails the compile naming it; ``"single_device"``
+            leaves it as it is, with a warning, so it attends within each rank's tokens.
 
     Example::
 
@@ -81,13 +86,16 @@ def backend(
     compile_inner = _inner_backend(inner)
     if comm is not None:
         check_comm(comm)
+    check_unsupported(unsupported)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         pg = resolve_group(group)
         if pg.size() > 1:
             _guard_on_strategy()
             spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
-            shard_attention_pass(gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=spec)
+            shard_attention_pass(
+                gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=spec, unsupported=unsupported
+            )
         if overlap_tp:
             overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens)
         return compile_inner(gm, example_inputs)

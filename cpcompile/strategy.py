@@ -38,6 +38,20 @@ def check_comm(comm: object) -> str:
     return comm
 
 
+_ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
+
+
+def _to_enum(value: Strategy | str) -> Strategy:
+    if isinstance(value, Strategy):
+        return value
+    if isinstance(value, str):
+        try:
+            return Strategy(value.lower())
+        except ValueError:
+            raise ValueError(f"strategy must be one of {_ACCEPTED}, got {value!r}") from None
+    raise TypeError(f"strategy must be a Strategy, a str or None, got {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategySpec:
     """A strategy with its parameters: what a layout function needs to know.
@@ -56,6 +70,9 @@ class StrategySpec:
     comm: str = "all_gather"
 
     def __post_init__(self) -> None:
+        # A plain string is accepted as its enum member; anything else is rejected here, so no
+        # layout function ever sees a value that matches none of its branches.
+        object.__setattr__(self, "strategy", _to_enum(self.strategy))
         check_comm(self.comm)
         if not isinstance(self.stripe_size, int) or isinstance(self.stripe_size, bool) or self.stripe_size < 1:
             raise ValueError(f"stripe_size must be a positive int, got {self.stripe_size!r}")
@@ -67,20 +84,8 @@ class StrategySpec:
 
 StrategyLike = Strategy | str | StrategySpec | None
 
-_ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
 _active: list[StrategySpec] = [StrategySpec()]
 guard_key = repr(_active[-1])  # see _sync_guard_key
-
-
-def _to_enum(value: Strategy | str) -> Strategy:
-    if isinstance(value, Strategy):
-        return value
-    if isinstance(value, str):
-        try:
-            return Strategy(value.lower())
-        except ValueError:
-            raise ValueError(f"strategy must be one of {_ACCEPTED}, got {value!r}") from None
-    raise TypeError(f"strategy must be a Strategy, a str or None, got {type(value).__name__}")
 
 
 def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None = None) -> StrategySpec:

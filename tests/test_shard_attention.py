@@ -18,7 +18,7 @@ from torch.nn.attention.varlen import varlen_attn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
-from cpcompile.passes.shard_attention import find_packed_attention, shard_attention_pass
+from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
 from examples.packed_gpt import VARLEN_GQA
 
 
@@ -260,23 +260,40 @@ class GraphModule(torch.nn.Module):
 """,
         )
 
-    def test_unsupported_variants_are_left_alone_with_a_warning(self):
+    def test_unsupported_variants_raise_unless_asked_to_stay_single_device(self):
         def window(q, k, v, cu, m):
             return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
 
         def cross(q, k, v, cu, m):
             return varlen_attn(q, k, v, cu, cu.clone(), m, m, **VARLEN_GQA)
 
-        for fn, reason in ((window, "sliding window"), (cross, "cu_seq_q and cu_seq_k differ")):
+        spec = cpcompile.StrategySpec()
+        for fn, reason in ((window, r"sliding window \(4, 0\)"), (cross, "cu_seq_q and cu_seq_k differ")):
             gm = dynamo_graph(fn, *_inputs())
+            with self.assertRaisesRegex(
+                UnsupportedAttentionError, f"_varlen_attn.*{reason}.*unsupported='single_device'"
+            ):
+                shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                self.assertEqual(
-                    shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec()), 0
+                count = shard_attention_pass(
+                    gm, group_name=self.group, cp_size=2, rank=1, spec=spec, unsupported="single_device"
                 )
+            self.assertEqual(count, 0)
             self.assertEqual(len(caught), 1)
-            self.assertIn(reason, str(caught[0].message))
+            self.assertRegex(str(caught[0].message), reason)
             self.assertEqual(len(find_packed_attention(gm)[1]), 1)  # still there, untouched
+        with self.assertRaisesRegex(ValueError, "unsupported must be one of .*got 'warn'"):
+            cpcompile.backend(unsupported="warn")
+
+    def test_backend_refuses_to_compile_an_unsupported_call(self):
+        def window(q, k, v, cu, m):
+            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(window, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(4, 0\)"):
+            compiled(*_inputs())
 
     def test_strategy_switch_recompiles_and_returns_to_cached_graph(self):
         seen = []

@@ -11,6 +11,9 @@ from cpcompile.strategy import resolve_strategy
 
 def test_strings_and_default():
     assert Strategy("dual_chunk_swap") is Strategy.DUAL_CHUNK_SWAP
+    # a spec built from a plain string holds the enum, so every layout function recognizes it
+    assert StrategySpec("striped", 4).strategy is Strategy.STRIPED
+    assert StrategySpec("striped", 4) == StrategySpec(Strategy.STRIPED, 4)
     assert resolve_strategy("STRIPED") == StrategySpec(Strategy.STRIPED)
     assert cpcompile.current_strategy() is Strategy.DUAL_CHUNK_SWAP
 
@@ -42,6 +45,8 @@ def test_context_restores_after_error():
         (lambda: StrategySpec(Strategy.STRIPED, 0), ValueError, "stripe_size must be a positive int, got 0"),
         (lambda: StrategySpec(Strategy.DUAL_CHUNK_SWAP, 2), ValueError, "only applies to strategy 'striped'"),
         (lambda: cpcompile.strategy("nope").__enter__(), ValueError, "got 'nope'"),
+        (lambda: StrategySpec("foo"), ValueError, "strategy must be one of 'dual_chunk_swap'.*got 'foo'"),
+        (lambda: StrategySpec(None), TypeError, "got NoneType"),
     ],
 )
 def test_bad_strategies_name_the_argument(call, error, message):

@@ -7,10 +7,13 @@ Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by o
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
 built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
-and causal flag (the plan's key ranges as rows of every rank's block). Variants the
+and causal flag (the plan's key ranges as rows of every rank's block). A variant the
 CP op cannot compute exactly (sliding windows, different query and key offsets,
-per-sequence key lengths, paged keys, a used RNG state) are left alone, with one
-warning each.
+per-sequence key lengths, paged keys, a used RNG state) raises
+:class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
+would attend within each rank's own tokens only, and the model would train wrong.
+``unsupported="single_device"`` leaves such calls alone instead, with one warning each,
+for users who mean it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ class Unsupported:
 
     node: fx.Node
     reason: str
+
+
+#: What the pass does with a recognized call that CP cannot compute exactly.
+UNSUPPORTED = ("raise", "single_device")
+
+
+class UnsupportedAttentionError(ValueError):
+    """A packed attention call that CP attention cannot compute exactly."""
+
+
+def check_unsupported(value: object) -> str:
+    if value not in UNSUPPORTED:
+        raise ValueError(f"unsupported must be one of {UNSUPPORTED}, got {value!r}")
+    return value
 
 
 def _overload(target) -> torch._ops.OpOverload | None:
@@ -232,9 +249,24 @@ def rewrite_packed_attention(
         graph.erase_node(m.node)
 
 
-def shard_attention_pass(gm: fx.GraphModule, *, group_name: str, cp_size: int, rank: int, spec: StrategySpec) -> int:
-    """Shard every recognized packed attention call of ``gm`` over the CP group; returns how many."""
+def shard_attention_pass(
+    gm: fx.GraphModule, *, group_name: str, cp_size: int, rank: int, spec: StrategySpec, unsupported: str = "raise"
+) -> int:
+    """Shard every recognized packed attention call of ``gm`` over the CP group; returns how many.
+
+    ``unsupported``: ``"raise"`` (:class:`UnsupportedAttentionError` for a call CP cannot
+    compute exactly) or ``"single_device"`` (leave it, warn: each rank then attends
+    within its own tokens only).
+    """
     matches, skipped = find_packed_attention(gm)
+    if skipped and check_unsupported(unsupported) == "raise":
+        calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)
+        raise UnsupportedAttentionError(
+            f"cpcompile cannot run {len(skipped)} packed attention call(s) context-parallel exactly: {calls}. "
+            "Use a causal or full window and one cu_seqlens for queries and keys, or pass "
+            "cpcompile.backend(..., unsupported='single_device') to run such calls over each rank's own "
+            "tokens alone (not the single-device result)."
+        )
     for s in skipped:
         warnings.warn(f"cpcompile left {s.node.format_node()} as single-device attention: {s.reason}", stacklevel=2)
     if not matches:

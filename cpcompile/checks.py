@@ -22,6 +22,32 @@ def data_checks_enabled(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
 
 
+def agreement_enabled(group, q: object) -> bool:
+    """Whether ranks compare their arguments before an op's collectives (``distributed.agree``).
+
+    Decided alike on every rank, from the group and the mode, never from one rank's
+    arguments (a rank that skipped the comparison would leave the others waiting in it):
+    on gloo always, on other backends only with ``CPCOMPILE_VALIDATE=1`` (on CUDA it
+    costs a host sync); never while tracing or on the fake process group.
+    """
+    import torch.distributed as dist
+
+    if torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and is_fake(q)) or group.size() == 1:
+        return False
+    backend = dist.get_backend(group)
+    if backend == "fake":
+        return False
+    return backend == "gloo" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
+
+
+def check_device(q: torch.Tensor, **metadata: torch.Tensor | None) -> None:
+    """Metadata tensors (``cu_seqlens`` and the like) must live on ``q``'s device: kernels read
+    them there, and one on another device would be read as garbage, not copied."""
+    for name, t in metadata.items():
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+
+
 def check_int(name: str, value: object, *, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -7,8 +7,21 @@ to ``*_single`` in 2.13; both spellings are supported.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import hashlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+
+# Imported with cpcompile, before the user's init_process_group: the functions of
+# torch.distributed.nn.functional take ``group=group.WORLD`` as a default, evaluated when
+# it is imported. Imported after init (torch._dynamo imports it, at the first compile or
+# custom-op call), those defaults keep the default group alive past destroy_process_group(),
+# and gloo's worker threads then abort the process at interpreter exit.
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,25 +78,70 @@ def all_to_all_rows(
     return (out, work) if async_op else out
 
 
-def agree_before_collectives(group: dist.ProcessGroup, error: Exception | None, **values: int) -> None:
-    """Raise the same way on every rank unless all ranks passed their checks and agree.
+def digest(t: torch.Tensor) -> str:
+    """A collision-resistant fingerprint of ``t``'s values (reads them: a host sync on CUDA)."""
+    data = t.detach().to("cpu", torch.int64).contiguous()
+    h = hashlib.blake2b(str(tuple(data.shape)).encode(), digest_size=12)
+    h.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))  # no numpy, no per-item copy
+    return h.hexdigest()
 
-    A rank that rejects its arguments while the others enter a collective would leave
-    them hanging; so each rank reports whether its checks passed and the sizes its
-    collectives will use, in one small all-reduce, and every rank raises if any
-    rank failed or any value differs.
+
+def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, object]) -> None:
+    """Raise on every rank unless all ranks passed their checks and their ``record``s are equal.
+
+    Called before an op's first collective. A rank that rejected its arguments while the
+    others enter a collective would leave them waiting until the group's timeout, and
+    ranks that disagree on what to compute (strategy, documents, causal mask, K/V path)
+    would run mismatched collectives or return wrong values. So each rank shares its
+    error, if any, and a record of everything that must be equal (plain values, tensors
+    by :func:`digest`) in one ``all_gather_object``; every rank then raises the same way,
+    naming the rank and the argument. The failing rank raises its own error.
+
+    One gather of a few hundred bytes, but a host sync: callers run it where
+    ``checks.agreement_enabled`` says so, alike on every rank.
     """
-    names = ["failed", *values]
-    local = [int(error is not None), *values.values()]
-    t = torch.tensor(local + [-x for x in local], dtype=torch.int64)  # max(-x) = -min(x)
-    t = t.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    n = len(names)
-    hi, lo = t[:n].tolist(), (-t[n:]).tolist()
+    mine = {"error": None if error is None else f"{type(error).__name__}: {error}", **record}
+    entries: list[dict] = [{} for _ in range(group.size())]
+    dist.all_gather_object(entries, mine, group=group)
     if error is not None:
         raise error
-    if hi[0]:
-        raise ValueError(f"another rank of group {group.group_name!r} rejected its arguments (see its error)")
-    bad = [f"{name} (min {a}, max {b})" for name, a, b in zip(names[1:], lo[1:], hi[1:]) if a != b]
-    if bad:
-        raise ValueError(f"ranks of group {group.group_name!r} disagree on " + ", ".join(bad))
+    name = group.group_name
+    failed = [f"rank {r} rejected its arguments ({e['error']})" for r, e in enumerate(entries) if e["error"]]
+    if failed:
+        raise ValueError(f"cpcompile: in process group {name!r}, " + "; ".join(failed))
+    keys = list(dict.fromkeys(k for e in entries for k in e if k != "error"))
+    disagree = []
+    for key in keys:
+        ranks_by_value: dict[str, list[int]] = {}
+        for r, e in enumerate(entries):
+            ranks_by_value.setdefault(repr(e.get(key, "(not given)")), []).append(r)
+        if len(ranks_by_value) > 1:
+            held = "; ".join(f"{_ranks(rs)}: {value}" for value, rs in ranks_by_value.items())
+            disagree.append(f"{key} ({held})")
+    if disagree:
+        raise ValueError(
+            f"cpcompile: ranks of process group {name!r} disagree on " + ", ".join(disagree) + "; this is rank "
+            f"{group.rank()}. Every rank must pass the same arguments and the same global cu_seqlens."
+        )
+
+
+_skip = threading.local()
+
+
+@contextlib.contextmanager
+def agreed() -> Iterator[None]:
+    """Inside: ops skip their own :func:`agree` (the caller's covered this very call)."""
+    before = getattr(_skip, "on", False)
+    _skip.on = True
+    try:
+        yield
+    finally:
+        _skip.on = before
+
+
+def already_agreed() -> bool:
+    return getattr(_skip, "on", False)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -97,6 +97,11 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
             r"cu_seqlens\[-1\] = 15 must equal the number of tokens in q \(16\)",
         ),
         (lambda a: {**a, "q": a["q"].int()}, ValueError, "q must be a floating-point tensor"),
+        (
+            lambda a: {**a, "cu_seqlens": a["cu_seqlens"].to("meta")},
+            ValueError,
+            r"cu_seqlens must be on the device of q \(cpu\), got meta",
+        ),
     ],
 )
 def test_packed_attention_rejects_bad_arguments(mutate, error, message):
@@ -115,6 +120,8 @@ def test_cp_attention_rejects_bad_arguments(single_rank_group):
     padded = torch.tensor([0, 4, 14, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_padded gives a document fewer tokens"):
         cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded, strategy="no_load_balance")
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be on the device of q \(cpu\), got meta"):
+        cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded.to("meta"), strategy="no_load_balance")
 
 
 def test_kv_chunks_setting(monkeypatch):

@@ -6,8 +6,6 @@ start-up is the expensive part, so cases share it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -168,26 +166,3 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
 def test_ranks_that_read_nothing(monkeypatch):
     monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "always")
     run_ranks(_ranks_that_read_nothing, 3)
-
-
-def _ranks_disagree(rank: int, world: int) -> None:
-    q = torch.randn(8, 2, 4)
-    # Same token count, different documents: each rank alone is consistent.
-    cu = torch.tensor([0, 16] if rank == 0 else [0, 5, 16], dtype=torch.int32)
-    with pytest.raises(ValueError, match="disagree on cu_seqlens_checksum"):
-        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
-    # One rank holds a wrong token count: it names it, the other is told, none hangs.
-    q = torch.randn(8 + 2 * rank, 2, 4)
-    cu = torch.tensor([0, 16], dtype=torch.int32)
-    message = "does not match the token count 20" if rank else "another rank .* rejected its arguments"
-    with pytest.raises(ValueError, match=message):
-        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
-    # Ranks set to different K/V paths: every rank is told, inside the op, before either path.
-    os.environ["CPCOMPILE_KV_EXCHANGE"] = "always" if rank else "never"
-    q = torch.randn(8, 2, 4)
-    with pytest.raises(ValueError, match=r"the same on every rank, got \['always', 'never'\]"):
-        cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance")
-
-
-def test_ranks_that_disagree_fail_fast():
-    run_ranks(_ranks_disagree, 2)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import distributed as cpdist
-from ..checks import check_cu_seqlens, check_padded, check_qkv, data_checks_enabled
+from ..checks import agreement_enabled, check_cu_seqlens, check_device, check_padded, check_qkv, data_checks_enabled
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
@@ -29,6 +29,12 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
+def _check_fake_metadata(q, **metadata) -> None:
+    for name, t in metadata.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+
+
 def _check_fake_qkv(q, k, v) -> None:
     torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
     torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
@@ -36,8 +42,14 @@ def _check_fake_qkv(q, k, v) -> None:
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums and ``lse`` are kept in: float32, or float64 for float64 inputs (so that float64
+    runs are exact to float64, not to the float32 of a statistic)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
 
 
 @per_plan
@@ -89,6 +101,7 @@ def _packed_attention(
 @_packed_attention.register_fake
 def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale):
     _check_fake_qkv(q, k, v)
+    _check_fake_metadata(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
     return _out_and_lse(q)
 
@@ -160,6 +173,7 @@ def packed_attention(
         ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
     """
     check_qkv(q, k, v)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
     else:
@@ -201,6 +215,7 @@ def _cp_attention(
     max_seqlen: int | None,
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    agree_in_op("cp_attention (all_gather)", cpdist.resolve_group(group_name), q, k, causal, scale, gather_index)
     group, kernel, ex, kw = _cp_call(
         q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q
     )
@@ -212,6 +227,7 @@ def _cp_attention(
 @_cp_attention.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
     _check_fake_qkv(q, k, v)
+    _check_fake_metadata(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
     cp = cpdist.resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(
@@ -303,16 +319,19 @@ def cp_attention(
     Returns:
         ``[T_local, Hq, D]`` in layout order; padding rows are 0.
     """
-    check_qkv(q, k, v)
-    if comm is not None:
-        check_comm(comm)
     pg = cpdist.resolve_group(group)
     cp, rank = pg.size(), pg.rank()
+    # Every check that can fail on one rank alone runs before the ranks agree: a rank that
+    # raised here while the others entered a collective would leave them waiting.
     error = None
     max_seqlen_q = max_seqlen  # a plan from the caller may be of any strategy: the safe bound
     try:
+        check_qkv(q, k, v)
+        check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         spec = resolve_strategy(strategy)
-        comm = comm or spec.comm
+        comm = check_comm(spec.comm if comm is None else comm)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         if plan is None:
             build = make_ring_plan if comm == "ring" else make_plan
             plan = build(
@@ -324,38 +343,54 @@ def cp_attention(
             _check_plan(plan, comm, q.shape[0], cp)
     except (ValueError, TypeError) as e:
         error = e
-    if data_checks_enabled(q) and data_checks_enabled(cu_seqlens):
-        # Before the first collective, so that no rank is left waiting in it.
-        cu = cu_seqlens.long()
-        cpdist.agree_before_collectives(
-            pg,
-            error,
-            local_tokens=q.shape[0],
-            q_heads=q.shape[1],
-            kv_heads=k.shape[1],
-            head_dim=q.shape[2],
-            cu_seqlens_checksum=int((cu * torch.arange(1, cu.shape[0] + 1)).sum()),
-        )
+    if agreement_enabled(pg, q):
+        record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
+        cpdist.agree(pg, error, record)
     elif error is not None:
         raise error
-    if comm == "ring":
-        args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q)[0]
-    out, _ = torch.ops.cpcompile.cp_attention(
-        q,
-        k,
-        v,
-        plan.gather_index,
-        plan.cu_q,
-        plan.k_start,
-        plan.k_len(causal),
-        pg.group_name,
-        causal,
-        scale,
-        max_seqlen,
-        max_seqlen_q,
-    )
-    return out
+    with cpdist.agreed():  # the op need not compare again what this call just compared
+        if comm == "ring":
+            args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
+            return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q)[0]
+        args = (q, k, v, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
+        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q)[0]
+
+
+def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale) -> dict[str, object]:
+    """What every rank of one ``cp_attention`` call must agree on (``distributed.agree``)."""
+    return {
+        "local tokens (q.shape[0])": q.shape[0],
+        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
+        "dtype": str(q.dtype),
+        "strategy": spec.strategy.value,
+        "stripe_size": spec.stripe_size,
+        "comm": comm,
+        "causal": causal,
+        "scale": scale,
+        "cu_seqlens": cpdist.digest(cu_seqlens),
+        "cu_seqlens_padded": None if cu_seqlens_padded is None else cpdist.digest(cu_seqlens_padded),
+    }
+
+
+def op_record(op: str, q, k, causal: bool, scale, layout: torch.Tensor | None) -> dict[str, object]:
+    """What every rank must agree on when a compiled graph calls a CP attention op directly
+    (no :func:`cp_attention` wrapper compared the call): the op (its collectives), the
+    shapes, the mask, and the layout (``gather_index`` is the same on every rank)."""
+    return {
+        "op (comm)": op,
+        "local tokens (q.shape[0])": q.shape[0],
+        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
+        "dtype": str(q.dtype),
+        "causal": causal,
+        "scale": scale,
+        "layout (strategy and cu_seqlens)": None if layout is None else cpdist.digest(layout),
+    }
+
+
+def agree_in_op(op: str, group, q, k, causal: bool, scale, layout: torch.Tensor | None) -> None:
+    """An op's own agreement, where no wrapper ran one for this call."""
+    if not cpdist.already_agreed() and agreement_enabled(group, q):
+        cpdist.agree(group, None, op_record(op, q, k, causal, scale, layout))
 
 
 def _check_plan(plan: AttentionPlan | RingPlan, comm: str, local_tokens: int, cp: int) -> None:

@@ -82,7 +82,7 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
 class _Kept:
     """One pair of kept buffers and what it was last used for."""
 
-    storage: torch.Tensor  # [2, capacity] float32: dK's and dV's
+    storage: torch.Tensor  # [2, capacity] float32 (float64 for float64 inputs): dK's and dV's
     allocated: torch.cuda.Stream | None  # the stream it was allocated on (None off CUDA)
     pieces: list | None = None  # tokens of the pieces it is zeroed for
     chunks: int | None = None
@@ -90,7 +90,7 @@ class _Kept:
 
 
 class _Held(dict):
-    """One thread's kept buffers: (device, Hkv, D) -> :class:`_Kept`."""
+    """One thread's kept buffers: (device, dtype, Hkv, D) -> :class:`_Kept`."""
 
 
 _local = threading.local()  # a thread's _Held goes with the thread
@@ -99,7 +99,8 @@ _every_lock = threading.Lock()
 
 
 def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reduce-scatter inputs of dK and dV, float32 ``[chunks, T, Hkv / chunks, D]`` each
+    """The reduce-scatter inputs of dK and dV, float32 (float64 for float64 ``k``)
+    ``[chunks, T, Hkv / chunks, D]`` each
     (``T`` from ``gather_index``, ``Hkv, D`` from the local ``k``), 0 at every key row the
     pieces ``(cu_q, k_start, k_len)`` do not read.
 
@@ -123,9 +124,10 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
         with _every_lock:
             _every[id(mine)] = mine
     current = torch.cuda.current_stream(k.device) if k.is_cuda else None
-    kept = mine.get((k.device, hkv, d))
+    acc = torch.promote_types(k.dtype, torch.float32)
+    kept = mine.get((k.device, acc, hkv, d))
     if kept is None or kept.storage.shape[1] < n:
-        kept = mine[k.device, hkv, d] = _Kept(torch.empty(2, n, dtype=torch.float32, device=k.device), current)
+        kept = mine[k.device, acc, hkv, d] = _Kept(torch.empty(2, n, dtype=acc, device=k.device), current)
     if kept.last is not None and kept.last != current:
         current.wait_stream(kept.last)
     if current is not None and current != kept.allocated:

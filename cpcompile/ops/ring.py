@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import distributed as cpdist
 from ..ring_plan import block_key_ranges
 from . import kernels
-from .attention import _check_fake_qkv, _out_and_lse, _scale
+from .attention import _check_fake_metadata, _check_fake_qkv, _out_and_lse, _scale, accumulation_dtype, agree_in_op
 from .ring_comm import shift
 
 
@@ -55,7 +55,7 @@ def merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions over disjoint keys (DESIGN.md section 3).
 
-    out ``[Tq, Hq, D]`` float32 and lse ``[Hq, Tq]`` float32 so far; block_out
+    out ``[Tq, Hq, D]`` and lse ``[Hq, Tq]`` so far, in the accumulation dtype; block_out
     ``[Tq, Hq, D]`` and block_lse ``[Hq, Tq]`` from one kernel call. Rows no key has
     reached keep ``lse = -inf`` and ``out = 0``.
     """
@@ -65,7 +65,7 @@ def merge(
     ref = torch.where(none, 0.0, merged)  # finite, so rows without keys get weights exp(-inf) = 0
     w_old = torch.exp(lse - ref).t().unsqueeze(-1)  # [Tq, Hq, 1]
     w_new = torch.exp(block_lse - ref).t().unsqueeze(-1)
-    return out * w_old + block_out.float() * w_new, merged
+    return out * w_old + block_out.to(out.dtype) * w_new, merged
 
 
 def _blocks(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
@@ -107,18 +107,21 @@ def _ring_attention(
     max_seqlen_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
+    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None)
     kernel = kernels.select(q)
+    lse_dtype = accumulation_dtype(q.dtype)
     out = lse = None
     steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
     for k_src, v_src, ranges, kw in steps:
         block = kernel.forward(q, k_src, v_src, *ranges, **kw)
-        out, lse = (block[0].float(), block[1]) if out is None else merge(out, lse, *block)
+        out, lse = (block[0].to(lse_dtype), block[1]) if out is None else merge(out, lse, *block)
     return out.to(q.dtype), lse
 
 
 @_ring_attention.register_fake
 def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
     _check_fake_qkv(q, k, v)
+    _check_fake_metadata(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
     cp = cpdist.resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
@@ -145,14 +148,15 @@ def _ring_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = cpdist.resolve_group(group_name)
     kernel = kernels.select(q)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
     works = []
     steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
     for step, (k_src, v_src, ranges, kw) in enumerate(steps):
         dq_step, dk, dv = kernel.backward(dout, q, k_src, v_src, out, lse, *ranges, **kw)
         dq += dq_step
-        dkv = torch.cat([dk, dv], dim=1).float()  # this rank's share, float32 (one rounding at the end)
+        dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
         if step > 0:
             for work in works:
                 work.wait()
@@ -166,8 +170,10 @@ def _ring_attention_backward(
         works = shift(dkv, arrived, group)
     for work in works:
         work.wait()
-    dk, dv = arrived.to(k.dtype).split(k.shape[1], dim=1)
-    return dq.to(q.dtype), dk.contiguous(), dv.contiguous()
+    # Copied into fresh tensors, not returned as views of one buffer: with one local row
+    # the two halves are contiguous views already, and an op's outputs must not alias.
+    dk, dv = (torch.empty_like(t).copy_(part) for t, part in zip((k, v), arrived.split(k.shape[1], dim=1)))
+    return dq.to(q.dtype), dk, dv
 
 
 @_ring_attention_backward.register_fake

@@ -1,4 +1,4 @@
-"""Reference kernel: exact piece attention on any device, float32 accumulation.
+"""Reference kernel: exact piece attention on any device, float32 accumulation (float64 for float64).
 
 The kernel contract shared by every backend. Queries are cut into pieces by
 ``cu_q``; piece p reads keys ``[k_start[p], k_start[p] + k_len[p])`` of the full
@@ -77,7 +77,7 @@ def forward(
     max_seqlen_k=None,
     disjoint_keys=False,
 ):
-    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32.
+    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` (float32; float64 for float64).
 
     ``max_seqlen_q``/``max_seqlen_k`` (launch bounds for GPU kernels) and ``disjoint_keys``
     (key ranges consecutive, in piece order: a GPU fast path) are not needed here.
@@ -85,7 +85,7 @@ def forward(
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
-    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
     lo, hi = _row_bounds(cu_q, k_start, k_len, causal, tq)
     for r0, r1, k0, k1 in _blocks(lo, hi):
         s, mask = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
@@ -94,7 +94,7 @@ def forward(
         total = p.sum(-1, keepdim=True)
         o = torch.einsum("hgrk,khd->rhgd", p / total.clamp(min=torch.finfo(acc).tiny), v[k0:k1].to(acc))
         out[r0:r1] = o.flatten(1, 2)
-        lse[:, r0:r1] = (m + torch.log(total)).squeeze(-1).flatten(0, 1).float()
+        lse[:, r0:r1] = (m + torch.log(total)).squeeze(-1).flatten(0, 1)
     return out.to(q.dtype), lse
 
 
@@ -125,7 +125,7 @@ def backward(
     so that sums can go to a reduce-scatter in the all-gather's order as they are.
     ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
     sums are written into the others, in the buffers' dtype, and the buffers returned
-    (``scratch.place``; the all-gather path's are float32, also for float64 inputs).
+    (``scratch.place``; the all-gather path's are float32, float64 for float64 inputs).
     ``pack_keys``: where ``k`` holds only the keys that are read (``exchange``), the pack's
     key count, which ``auto`` budgets the backward's scratch against; unused by the others."""
     acc = _acc_dtype(q.dtype)

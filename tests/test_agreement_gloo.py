@@ -1,0 +1,108 @@
+"""Tier 4: mistakes on real gloo ranks fail fast, on every rank, naming the argument and the rank.
+
+A rank that rejects its arguments, or ranks that disagree on what to compute, must
+not leave the others waiting in a collective (the process group's timeout is set to
+20 s here, so a hang fails the test) nor return wrong values: every rank raises
+before any communication of the op, through ``cpcompile.distributed.agree``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import cpcompile
+from tests.dist import run_ranks
+
+CU = torch.tensor([0, 4, 8, 12, 16], dtype=torch.int32)
+# Same token count, same linear checksum sum(cu[i] * (i + 1)) as CU: only a digest of the values tells them apart.
+CU_COLLIDING = torch.tensor([0, 1, 6, 15, 16], dtype=torch.int32)
+
+
+def _expect(rank: int, bad_rank: int | None, own: str, others: str, **call) -> None:
+    """Run ``cp_attention`` with ``call``; the bad rank raises ``own``, every other rank ``others``."""
+    q = call.pop("q", torch.randn(8, 2, 4))
+    kv = call.pop("kv", torch.randn(8, 2, 4))
+    cu = call.pop("cu", CU)
+    message = own if rank == bad_rank else others
+    with pytest.raises((ValueError, TypeError), match=message):
+        cpcompile.cp_attention(q, kv, kv, cu, **call)
+
+
+def _one_rank_is_wrong(rank: int, world: int) -> None:
+    bad = rank == 1
+    rejected = r"rank 1 rejected its arguments \(ValueError: .*{}"
+    cases = [
+        ("q heads", dict(q=torch.randn(8, 3 if bad else 2, 4)), r"q heads \(3\) must be a multiple"),
+        ("dtype", dict(q=torch.randn(8, 2, 4, dtype=torch.float64 if bad else torch.float32)), "share dtype"),
+        ("comm", dict(comm="p2p" if bad else "all_gather"), r"comm must be one of .*got 'p2p'"),
+        ("strategy", dict(strategy="stripes" if bad else "striped"), "strategy must be one of .*got 'stripes'"),
+        (
+            "tokens",
+            dict(q=torch.randn(10 if bad else 8, 2, 4), kv=torch.randn(10 if bad else 8, 2, 4)),
+            "does not match the token count 20",
+        ),
+        ("device", dict(cu=CU.to("meta") if bad else CU), r"cu_seqlens must be on the device of q \(cpu\), got meta"),
+    ]
+    for _argument, call, own in cases:
+        _expect(rank, 1, own, rejected.format(own), strategy=call.pop("strategy", "no_load_balance"), **call)
+
+
+def _ranks_disagree(rank: int, world: int) -> None:
+    def disagree(argument, values):
+        return f"disagree on {argument} \\(rank 0: {values[0]}; rank 1: {values[1]}\\); this is rank {rank}"
+
+    cases = [
+        ("strategy", dict(strategy=("dual_chunk_swap", "no_load_balance")), ("'dual_chunk_swap'", "'no_load_balance'")),
+        ("strategy", dict(strategy=("balanced", "no_load_balance")), ("'balanced'", "'no_load_balance'")),
+        (
+            "stripe_size",
+            dict(strategy=(cpcompile.StrategySpec("striped", 2), cpcompile.StrategySpec("striped", 4))),
+            ("2", "4"),
+        ),
+        ("causal", dict(causal=(True, False), strategy=("striped",) * 2), ("True", "False")),
+        ("comm", dict(comm=("ring", "all_gather"), strategy=("striped",) * 2), ("'ring'", "'all_gather'")),
+        ("cu_seqlens", dict(cu=(CU, CU_COLLIDING), strategy=("no_load_balance",) * 2), ("'[0-9a-f]+'", "'[0-9a-f]+'")),
+    ]
+    for argument, call, shown in cases:
+        mine = {key: values[rank] for key, values in call.items()}
+        with pytest.raises(ValueError, match=disagree(argument, shown)):
+            q = torch.randn(8, 2, 4)
+            cpcompile.cp_attention(q, q, q, mine.pop("cu", CU), **mine)
+
+
+def _compiled_ranks_disagree(rank: int, world: int) -> None:
+    """A compiled graph calls the CP ops directly: the ops compare what they run on."""
+
+    def model(q, k, v, cu):
+        return cpcompile.packed_attention(q, k, v, cu)
+
+    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    q = torch.randn(8, 2, 4)
+    # The same padding for both layouts (documents of 8): only the layout tells them apart.
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with cpcompile.strategy("dual_chunk_swap" if rank else "no_load_balance"):
+        with pytest.raises(ValueError, match=r"disagree on layout \(strategy and cu_seqlens\)"):
+            compiled(q, q, q, cu)
+    with cpcompile.strategy("striped", comm="ring" if rank else "all_gather"):
+        with pytest.raises(ValueError, match=r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"):
+            compiled(q, q, q, cu)
+
+
+@pytest.mark.parametrize("check", [_one_rank_is_wrong, _ranks_disagree, _compiled_ranks_disagree])
+def test_every_rank_fails_fast(check):
+    run_ranks(check, 2, timeout_s=20)
+
+
+def _no_exchange_setting_mismatch(rank: int, world: int) -> None:
+    # Ranks set to different K/V paths: every rank is told, inside the op, before either path.
+    os.environ["CPCOMPILE_KV_EXCHANGE"] = "always" if rank else "never"
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match=r"the same on every rank, got \['always', 'never'\]"):
+        cpcompile.cp_attention(q, q, q, torch.tensor([0, 16], dtype=torch.int32), strategy="no_load_balance")
+
+
+def test_exchange_settings_that_differ_fail_fast():
+    run_ranks(_no_exchange_setting_mismatch, 2, timeout_s=20)

@@ -10,6 +10,7 @@ Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
 Every GPU kernel backend present is measured: flash always; with the ``gpu`` extra also
 cudnn and auto (cuDNN's forward, the backward chosen per call; the default then).
+It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
-from report import REPO, command, machine, write_section  # noqa: E402
+from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile.ops import exchange, gathered, kernels  # noqa: E402
@@ -50,10 +51,7 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
     for the GPU (a host sync) or takes the host longer than the GPU, as it is in
     training. The start event is queued behind one more call, so the GPU is busy
     when it starts: from an idle GPU it would also count the host's work before
-    the first call's kernels. On the H200 a rank's cuDNN forward takes the host
-    about 0.3 ms (cp=8, heads 16/16, 128K tokens); counted once per 4 calls, that
-    made the ranks' forward 2-7 % slower than the GPU ran it (one device's 4-8 ms
-    call: about 1 %).
+    the first call's kernels (docs/measurement.md).
     """
     for _ in range(warmup):
         fn()
@@ -142,7 +140,7 @@ def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
 def measure(
     lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool, names: list[str]
 ) -> tuple[list[dict], dict]:
-    """Table rows, and per kernel ``(predicted cost, measured ms)`` of every rank for the cost model check."""
+    """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -153,24 +151,22 @@ def measure(
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     flops = causal_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
 
-    def same_code(name: str):
-        # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once:
-        # timed apart, one forward differed by up to 10 % with its place in the run (BENCHMARKS.md)
-        return name if backward else kernels.select(q, name).forward
-
-    singles = {"torch varlen_attn": torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)}
-    single_ms = {"torch varlen_attn": timed(singles["torch varlen_attn"])}
-    first_of = {}  # same_code -> the first kernel name timed with it
+    # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
+    # one's name, as timings of one code move with their place in the run (docs/measurement.md)
+    measured, codes = [], set()
     for name in names:
-        what = f"cpcompile.packed_attention [{name}]"
-        singles[what] = packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward, name)
-        first = first_of.setdefault(same_code(name), name)
-        single_ms[what] = single_ms[f"cpcompile.packed_attention [{first}]"] if first != name else timed(singles[what])
-    rows = [{"what": f"single GPU, {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
+        code = name if backward else kernels.select(q, name).forward
+        if code not in codes:
+            codes.add(code)
+            measured.append(name)
+    singles = {"(torch varlen_attn)": torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)}
+    for name in measured:
+        singles[f"[{name}]"] = packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward, name)
+    single_ms = {what: timed(step) for what, step in singles.items()}
+    rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
-    samples = {name: [] for name in names}
-    layout_ms = {}  # (cp, spec, kernel name) -> (reference, per-rank ms)
-    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in STRATEGIES for name in names):
+    samples = {name: [] for name in measured}
+    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in STRATEGIES for name in measured):
         kernel = kernels.select(q, name)
         padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
         n = int(padded[-1])
@@ -178,18 +174,14 @@ def measure(
         short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
         plans = [cpcompile.AttentionPlan(*(x.to(dev) for x in p)) for p in plans]
         read = rank_reads(plans, cp)
-        first = first_of[same_code(name)]
-        if first == name:
-            q_local = q[: n // cp]  # values do not matter, sizes and pieces do
-            bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
-            reference = timed(best)  # in the GPU's power state of the ranks' timings (see ``main``)
-            per_rank = []
-            for rank, plan in enumerate(plans):
-                read_r = None if read is None else read[rank]
-                step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound, read_r)
-                per_rank.append(timed(step))
-            layout_ms[cp, spec, name] = reference, per_rank
-        reference, per_rank = layout_ms[cp, spec, first]
+        q_local = q[: n // cp]  # values do not matter, sizes and pieces do
+        bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
+        reference = timed(best)  # in the GPU's power state of the ranks' timings (docs/measurement.md)
+        per_rank = []
+        for rank, plan in enumerate(plans):
+            read_r = None if read is None else read[rank]
+            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound, read_r)
+            per_rank.append(timed(step))
         predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
@@ -201,6 +193,7 @@ def measure(
                 "what": f"cp={cp} {spec.strategy.value}"
                 + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
                 + f" [{name}]",
+                "cp": cp,
                 "ms": slowest,
                 "tflops": flops / cp / slowest / 1e9,
                 "efficiency": reference / (cp * slowest),
@@ -220,6 +213,58 @@ def correlation(samples: list) -> float:
     return float((x * y).sum() / (x.norm() * y.norm()))
 
 
+TABLE_HEADER = [
+    "| layout | ms (slowest rank) | TFLOP/s per GPU | efficiency | max/mean | short pieces/rank | padding | K/V |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+
+
+def table(title: str, rows: list[dict], fits: dict[str, float], ranks: int, backward: bool) -> list[str]:
+    """One head layout and pass: the rows (medians over packs), the cost model's fit, the best layout per cp."""
+    lines = [f"### {title}", "", *TABLE_HEADER]
+    for row in rows:
+        cells = (
+            [f"{row['ms']:.2f}", f"{row['tflops']:.0f}"]
+            + [f"{row[key]:.3f}" if key in row else "" for key in ("efficiency", "imbalance")]
+            + [
+                f"{row['short_pieces']:.1f}" if "short_pieces" in row else "",
+                f"{row['padding']:.0f}" if "padding" in row else "",
+                {1.0: "exchange", 0.0: "all-gather", None: ""}.get(row.get("exchange"), "mixed"),
+            ]
+        )
+        lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")
+    model = "step cost without its token term" if backward else "kernel tiles"
+    best = {}
+    for row in (r for r in rows if "cp" in r):
+        if row["efficiency"] > best.get(row["cp"], {"efficiency": -1.0})["efficiency"]:
+            best[row["cp"]] = row
+    return [
+        *lines,
+        "",
+        f"Cost model (`predict_rank_costs`, {model}) against per-rank times, Pearson's r over {ranks} ranks: "
+        + ", ".join(f"{name} {r:.3f}" for name, r in fits.items())
+        + ".",
+        "Highest efficiency: " + ", ".join(f"{r['what']} {r['efficiency']:.3f}" for r in best.values()) + ".",
+        "",
+    ]
+
+
+def intro(tokens: int, source: str, packs: int) -> list[str]:
+    """What the tables hold, below the section's header."""
+    return [
+        f"{tokens} tokens per pack from `{source}`; each cell the median over {packs} packs of a median of 5 timed "
+        "runs, each queued behind an untimed call. Single GPU = `cpcompile.packed_attention` (or torch's "
+        "`varlen_attn`) on the whole pack; efficiency = best single-GPU time / (cp x slowest rank), that reference "
+        "timed again right before each layout's ranks; max/mean = slowest rank over the mean; short = pieces per "
+        "rank under 128 query rows; K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads "
+        "(exchange); communication not timed. `[flash]` torch's varlen flash kernel, `[cudnn]` cuDNN's fused "
+        "attention on the ragged pieces, `[auto]` cuDNN's forward (listed as `[cudnn]`'s, the same code timed once) "
+        "and the backward chosen per call. Analyses: [docs/attention-kernels.md](docs/attention-kernels.md), "
+        "[docs/measurement.md](docs/measurement.md).",
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doclens", type=Path, required=True, help="JSON list of document lengths")
@@ -228,65 +273,29 @@ def main() -> None:
     parser.add_argument("--packs", type=int, default=3, help="packs sampled; medians are reported")
     default_kernels = ["flash"] + (["cudnn", "auto"] if cudnn.available() else [])
     parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "auto"])
-    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
-    lines = [
-        HEADING,
-        "",
-        f"{machine()}. Command: `{command()}`.",
-        "",
-        f"{args.tokens} tokens per pack from `{args.doclens.name}`, median of {args.packs} packs (each cell the "
-        "median over packs of a median of 5 timed runs, each queued behind an untimed call: `timed`). "
-        "Efficiency = best single-GPU time / (cp x slowest rank), the best single-GPU kernel timed again "
-        "right before each layout's ranks (the H200 runs "
-        "these kernels at its power cap, its clock moving between 1.74 and 1.98 GHz: a reference timed "
-        "once, apart, differed by up to 11 % from the same kernel timed beside the ranks). `[auto]`'s "
-        "forward is `[cudnn]`'s code, so its forward cells are `[cudnn]`'s timings. Short = pieces per rank "
-        "under 128 query rows.",
-        "",
-    ]
+    lines = [*header(HEADING), *intro(args.tokens, args.doclens.name, args.packs)]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
-            per_pack, samples = [], {name: [] for name in args.kernels}
+            per_pack, samples = [], {}
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
                 rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward, args.kernels)
                 per_pack.append(rows)
-                for name in args.kernels:
-                    samples[name] += pack_samples[name]
+                for name, pairs in pack_samples.items():
+                    samples[name] = samples.get(name, []) + pairs
+            medians = [
+                {key: row[key] if key == "what" else statistics.median(pp[i][key] for pp in per_pack) for key in row}
+                for i, row in enumerate(per_pack[0])
+            ]
+            fits = {name: correlation(pairs) for name, pairs in samples.items()}
             title = f"{'forward+backward' if backward else 'forward'}, heads {hq}/{hkv}"
-            lines += [
-                f"### {title}",
-                "",
-                "| layout | ms (slowest rank) | TFLOP/s per GPU | efficiency | max/mean |"
-                " short pieces/rank | padding | K/V |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |",
-            ]
-            for i, row in enumerate(per_pack[0]):
-                med = {key: statistics.median(pp[i][key] for pp in per_pack) for key in row if key != "what"}
-                cells = (
-                    [f"{med['ms']:.2f}", f"{med['tflops']:.0f}"]
-                    + [f"{med[key]:.3f}" if key in med else "" for key in ("efficiency", "imbalance")]
-                    + [
-                        f"{med['short_pieces']:.1f}" if "short_pieces" in med else "",
-                        f"{med['padding']:.0f}" if "padding" in med else "",
-                        {1.0: "exchange", 0.0: "all-gather", None: ""}.get(med.get("exchange"), "mixed"),
-                    ]
-                )
-                lines.append(f"| {row['what']} | " + " | ".join(cells) + " |")
-            model = "step cost without its token term" if backward else "kernel tiles"
-            fits = ", ".join(f"{name} r = {correlation(pairs):.3f}" for name, pairs in samples.items())
-            lines += [
-                "",
-                f"Cost model ({model} of `cpcompile.predict_rank_costs`) against the measured per-rank time, "
-                f"Pearson's r over {len(next(iter(samples.values())))} ranks: {fits}.",
-                "",
-            ]
-            print("\n".join(lines[-len(per_pack[0]) - 6 :]), flush=True)
-    if args.output != "-":
-        write_section(Path(args.output), HEADING, "\n".join(lines))
-        print(f"wrote {args.output}")
+            done = table(title, medians, fits, len(next(iter(samples.values()))), backward)
+            lines += done
+            print("\n".join(done), file=sys.stderr, flush=True)  # progress
+    publish(HEADING, lines, args.output)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ single long document), and cp in {2, 4, 8, 16, 32}, it reports per strategy:
 - max/mean per-rank attention work (the sum over a rank's query tokens of the
   keys they see, causal), the worst over ``--packs`` packs;
 - padding the strategy adds (tokens);
-- for balanced, the cost model's view (:mod:`cpcompile.cost`): max/mean kernel
-  tiles (128x128) per rank, and pieces per rank that cut a document below 128 tokens;
+- the cost model's view (:mod:`cpcompile.cost`): max/mean kernel tiles (128x128)
+  per rank, pieces per rank that cut a document below 128 tokens, the predicted
+  step, the keys the busiest rank reads;
 - the strategy ``auto`` picks;
 
 then checks balanced against the targets of issue 5 and times the balanced layout
 on a 100K-token pack of 1,000 documents (one thread, as in a data-loader worker).
-It prints the tables and writes them, with machine, date and command, to the
-``## Balance (benchmarks/balance.py)`` section of ``BENCHMARKS.md``.
+It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 
     python benchmarks/balance.py [--doclens ../shared/data/doclens] [--packs 3] [--output BENCHMARKS.md]
 """
@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from cpcompile.balanced import balanced_layout
 from cpcompile.cost import choose_strategy, predict_rank_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import REPO, write_section  # noqa: E402
+from report import REPO, add_output_argument, header, publish  # noqa: E402
 
 SECTION = "## Balance (benchmarks/balance.py)"
 STRATEGIES = {
@@ -167,7 +166,7 @@ def sweep(doclens: Path, packs_per_config: int) -> list[dict]:
                         "auto": "/".join(picks),
                     }
                 )
-                print(_balance_row(results[-1]), flush=True)
+                print(_balance_row(results[-1]), file=sys.stderr, flush=True)  # progress
     return results
 
 
@@ -210,7 +209,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 SHORT = {"dual_chunk_swap": "DCS", "no_load_balance": "NLB", "striped": "S1", "striped_128": "S128", "balanced": "BAL"}
 BALANCE_HEADER = (
-    "| mix | tokens | cp | docs | work DCS | work NLB | work S1 | work S128 | **work BAL** "
+    "| mix | tokens | cp | docs | work DCS | work NLB | work S1 | work S128 | work BAL "
     "| pad DCS | pad S128 | pad BAL |\n" + "|---" * 12 + "|"
 )
 KERNEL_HEADER = (
@@ -229,7 +228,6 @@ def _config(r: dict) -> str:
 def _balance_row(r: dict) -> str:
     w = r["worst"]
     work = [f"{w[n]['work']:.3f}" for n in STRATEGIES]
-    work[-1] = f"**{work[-1]}**"
     pads = (w[n]["padding"] for n in ("dual_chunk_swap", "striped_128", "balanced"))
     return f"{_config(r)} {r['docs']:.0f} | {' | '.join(work)} | {' | '.join(map(str, pads))} |"
 
@@ -267,20 +265,10 @@ def targets(results: list[dict]) -> list[str]:
     return lines
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        lines = info.read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        cpu = f"{names[0]} x {len(names)}" if names else cpu
-    return f"{cpu}; Python {platform.python_version()}, torch {torch.__version__}"
-
-
 def timing_lines(timing: list[tuple[int, float, float]]) -> list[str]:
     return [
-        "Balanced layout time (`cpcompile.balanced.balanced_layout`, 100K tokens in 1,000 log-normal documents,",
-        "one thread) and `auto` resolution time (`choose_strategy`, four candidates' predictions):",
+        "Host time, one thread, 100K tokens in 1,000 log-normal documents: the balanced layout",
+        "(`cpcompile.balanced.balanced_layout`) and `auto`'s pick (`choose_strategy`, four candidates' predictions):",
         "",
         "| cp | balanced layout ms (median) | auto ms (median) |",
         "|---|---|---|",
@@ -288,49 +276,47 @@ def timing_lines(timing: list[tuple[int, float, float]]) -> list[str]:
     ]
 
 
-def report(results: list[dict], timing: list[tuple[int, float, float]], packs: int) -> str:
-    lines = [
-        SECTION,
-        "",
-        f"- machine: {machine()}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        "",
-        "Strategies: DCS dual_chunk_swap, NLB no_load_balance, S1 striped (1-token stripes), S128 striped with",
-        "128-token stripes, BAL balanced. Work = max/mean over ranks of the per-rank sum over query tokens of",
-        f"visible keys (causal, DESIGN.md section 8), the worst of {packs} packs (one for the single document);",
-        "pad = tokens the strategy adds to the pack.",
+def reading(results: list[dict]) -> list[str]:
+    """A few lines drawn from the results: balanced on the real mixes, the others' worst, auto's picks."""
+    real = [r for r in results if r["mix"] in ("prolong", "magi") and r["tokens"] >= 131072]
+    worst = {name: {key: max(r["worst"][name][key] for r in real) for key in ("work", "short_cuts")} for name in SHORT}
+    tiles = max(r["worst"]["balanced"]["tiles"] for r in real if r["cp"] <= 8)
+    under_cp = all(r["worst"]["balanced"]["padding"] < r["cp"] for r in results)
+    padding = "padding < cp tokens on every pack" if under_cp else "padding >= cp tokens on some pack"
+    picks = Counter(r["auto"] for r in results)
+    bal, dcs = worst["balanced"], worst["dual_chunk_swap"]
+    return [
+        f"- balanced, real mixes at 128K-512K: work max/mean <= {bal['work']:.3f} (tiles at cp 2-8 <= {tiles:.3f}),"
+        f" short cuts/rank <= {bal['short_cuts']:.2f}; {padding}.",
+        f"- dual_chunk_swap there: work <= {dcs['work']:.3f}, up to {dcs['short_cuts']:.0f} short cuts/rank;"
+        f" no_load_balance: work up to {worst['no_load_balance']['work']:.2f}.",
+        f"- `auto` picks, over the {len(results)} rows: "
+        + ", ".join(f"{'/'.join(SHORT[p] for p in label.split('/'))} {n}" for label, n in picks.items())
+        + ".",
+        "- why: [docs/balanced-layout.md](docs/balanced-layout.md).",
+    ]
+
+
+def report(results: list[dict], timing: list[tuple[int, float, float]], packs: int, first: list[str]) -> list[str]:
+    """The section: ``first`` (heading, machine, date, command), the tables, the reading."""
+    return [
+        *first,
+        "Work = max/mean over ranks of the attention pairs (query, visible key) a rank computes, causal;",
+        f"pad = tokens the strategy adds. Each cell is the worst of {packs} packs (one for the single document).",
+        "DCS dual_chunk_swap, NLB no_load_balance, S1 / S128 striped with 1- / 128-token stripes, BAL balanced.",
         "",
         BALANCE_HEADER,
         *(_balance_row(r) for r in results),
         "",
-        "Kernel view, from the cost model (`cpcompile.cost`, 128x128 tiles, defaults): short cuts = pieces",
-        "shorter than 128 tokens that cut a document, per rank (worst pack); tiles max/mean = how evenly a flash",
-        "kernel's tiles are spread over the ranks (worst pack); tile bound = one device's tiles / (cp x the",
-        "slowest rank's tiles), the forward CP efficiency a 128x128-tile kernel can reach on the layout (worst",
-        "pack; the tile model follows measured forwards at r = 0.98-0.99, BENCHMARKS.md, Attention on one GPU);",
-        "step X / BAL = predicted step (slowest rank) of X",
-        "over balanced's, on the pack least favourable to balanced (< 1: X predicted faster); keys read = the",
-        "share of the pack's keys that the rank reading the most reads (worst pack): the dK/dV rows its backward",
-        "writes, and the K/V rows it needs of the all-gather; exchange = the K/V rows other ranks hold that the",
-        "busiest rank reads, over the rows an all-gather brings it, (cp - 1) / cp of the pack (worst pack): what",
-        "the sparse exchange moves instead (it is used where this, or the rows a rank sends, is at most 0.75);",
-        "auto picks = what `auto` chose over the packs.",
+        "Kernel view, from the cost model (`cpcompile.cost`, 128x128 tiles; each cell the worst pack, for step X / BAL",
+        "the one least favourable to balanced): short cuts = pieces under 128 tokens that cut a document, per rank;",
+        "tile bound = one device's tiles / (cp x the slowest rank's), the forward efficiency a tiled kernel can reach;",
+        "step X / BAL = predicted step of X over balanced's (< 1: X predicted faster); keys read = share of the pack's",
+        "keys the busiest reader reads; exchange = K/V rows the sparse exchange brings the busiest rank, over an",
+        "all-gather's; auto picks = `auto`'s choices over the packs.",
         "",
         KERNEL_HEADER,
         *(_kernel_row(r) for r in results),
-        "",
-        "Balanced equalizes tokens and, where ranks hold at least 11,264 tokens (cp 2-8 on 128K and 512K",
-        "packs), kernel tiles: it counts a document's work as the area of the 128x128 tiles a causal kernel",
-        "visits, and moves its front cuts to tile boundaries where that keeps the work within 1/128 of a rank's",
-        "(steps 2-4 of `cpcompile/balanced.py`). Its attention pairs are then less even than its tiles (work",
-        "BAL): a rank holding the last, partial query tile of a long document, which reads every key tile for",
-        "a few rows, takes fewer pairs. Below 11,264 tokens per rank (cp 16-32 on 32K-128K packs) it counts",
-        "pairs, and the partial last query block of pieces cut deep inside long documents leaves the tile count",
-        "uneven (tiles max/mean), where 128-token stripes can be predicted faster. On a single document",
-        "balanced and dual_chunk_swap hold the same chunk pairs (balanced without padding), so `auto` takes the",
-        "earlier candidate, dual_chunk_swap. Packs here are powers of two, so the strategies that pad only the",
-        "total add nothing; balanced adds fewer than cp tokens to any pack.",
         "",
         "Targets (issue 5), balanced on the real mixes:",
         "",
@@ -338,8 +324,8 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
         "",
         *timing_lines(timing),
         "",
+        *reading(results),
     ]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -351,19 +337,12 @@ def main() -> None:
         help="folder with prolong.json and magi_cdf.csv (mixes whose file is missing are skipped)",
     )
     parser.add_argument("--packs", type=int, default=3, help="packs per mix, size and cp (the worst is reported)")
-    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    add_output_argument(parser)
     args = parser.parse_args()
-    print(BALANCE_HEADER)
+    print(BALANCE_HEADER, file=sys.stderr)
     results = sweep(args.doclens, args.packs)
     timing = time_balanced()
-    print(
-        "\n".join(
-            ["", KERNEL_HEADER, *(_kernel_row(r) for r in results), "", *targets(results), "", *timing_lines(timing)]
-        )
-    )
-    if args.output != "-":
-        write_section(Path(args.output), SECTION, report(results, timing, args.packs))
-        print(f"wrote {args.output}")
+    publish(SECTION, report(results, timing, args.packs, header(SECTION)), args.output)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 50 microbatches whose token count and document count all differ go through one
 compiled packed GPT (forward and backward). With the pass, each is one CP rank's
 shard (cp=2 on a fake process group: graphs and timings are real, collective
-values are not); without it, the whole pack on one device.
+values are not); without it, the whole pack on one device. It prints its section
+of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 
-    python benchmarks/compile.py [--steps 50] [--inner aot_eager inductor]
+    python benchmarks/compile.py [--steps 50] [--inner aot_eager inductor] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack  # noqa: E402
-from report import REPO, command, machine, write_section  # noqa: E402
+from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 
@@ -60,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--inner", nargs="+", default=["aot_eager", "inductor"])
-    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    add_output_argument(parser)
     args = parser.parse_args()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=CP)
     cfg = GPTConfig(vocab=64, dim=64, heads=4, kv_heads=2, layers=2, max_position=4096)
@@ -69,33 +71,30 @@ def main() -> None:
     data = batches(args.steps, cfg.vocab)
     torch._inductor.config.force_disable_caches = True  # every compile starts cold, both ways
     rows = ["| inner | CP pass | graphs compiled | compile s | step, median ms |", "| --- | --- | --- | --- | --- |"]
+    graphs_seen = set()
     for inner in args.inner:
         for with_pass in (False, True):
             backend = cpcompile.backend(inner=inner) if with_pass else inner
             graphs, first, later = run(model, backend, data, shard=with_pass)
+            graphs_seen.add(graphs)
             rows.append(f"| {inner} | {'yes (cp=2)' if with_pass else 'no'} | {graphs} | {first:.1f} | {later:.1f} |")
-            print(rows[-1], flush=True)
+            print(rows[-1], file=sys.stderr, flush=True)  # progress
     docs = [len(p["cu_seqlens"]) - 1 for p in data]
     tokens = [int(p["cu_seqlens"][-1]) for p in data]
-    text = "\n".join(
-        [
-            HEADING,
-            "",
-            f"{machine()}. Command: `{command()}`.",
-            "",
-            f"{args.steps} microbatches of {min(tokens)}-{max(tokens)} tokens and {min(docs)}-{max(docs)} documents "
-            "(ProLong-like lengths), forward + backward of a 2-layer packed GPT, `dynamic=True`, caches off. "
-            "Compile = first step minus the median step. Steps run CPU kernels (the exact reference attention, "
-            "on the whole pack without the pass and on one rank's half with it) and a fake group. Each inner's "
-            "first run (without the pass) also pays one-time imports and warm-up, so its compile time reads high.",
-            "",
-            *rows,
-            "",
-        ]
-    )
-    if args.output != "-":
-        write_section(__import__("pathlib").Path(args.output), HEADING, text)
-        print(f"wrote {args.output}")
+    lines = [
+        *header(HEADING),
+        f"{args.steps} microbatches of {min(tokens)}-{max(tokens)} tokens and {min(docs)}-{max(docs)} documents "
+        "(ProLong-like lengths), forward + backward of a 2-layer packed GPT, `dynamic=True`, caches off. "
+        "Compile = first step minus the median step. Steps run CPU kernels (the exact reference attention, "
+        "on the whole pack without the pass and on one rank's half with it) and a fake group. Each inner's "
+        "first run (without the pass) also pays one-time imports and warm-up.",
+        "",
+        *rows,
+        "",
+        f"Graphs compiled per run: {', '.join(map(str, sorted(graphs_seen)))}, for {args.steps} microbatches of "
+        "different token and document counts.",
+    ]
+    publish(HEADING, lines, args.output)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The 
 timed beside it for dual_chunk_swap and balanced. Before each timing, every rank's output
 and its gradients for a fixed dO, on the plan that is timed, are checked against one GPU's
 (bf16: largest difference under 2.5e-2 of the largest value, relative L2 under 2e-2).
+Rank 0 prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 
     torchrun --nproc-per-node 2 benchmarks/cp_step.py --doclens .../prolong.json [--tokens 131072]
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_gpu import STRATEGIES, timed  # noqa: E402
 from packed_gpt import sample_lengths  # noqa: E402
-from report import REPO, command, machine, write_section  # noqa: E402
+from report import add_output_argument, command, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile.ops import kernels  # noqa: E402
@@ -93,11 +94,28 @@ def check_rank(local, cu, padded, spec, max_len, comm, plan, want, dout, rows, p
     )
 
 
+def section(cp: int, tokens: int, source: str, documents: int, kernel: str, rows: list[str], timed_rows) -> list[str]:
+    """The section below its header: the setup, the table, the most efficient row per head layout and pass."""
+    best = {}
+    for key, what, efficiency in timed_rows:
+        best[key] = max(best.get(key, (0.0, "")), (efficiency, what))
+    return [
+        f"cp={cp}, {tokens} tokens from `{source}` ({documents} documents), bf16, head dim 128, kernel `{kernel}`; "
+        "median of 5 timed steps after 2 warm-ups. K/V: all-gathered (in 1 or 2 head-group chunks), the sparse "
+        "exchange, or the ring, each forced; every rank's output and gradients matched one GPU's before its timing. "
+        "Analyses: [docs/communication.md](docs/communication.md).",
+        "",
+        *rows,
+        "",
+        "Highest efficiency: " + "; ".join(f"{key} {what} {eff:.3f}" for key, (eff, what) in best.items()) + ".",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doclens", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=131072)
-    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    add_output_argument(parser)
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -113,6 +131,7 @@ def main() -> None:
         "| heads | pass | layout | K/V | single GPU ms | slowest rank ms | efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    timed_rows = []  # ("heads pass", "layout, K/V", efficiency) of every timed row
     for hq, hkv in ((32, 8), (16, 16)):
         full = [
             torch.randn(args.tokens, h, 128, device=device, dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv)
@@ -157,10 +176,10 @@ def main() -> None:
                     os.environ["CPCOMPILE_KV_EXCHANGE"] = exchange
                     padded = batch.cu_seqlens_padded.to(device)
                     plan = rank_plan(cu, padded, spec, comm, local[0].shape[0], device)
-                    if comm == "ring":
-                        how = "ring"
+                    if comm == "ring" or exchange == "always":
+                        how = "ring" if comm == "ring" else "exchange"
                     else:
-                        how = "exchange" if exchange == "always" else f"all-gather, {chunks} chunk(s)"
+                        how = "all-gather" if chunks == 1 else f"all-gather, {chunks} chunks"
                     label = f"{hq}/{hkv} {spec.strategy.value} {how}"
                     check_rank(local, cu.to(device), padded, spec, max_len, comm, plan, want,
                                dout if backward else None, rows_real, picked, label)  # fmt: skip
@@ -168,34 +187,24 @@ def main() -> None:
                     ms = torch.tensor(timed(run), device=device)
                     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
                     name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                    what, slowest = "fwd+bwd" if backward else "fwd", ms.item()
+                    efficiency = single_ms / (cp * slowest)
                     rows.append(
-                        f"| {hq}/{hkv} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
-                        f"{how} | {single_ms:.2f} | "
-                        f"{ms.item():.2f} | {single_ms / (cp * ms.item()):.3f} |"
+                        f"| {hq}/{hkv} | {what} | {name} | {how} | {single_ms:.2f} | {slowest:.2f} | {efficiency:.3f} |"
                     )
+                    timed_rows.append((f"{hq}/{hkv} {what}", f"{name}, {how}", efficiency))
                     if rank == 0:
-                        print(rows[-1], flush=True)
+                        print(rows[-1], file=sys.stderr, flush=True)  # progress
         gather_ms = timed(
             lambda full=full: cpcompile.distributed.all_gather_rows(
                 torch.cat([full[1][: args.tokens // cp], full[2][: args.tokens // cp]], 1), dist.group.WORLD
             )
         )
         rows.append(f"| {hq}/{hkv} | K/V all-gather alone | | | | {gather_ms:.2f} | |")
-    if rank == 0 and args.output != "-":
-        text = "\n".join(
-            [
-                HEADING,
-                "",
-                f"{machine()}. Command: `torchrun --nproc-per-node {cp} {command()[7:]}`.",
-                "",
-                f"cp={cp}, {args.tokens} tokens from `{args.doclens.name}` ({len(lengths)} documents), bf16, "
-                f"head dim 128, kernel `{kernel}`; median of 5 timed steps after 2 warm-ups.",
-                "",
-                *rows,
-                "",
-            ]
-        )
-        write_section(Path(args.output), HEADING, text)
+    if rank == 0:
+        run_command = f"torchrun --nproc-per-node {cp} {command()[len('python ') :]}"
+        setup = (cp, args.tokens, args.doclens.name, len(lengths), kernel)
+        publish(HEADING, [*header(HEADING, run_command=run_command), *section(*setup, rows, timed_rows)], args.output)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,20 +1,32 @@
-"""Shared by the benchmarks: the machine they ran on and their BENCHMARKS.md sections."""
+"""Shared by the benchmarks: how a script's section of BENCHMARKS.md is laid out, printed and written.
+
+Every benchmark prints its section (heading, machine, date, command, tables, a few lines of
+reading) to stdout, and writes it into a file only when given ``--output FILE``: there it
+replaces the section with the same heading, or is appended, and every other section is kept.
+
+Shell scripts use it as a command, the section's body on stdin:
+
+    ... | python benchmarks/report.py --heading "## Name (benchmarks/x.sh)" --command "bash ..." [--output FILE]
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+NEW_FILE = "# Benchmarks\n\n"
 
 
 def machine() -> str:
-    """One line: date, host CPU or GPU (with cuDNN and its frontend), torch version."""
+    """One line: the GPUs (with cuDNN and its frontend) or the CPU, then torch's and Python's versions."""
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
         major, minor = divmod(torch.backends.cudnn.version() // 100, 100)
@@ -26,21 +38,72 @@ def machine() -> str:
         except (ImportError, OSError):
             pass
     else:
-        device = f"CPU ({os.cpu_count()} cores, {platform.machine()})"
-    return f"{datetime.date.today()}, {device}, torch {torch.__version__}"
+        device = f"{_cpu_name()} x {os.cpu_count()} ({platform.machine()})"
+    return f"{device}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "CPU"
 
 
 def command() -> str:
+    """How this process was started, as a command run from the repository root."""
     return "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+
+
+def header(heading: str, *, run_command: str | None = None) -> list[str]:
+    """A section's first lines: its heading, then machine, date and command."""
+    return [
+        heading,
+        "",
+        f"- machine: {machine()}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- command: `{run_command or command()}`",
+        "",
+    ]
+
+
+def add_output_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="also write this script's section into FILE (e.g. BENCHMARKS.md), replacing the section with the "
+        "same heading; default (or '-'): print only",
+    )
+
+
+def publish(heading: str, lines: list[str], output: str | None) -> None:
+    """Print the section; write it into ``output`` too where one is given (not ``-``)."""
+    text = "\n".join(lines).rstrip("\n") + "\n"
+    print(text, end="", flush=True)
+    if output and output != "-":
+        write_section(Path(output), heading, text)
+        print(f"wrote {heading!r} into {output}", file=sys.stderr)
 
 
 def write_section(path: Path, heading: str, text: str) -> None:
     """Replace the ``## heading`` section of ``path`` with ``text`` (or append it), keeping the others."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(heading)
-    if start < 0:
+    old = path.read_text() if path.exists() else NEW_FILE
+    found = re.search(f"^{re.escape(heading)}$", old, flags=re.MULTILINE)
+    if found is None:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(heading))
-        new = old[:start] + text + ("" if end < 0 else old[end:])
+        end = old.find("\n## ", found.end())
+        new = old[: found.start()] + text.rstrip("\n") + "\n" + ("" if end < 0 else old[end:])
     path.write_text(new.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print (and with --output write) a section whose body is stdin.")
+    parser.add_argument("--heading", required=True, help="the section's heading, '## Name (script)'")
+    parser.add_argument("--command", required=True, help="the command that produced the body")
+    add_output_argument(parser)
+    args = parser.parse_args()
+    publish(args.heading, [*header(args.heading, run_command=args.command), sys.stdin.read()], args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ pairs (query, visible key) rank ``r`` computes at step ``i``, causal. The all-ga
 step costs the slowest rank's total, ``max_r sum_i``; a ring step waits for its
 slowest rank, so the ring costs ``sum_i max_r``. Both are reported over the mean rank
 total (1.0 = perfect balance), on real document-length mixes (``benchmarks/balance.py``'s packs).
+It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 
     python benchmarks/ring_cost.py [--tokens 131072] [--doclens ../shared/data/doclens] [--output BENCHMARKS.md]
 """
@@ -31,8 +32,8 @@ from cpcompile import StrategySpec
 from cpcompile.ring_plan import make_ring_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from balance import STRATEGIES, cu_of, make_packs  # noqa: E402
-from report import REPO, command, machine, write_section  # noqa: E402
+from balance import SHORT, STRATEGIES, cu_of, make_packs  # noqa: E402
+from report import REPO, add_output_argument, header, publish  # noqa: E402
 
 SECTION = "## Ring vs all-gather cost (benchmarks/ring_cost.py)"
 CP_SIZES = (2, 4, 8, 16)
@@ -57,20 +58,22 @@ def step_pairs(lengths: list[int], spec: StrategySpec, cp: int) -> torch.Tensor:
     return pairs
 
 
-def compute_rows(packs: dict[str, list[list[int]]]) -> list[str]:
-    rows = []
+def compute_rows(packs: dict[str, list[list[int]]]) -> tuple[list[str], dict[str, float]]:
+    """The compute table's rows, and per strategy the largest ring cost over the mean rank total."""
+    rows, worst_ring = [], dict.fromkeys(STRATEGIES, 0.0)
     for mix, lengths in ((m, p[0]) for m, p in packs.items()):
         for cp in CP_SIZES:
             cells = []
-            for spec in STRATEGIES.values():
+            for name, spec in STRATEGIES.items():
                 pairs = step_pairs(lengths, spec, cp).double()
                 mean = pairs.sum() / cp
                 gathered = pairs.sum(1).max() / mean
                 ring = pairs.max(0).values.sum() / mean
+                worst_ring[name] = max(worst_ring[name], float(ring))
                 cells.append(f"{gathered:.3f} / {ring:.3f}")
             step = sum(n * (n + 1) // 2 for n in lengths) / cp**2 / 1e6  # mean pairs per rank and step
             rows.append(f"| {mix} | {cp} | {len(lengths)} | {step:.0f} | " + " | ".join(cells) + " |")
-    return rows
+    return rows, worst_ring
 
 
 def byte_rows(tokens: int, kv_heads: int, head_dim: int) -> list[str]:
@@ -87,44 +90,34 @@ def byte_rows(tokens: int, kv_heads: int, head_dim: int) -> list[str]:
     return rows
 
 
-def report(tokens: int, kv_heads: int, head_dim: int, bytes_table: list[str], compute_table: list[str]) -> str:
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            f"- machine: {machine()}",
-            f"- command: `{command()}`",
-            "",
-            f"Bytes sent per rank per layer (MiB; {tokens // 1024}K tokens, K/V {kv_heads} heads x {head_dim} in bf16,",
-            "dK/dV in float32); steps = forward + backward collectives (all-gather) or p2p steps (ring); kernel",
-            "calls per rank, forward (all-gather: 1):",
-            "",
-            "| cp | AG fwd | AG bwd | AG steps | ring fwd | ring bwd | ring steps | ring calls |",
-            "|---|---|---|---|---|---|---|---|",
-            *bytes_table,
-            "",
-            "Both paths move the same K/V bytes; the ring sends one more float32 dK/dV block per rank (the hand-",
-            "back to the owner) and takes cp - 1 dependent steps instead of one collective, each of which must",
-            "hide behind one step's compute.",
-            "",
-            "Compute balance, causal, one pack per mix: all-gather `max_r total_r / mean` / ring",
-            "`sum_steps max_r step_r / mean` (1.000 = every rank busy all the time). Strategies: DCS",
-            "dual_chunk_swap, NLB no_load_balance, S1 / S128 striped with 1- / 128-token stripes, BAL balanced.",
-            "M pairs / rank-step: the mean per-rank compute of one ring step, in millions of (query, key) pairs",
-            "(x 4 x heads x head_dim FLOP forward); one step's K/V block must arrive within the slowest rank's.",
-            "",
-            "| mix | cp | docs | M pairs / rank-step | DCS | NLB | S1 | S128 | BAL |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *compute_table,
-            "",
-            "A ring step waits for its slowest rank, so a layout must balance every step, not only the total.",
-            "dual_chunk_swap and 1-token stripes do (MaxText's choices for ring with packing); no_load_balance",
-            "is far worse under the ring than under all-gather (early steps idle the first ranks); balanced",
-            "equalizes totals but not steps, since its ranks hold different documents (and `auto`, whose cost",
-            "model prices the all-gather path, does not know about the ring).",
-            "",
-        ]
-    )
+def report(args: argparse.Namespace, bytes_table: list[str], compute_table: list[str], worst_ring: dict) -> list[str]:
+    return [
+        *header(SECTION),
+        f"Bytes sent per rank per layer (MiB; {args.tokens // 1024}K tokens, K/V {args.kv_heads} heads x"
+        f" {args.head_dim} in bf16, dK/dV in float32);",
+        "steps = forward + backward collectives (all-gather) or p2p steps (ring); ring calls = kernel calls per rank,",
+        "forward (all-gather: 1):",
+        "",
+        "| cp | AG fwd | AG bwd | AG steps | ring fwd | ring bwd | ring steps | ring calls |",
+        "|---|---|---|---|---|---|---|---|",
+        *bytes_table,
+        "",
+        "Compute balance, causal, one pack per mix: all-gather `max_r total_r / mean` / ring",
+        "`sum_steps max_r step_r / mean` (1.000 = every rank busy all the time). Strategies: DCS",
+        "dual_chunk_swap, NLB no_load_balance, S1 / S128 striped with 1- / 128-token stripes, BAL balanced.",
+        "M pairs / rank-step: the mean per-rank compute of one ring step, in millions of (query, key) pairs",
+        "(x 4 x heads x head_dim FLOP forward); one step's K/V block must arrive within the slowest rank's.",
+        "",
+        "| mix | cp | docs | M pairs / rank-step | DCS | NLB | S1 | S128 | BAL |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *compute_table,
+        "",
+        "The ring moves the same K/V bytes as the all-gather plus one float32 dK/dV block per rank, in cp - 1",
+        "dependent steps. Its compute over the mean rank total, worst row by strategy: "
+        + ", ".join(f"{SHORT[name]} {ratio:.3f}" for name, ratio in worst_ring.items())
+        + ".",
+        "Why: [docs/communication.md](docs/communication.md).",
+    ]
 
 
 def main() -> None:
@@ -133,15 +126,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--doclens", type=Path, default=REPO.parent / "shared" / "data" / "doclens")
-    parser.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update, or '-'")
+    add_output_argument(parser)
     args = parser.parse_args()
     bytes_table = byte_rows(args.tokens, args.kv_heads, args.head_dim)
-    compute_table = compute_rows(make_packs(args.doclens, args.tokens, 1))
-    text = report(args.tokens, args.kv_heads, args.head_dim, bytes_table, compute_table)
-    print(text)
-    if args.output != "-":
-        write_section(Path(args.output), SECTION, text)
-        print(f"wrote {args.output}")
+    compute_table, worst_ring = compute_rows(make_packs(args.doclens, args.tokens, 1))
+    publish(SECTION, report(args, bytes_table, compute_table, worst_ring), args.output)
 
 
 if __name__ == "__main__":

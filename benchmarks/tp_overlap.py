@@ -12,27 +12,30 @@ events (mean of ``--iters`` back-to-back calls after ``--warmup``; the slowest r
                 over symmetric memory, and ``ag_gemm p2p`` (``CPCOMPILE_TP_COMM=p2p``, NCCL p2p)
     torch fused torch.ops.symm_mem.fused_all_gather_matmul (micro-pipeline TP's op)
 
-Prints milliseconds and each variant's ratio to the bound; ``--output FILE`` appends the
-table with machine, date and command. Needs >= 2 GPUs; elsewhere it says so and exits 0.
+Prints its section of ``BENCHMARKS.md`` (milliseconds and each variant's ratio to the bound);
+``--output FILE`` also writes it there. Needs >= 2 GPUs; elsewhere it says so and exits 0.
 
-    python benchmarks/tp_overlap.py [--tokens 1024,4096,16384] [--n 1024,3584,7168] [--k 8192]
+    python benchmarks/tp_overlap.py [--tokens 1024,4096,16384] [--n 1024,3584,7168] [--k 8192] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
+import statistics
 import tempfile
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from report import add_output_argument, header, publish
 
 import cpcompile
 from cpcompile.distributed import all_gather_rows
+
+HEADING = "## TP overlap (benchmarks/tp_overlap.py)"
+TIMED = ("sequential", "ag_gemm", "ag_gemm p2p", "torch fused")
 
 
 def _ag_gemm(x, w, group, capacity: int, comm: str):
@@ -121,7 +124,7 @@ def _cell(ms: float | None, bound: float) -> str:
     return "n/a" if ms is None else f"{ms:.3f} ({ms / bound:.2f})"
 
 
-def _table(rows, tp: int, k: int) -> str:
+def _table(rows, tp: int, k: int) -> list[str]:
     head = f"tp={tp}, K={k}, bf16; ms (ratio to bound = max(comm, gemm))"
     cols = [
         "t",
@@ -138,9 +141,23 @@ def _table(rows, tp: int, k: int) -> str:
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for t, n, err, ms in rows:
         bound = max(ms["comm"], ms["gemm"])
-        timed = " | ".join(_cell(ms[name], bound) for name in ("sequential", "ag_gemm", "ag_gemm p2p", "torch fused"))
+        timed = " | ".join(_cell(ms[name], bound) for name in TIMED)
         lines.append(f"| {t} | {n} | {ms['comm']:.3f} | {ms['gemm']:.3f} | {bound:.3f} | {timed} | {err:.1e} |")
-    return "\n".join(lines)
+    return lines
+
+
+def reading(rows) -> list[str]:
+    """Each variant's ratio to the bound over the shapes, and how often ag_gemm beats torch's fused op."""
+    timings = [ms for *_, ms in rows]
+    bounds = [max(ms["comm"], ms["gemm"]) for ms in timings]
+    ratios = {name: [ms[name] / b for ms, b in zip(timings, bounds) if ms[name] is not None] for name in TIMED}
+    pairs = [(ms["ag_gemm"], ms["torch fused"]) for ms in timings if ms["torch fused"] is not None]
+    spread = [f"{n} {min(r):.2f}-{max(r):.2f} (median {statistics.median(r):.2f})" for n, r in ratios.items() if r]
+    lines = ["Ratio to the bound over the shapes: " + "; ".join(spread) + "."]
+    if pairs:
+        faster = sum(ag <= fused for ag, fused in pairs)
+        lines.append(f"ag_gemm is at least as fast as torch's fused op in {faster} of {len(pairs)} shapes.")
+    return lines
 
 
 def main() -> None:
@@ -152,7 +169,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None, help="TP size (default: every visible GPU)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--output", default=None, help="append the table (with machine, date, command) here")
+    add_output_argument(parser)
     args = parser.parse_args()
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     tp = args.gpus or found
@@ -165,16 +182,9 @@ def main() -> None:
             _bench_rank, args=(tp, os.path.join(tmp, "init"), args, rows), nprocs=tp, start_method="spawn"
         )
     *rows, notes = list(rows)
-    table = _table(rows, tp, args.k)
-    print(table)
-    for note in notes:
-        print(f"torch fused n/a: {note}")
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(
-                f"\n## TP overlap ({torch.cuda.get_device_name(0)} x{tp}, torch {torch.__version__}, "
-                f"{datetime.date.today()})\n\n`python {' '.join(sys.argv)}`\n\n{table}\n"
-            )
+    lines = [*header(HEADING), *_table(rows, tp, args.k), "", *reading(rows)]
+    lines += [f"torch fused n/a: {note}" for note in notes]
+    publish(HEADING, lines, args.output)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the
 same way on every rank, from the count matrix they all hold. The exchange is one
 collective each of K and V: ``CPCOMPILE_KV_CHUNKS`` pipelines the all-gather only.
 
-Measured on 2 H200s at cp=2 (BENCHMARKS.md, cp_step, ProLong 128K tokens), all-gather ->
+Measured on 2 H200s at cp=2 (docs/communication.md, ProLong 128K tokens), all-gather ->
 exchange, slowest rank ms: balanced heads 16/16 forward 6.17 -> 4.59 and forward+backward
 27.62 -> 21.89, heads 32/8 9.00 -> 8.34 and 41.98 -> 39.27; no_load_balance 16/16
 forward+backward 28.70 -> 22.21. At the same volume (dual_chunk_swap) the exchange is 1-4 %

@@ -16,7 +16,7 @@ first took 2.1-2.4 ms of a 16/16 rank's forward+backward at cp=2 on 2 H200s
 (0.7-1.1 ms at 32/8).
 
 The number of chunks comes from ``CPCOMPILE_KV_CHUNKS`` (default 1), reduced to a
-divisor of the K/V head count. Measured on 2 H200s (BENCHMARKS.md, cp_step, cp=2), 2
+divisor of the K/V head count. Measured on 2 H200s (docs/communication.md, cp=2), 2
 chunks were 6-11 % slower than 1 at heads 32/8 in forward and 4-5 % in
 forward+backward, and within 1 % at 16/16 forward+backward, so pipelining is opt-in.
 A timeline of a 16/16 forward shows why: the groups' gathers run one after the

@@ -1,6 +1,6 @@
 """The default CUDA kernel when cudnn-frontend is present: each direction on its faster backend.
 
-Measured on the H200 (BENCHMARKS.md, "Attention on one GPU"): cuDNN's forward runs
+Measured on the H200 (docs/attention-kernels.md): cuDNN's forward runs
 1.6-1.7x torch's flash forward on ProLong packs, so the forward is cuDNN's. With
 exact launch bounds, only the pieces that see keys as entries (``scratch``) and
 long triangular pieces cut into row chunks (``chunks``), cuDNN's backward is

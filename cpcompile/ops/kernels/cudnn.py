@@ -29,7 +29,7 @@ and their key ranges are consecutive (``disjoint_keys``) those are the keys' row
 Causal pieces run as row chunks (``chunks``: cuDNN is slow on whole causal
 documents), even where their keys are read once: on one device, the backward of a
 ProLong pack of 128K tokens (heads 32/8) took 59.5 ms in chunks against 83.0 whole
-(flash: 69.7; BENCHMARKS.md).
+(flash: 69.7; docs/attention-kernels.md).
 Each chunk, and each piece sharing keys, writes into its own rows of a scratch
 buffer (``scratch``: ``sum(k_len)`` rows, reading that size is this module's one
 host sync) whose sums go back to the keys.

@@ -23,13 +23,13 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .checks import check_int
 from .cost import CostModel, RankCosts, auto_candidates, predict_rank_costs
 from .strategy import Strategy, StrategySpec
 
@@ -48,19 +48,20 @@ def spec_name(spec: StrategySpec) -> str:
 
 
 def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
-    """``draw(n)`` -> ``[n]`` int64 document lengths from a length file (see the module docstring)."""
-    text = path.read_text()
+    """``draw(n)`` -> ``[n]`` int64 document lengths from a length file (see the module docstring).
+
+    Raises ``ValueError`` naming ``--doclens``, the file and what is accepted when the
+    file cannot be read or holds anything else.
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--doclens {path}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
+    accepted = "a JSON list of token counts (.json), one count per line, or a .csv CDF"
+    if not text.strip():
+        raise ValueError(f"--doclens {path}: the file is empty; expected {accepted}")
     if path.suffix == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-        try:
-            upper = torch.tensor([int(r["upper_bound_tokens"]) for r in rows])
-            cum = torch.tensor([float(r["cumulative_percent"]) for r in rows])
-        except (KeyError, ValueError) as e:
-            raise ValueError(
-                f"--doclens {path}: a CSV must have columns upper_bound_tokens,cumulative_percent ({e})"
-            ) from None
-        lower = torch.cat([upper.new_ones(1), upper[:-1] + 1])
-        share = torch.diff(cum, prepend=cum.new_zeros(1))
+        lower, upper, share = read_cdf(text, path)
 
         def draw_binned(n: int) -> torch.Tensor:
             b = torch.multinomial(share, n, replacement=True, generator=generator)
@@ -68,15 +69,49 @@ def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], to
 
         return draw_binned
     try:
-        values = json.loads(text) if path.suffix == ".json" else [int(line) for line in text.split()]
-        lengths = torch.tensor(values, dtype=torch.long)
-    except (ValueError, TypeError, RuntimeError) as e:
+        values = json.loads(text) if path.suffix == ".json" else [int(word) for word in text.split()]
+    except ValueError as e:
+        raise ValueError(f"--doclens {path}: expected {accepted} ({e})") from None
+    if not isinstance(values, list) or not values:
+        got = "an empty list" if values == [] else f"a JSON {type(values).__name__}"
+        raise ValueError(f"--doclens {path}: expected a JSON list of token counts (ints >= 1), got {got}")
+    bad = [v for v in values if type(v) is not int or v < 1]
+    if bad:
         raise ValueError(
-            f"--doclens {path}: expected a JSON list of token counts (.json), one count per line, or a .csv CDF ({e})"
-        ) from None
-    if lengths.dim() != 1 or lengths.numel() == 0 or bool((lengths < 1).any()):
-        raise ValueError(f"--doclens {path}: document lengths must be a non-empty list of ints >= 1")
+            f"--doclens {path}: token counts must be ints >= 1, got {bad[0]!r} ({len(bad)} such of {len(values)})"
+        )
+    lengths = torch.tensor(values, dtype=torch.long)
     return lambda n: lengths[torch.randint(lengths.numel(), (n,), generator=generator)]
+
+
+def read_cdf(text: str, path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CSV length histogram as ``[bins]`` int64 lower and upper bounds and float32 shares."""
+    columns = "a CSV must have columns upper_bound_tokens,cumulative_percent"
+    reader = csv.DictReader(text.splitlines())
+    if not {"upper_bound_tokens", "cumulative_percent"} <= set(reader.fieldnames or ()):
+        raise ValueError(f"--doclens {path}: {columns}, got {','.join(reader.fieldnames or ())}")
+    rows = []
+    for row in reader:
+        try:
+            rows.append((int(row["upper_bound_tokens"]), float(row["cumulative_percent"])))
+        except (TypeError, ValueError):
+            line = text.splitlines()[reader.line_num - 1]
+            raise ValueError(
+                f"--doclens {path}: line {reader.line_num} needs an int upper_bound_tokens and a number "
+                f"cumulative_percent, got {line!r}"
+            ) from None
+    if not rows:
+        raise ValueError(f"--doclens {path}: {columns} and at least one row, got none")
+    upper = torch.tensor([u for u, _ in rows], dtype=torch.long)
+    cum = torch.tensor([c for _, c in rows])
+    if int(upper[0]) < 1 or bool((upper[1:] <= upper[:-1]).any()):
+        raise ValueError(f"--doclens {path}: upper_bound_tokens must rise from 1 or more, got {upper.tolist()[:8]}")
+    if not bool(cum.isfinite().all()) or float(cum[0]) < 0 or bool((cum[1:] < cum[:-1]).any()) or float(cum[-1]) <= 0:
+        raise ValueError(
+            f"--doclens {path}: cumulative_percent must not fall and must end above 0, got {cum.tolist()[:8]}"
+        )
+    lower = torch.cat([upper.new_ones(1), upper[:-1] + 1])
+    return lower, upper, torch.diff(cum, prepend=cum.new_zeros(1))
 
 
 def cut_pack(draw: Callable[[int], torch.Tensor], pack: int) -> torch.Tensor:
@@ -245,24 +280,59 @@ def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
     plt.close(fig)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, else argparse's one-line error naming the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def plot_path_error(path: Path) -> str | None:
+    """Why a plot cannot be written to ``path``, or ``None``; checked before any work."""
+    if path.is_dir():
+        return "is a directory"
+    if not path.parent.is_dir():
+        return f"directory {path.parent} does not exist"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "is not writable"
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None  # no plot at all: said after the table
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        return f"needs a suffix matplotlib writes ({', '.join('.' + f for f in sorted(formats))})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> Advice:
     parser = argparse.ArgumentParser(
         prog="python -m cpcompile.advise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--doclens", type=Path, required=True, help="length file: .json list, .csv CDF, or text")
-    parser.add_argument("--pack", type=int, default=131072, help="tokens per pack, whole CP group (default 131072)")
-    parser.add_argument("--cp", type=int, default=8, help="CP ranks (default 8)")
-    parser.add_argument("--packs", type=int, default=4, help="packs to sample (default 4)")
+    parser.add_argument(
+        "--doclens", type=Path, required=True, metavar="FILE", help="length file: .json list, .csv CDF, or text"
+    )
+    parser.add_argument(
+        "--pack", type=positive_int, default=131072, help="tokens per pack, whole CP group (default 131072)"
+    )
+    parser.add_argument("--cp", type=positive_int, default=8, help="CP ranks (default 8)")
+    parser.add_argument("--packs", type=positive_int, default=4, help="packs to sample (default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-rank bars (needs matplotlib)")
     args = parser.parse_args(argv)
-    for name in ("pack", "cp", "packs"):
-        check_int(f"--{name}", getattr(args, name), minimum=1)
-    if not args.doclens.is_file():
-        parser.error(f"--doclens {args.doclens}: no such file")
     if args.pack < args.cp:
         parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
-    draw = length_sampler(args.doclens, torch.Generator().manual_seed(args.seed))
+    if args.plot is not None and (why := plot_path_error(args.plot)) is not None:
+        parser.error(f"--plot {args.plot}: {why}")
+    generator = torch.Generator().manual_seed(args.seed)
+    try:
+        draw = length_sampler(args.doclens, generator)
+    except ValueError as e:
+        parser.error(str(e))
     advice = advise([cut_pack(draw, args.pack) for _ in range(args.packs)], cp_size=args.cp)
     print(format_table(advice))
     if args.plot is not None:

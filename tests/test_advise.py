@@ -77,6 +77,63 @@ def test_bad_length_file_names_the_option(tmp_path):
         advise.length_sampler(path, torch.Generator())
 
 
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("lengths.json", '{"a": 1', "expected a JSON list of token counts"),
+        ("lengths.json", "", "the file is empty"),
+        ("lengths.json", "[5, -3, 7]", "token counts must be ints >= 1, got -3"),
+        ("lengths.json", "[1.5]", "token counts must be ints >= 1, got 1.5"),
+        ("lengths.json", "[]", "got an empty list"),
+        ("lengths.txt", "12\nx\n", "invalid literal"),
+        ("cdf.csv", "tokens,percent\n10,100\n", "columns upper_bound_tokens,cumulative_percent, got tokens,percent"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n", "at least one row"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n10,50\n20\n", "line 3 needs an int"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n100,50\n50,100\n", "must rise"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n10,60\n20,40\n", "must not fall"),
+        ("missing.json", None, "cannot read it as text"),
+    ],
+)
+def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expected):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main(["--doclens", str(path), "--pack", "1024", "--cp", "2", "--packs", "1"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing sampled or printed before the error
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(f"python -m cpcompile.advise: error: --doclens {path}: ") and expected in message
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--cp", "0"], "argument --cp: must be an int >= 1, got '0'"),
+        (["--cp", "-4"], "argument --cp: must be an int >= 1, got '-4'"),
+        (["--packs", "0"], "argument --packs: must be an int >= 1, got '0'"),
+        (["--pack", "4", "--cp", "8"], "--pack 4 must be at least --cp 8 (one token per rank)"),
+        (["--plot", "no/such/dir/advice.png"], "--plot no/such/dir/advice.png: directory no/such/dir does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, expected):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([300, 1200]))
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main(["--doclens", str(path), *argv])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advise: error: {expected}"
+
+
+def test_plot_path_is_checked_before_work(tmp_path):
+    pytest.importorskip("matplotlib", reason='needs the advise extra: pip install "cpcompile[advise]"')
+    assert advise.plot_path_error(tmp_path) == "is a directory"
+    assert advise.plot_path_error(tmp_path / "advice.foo").startswith("needs a suffix matplotlib writes (")
+    assert advise.plot_path_error(tmp_path / "advice.png") is None
+
+
 def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(["300", "1200", "50", "5000"]))

@@ -6,8 +6,8 @@ It samples packs from the length file as a data loader packs them (documents dra
 until the pack is full, the last one cut), runs :func:`cpcompile.predict_rank_costs`
 for every strategy ``auto`` chooses from, prints per strategy the per-rank attention
 work (max/mean), the padding it adds, pieces per rank and the predicted step, and
-recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost
-(needs matplotlib: ``pip install "cpcompile[advise]"``).
+recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost on
+the first pack (needs matplotlib: ``pip install "cpcompile[advise]"``).
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
@@ -229,7 +229,10 @@ def format_table(advice: Advice) -> str:
 
 
 def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
-    """Per-rank bars for one pack: attention work (top) and predicted cost by part (bottom), per strategy."""
+    """Per-rank bars for pack ``pack_index``: attention work (top) and predicted cost by part (bottom), per strategy.
+
+    The title says which pack of how many it draws (the table averages them all).
+    """
     try:
         import matplotlib
 
@@ -271,8 +274,8 @@ def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=10)
     docs = advice.packs[pack_index].shape[0] - 1
     fig.suptitle(
-        f"Per-rank work, cp={advice.cp}, one pack of {advice.pack:,} tokens in {docs} documents "
-        f"(recommended: {advice.recommended})",
+        f"Per-rank work, cp={advice.cp}, pack {pack_index + 1} of {len(advice.packs)}: {advice.pack:,} tokens "
+        f"in {docs} documents (recommended over all packs: {advice.recommended})",
         fontsize=13,
     )
     fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below the panels
@@ -322,7 +325,7 @@ def main(argv: list[str] | None = None) -> Advice:
     parser.add_argument("--cp", type=positive_int, default=8, help="CP ranks (default 8)")
     parser.add_argument("--packs", type=positive_int, default=4, help="packs to sample (default 4)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-rank bars (needs matplotlib)")
+    parser.add_argument("--plot", type=Path, default=None, help="write per-rank bars of the first pack (.png, ...)")
     args = parser.parse_args(argv)
     if args.pack < args.cp:
         parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> Advice:
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)
         else:
-            print(f"wrote {args.plot}")
+            print(f"wrote {args.plot}: per-rank bars of pack 1 of {args.packs} (the table averages all {args.packs})")
     return advice
 
 

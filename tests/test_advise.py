@@ -144,11 +144,12 @@ def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert 'pip install "cpcompile[advise]"' in err
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_plot_writes_a_png(tmp_path, capsys):
     image = pytest.importorskip("matplotlib.image", reason='needs the advise extra: pip install "cpcompile[advise]"')
     path = tmp_path / "lengths.json"
     path.write_text(json.dumps([300, 1200, 50, 5000]))
     png = tmp_path / "advice.png"
     advise.main(["--doclens", str(path), "--pack", "8192", "--cp", "4", "--packs", "2", "--plot", str(png)])
+    assert f"wrote {png}: per-rank bars of pack 1 of 2 (the table averages all 2)" in capsys.readouterr().out
     height, width, _ = image.imread(png).shape
     assert width > 1000 and height > 500  # four strategy panels side by side

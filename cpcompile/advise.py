@@ -1,6 +1,6 @@
 """Strategy advisor: which CP strategy suits a document-length mix, from the cost model alone.
 
-    python -m cpcompile.advise --doclens lengths.json --pack 131072 --cp 8 [--packs 4] [--plot out.png]
+    python -m cpcompile.advise [--doclens lengths.json] --pack 131072 --cp 8 [--packs 4] [--plot out.png]
 
 It samples packs from the length file as a data loader packs them (documents drawn
 until the pack is full, the last one cut), runs :func:`cpcompile.predict_rank_costs`
@@ -11,7 +11,8 @@ the first pack (needs matplotlib: ``pip install "cpcompile[advise]"``).
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
-is drawn by its share, then a length uniformly inside it).
+is drawn by its share, then a length uniformly inside it). Without one, a built-in
+synthetic mix (:data:`BUILTIN_MIX`: many short documents, a long tail) is sampled.
 
 Design constraint: no GPU, no process group, no model: everything comes from
 ``cu_seqlens`` and the cost model's constants, so it runs where a data set is prepared.
@@ -23,6 +24,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -45,6 +47,47 @@ def spec_name(spec: StrategySpec) -> str:
 
 
 # --- document lengths and packs --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthMix:
+    """A synthetic document-length mix: log-normal short documents and a log-uniform long tail.
+
+    Stands in for a length file: long-context pretraining data is mostly short documents
+    (web pages) with a few long ones (books, code repositories) that hold most tokens.
+    Made up to have that shape, not fitted to any data set.
+    """
+
+    median: int = 1024  # tokens, of the short documents
+    sigma: float = 1.2  # of the short documents' log length
+    long_share: float = 0.02  # of documents
+    long_min: int = 16384
+    long_max: int = 524288
+
+    def describe(self) -> str:
+        return (
+            f"{100 * (1 - self.long_share):.0f}% of documents log-normal around {self.median:,} tokens "
+            f"(sigma {self.sigma}), {100 * self.long_share:.0f}% log-uniform in "
+            f"{self.long_min:,}-{self.long_max:,} tokens"
+        )
+
+    def sampler(self, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
+        """``draw(n)`` -> ``[n]`` int64 document lengths."""
+
+        def draw(n: int) -> torch.Tensor:
+            short = torch.empty(n, dtype=torch.float64)
+            short.log_normal_(math.log(self.median), self.sigma, generator=generator)
+            log_long = torch.empty(n, dtype=torch.float64).uniform_(
+                math.log(self.long_min), math.log(self.long_max), generator=generator
+            )
+            is_long = torch.rand(n, dtype=torch.float64, generator=generator) < self.long_share
+            return torch.where(is_long, log_long.exp(), short).long().clamp_(min=1)
+
+        return draw
+
+
+#: what the advisor samples when no length file is given
+BUILTIN_MIX = LengthMix()
 
 
 def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
@@ -317,7 +360,11 @@ def main(argv: list[str] | None = None) -> Advice:
         prog="python -m cpcompile.advise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--doclens", type=Path, required=True, metavar="FILE", help="length file: .json list, .csv CDF, or text"
+        "--doclens",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="length file: .json list, .csv CDF, or text (default: a built-in synthetic mix)",
     )
     parser.add_argument(
         "--pack", type=positive_int, default=131072, help="tokens per pack, whole CP group (default 131072)"
@@ -332,10 +379,15 @@ def main(argv: list[str] | None = None) -> Advice:
     if args.plot is not None and (why := plot_path_error(args.plot)) is not None:
         parser.error(f"--plot {args.plot}: {why}")
     generator = torch.Generator().manual_seed(args.seed)
-    try:
-        draw = length_sampler(args.doclens, generator)
-    except ValueError as e:
-        parser.error(str(e))
+    if args.doclens is None:
+        draw = BUILTIN_MIX.sampler(generator)
+        print(f"document lengths: the built-in synthetic mix (no --doclens): {BUILTIN_MIX.describe()}")
+    else:
+        try:
+            draw = length_sampler(args.doclens, generator)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"document lengths: {args.doclens}")
     advice = advise([cut_pack(draw, args.pack) for _ in range(args.packs)], cp_size=args.cp)
     print(format_table(advice))
     if args.plot is not None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,11 +121,9 @@ def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expe
         (["--plot", "no/such/dir/advice.png"], "--plot no/such/dir/advice.png: directory no/such/dir does not exist"),
     ],
 )
-def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, expected):
-    path = tmp_path / "lengths.json"
-    path.write_text(json.dumps([300, 1200]))
+def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
-        advise.main(["--doclens", str(path), *argv])
+        advise.main(argv)
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advise: error: {expected}"
@@ -132,6 +134,42 @@ def test_plot_path_is_checked_before_work(tmp_path):
     assert advise.plot_path_error(tmp_path) == "is a directory"
     assert advise.plot_path_error(tmp_path / "advice.foo").startswith("needs a suffix matplotlib writes (")
     assert advise.plot_path_error(tmp_path / "advice.png") is None
+
+
+def test_builtin_mix_is_many_short_documents_and_a_long_tail():
+    mix = advise.BUILTIN_MIX
+    lengths = mix.sampler(torch.Generator().manual_seed(0))(20000)
+    assert lengths.dtype == torch.int64 and int(lengths.min()) >= 1 and int(lengths.max()) <= mix.long_max
+    long = lengths >= mix.long_min
+    # the long share, plus the log-normal's own tail past long_min (1% at sigma 1.2)
+    assert mix.long_share < float(long.double().mean()) < mix.long_share + 0.015
+    assert 0.9 * mix.median < float(lengths.double().median()) < 1.1 * mix.median  # the long ones barely move it
+    assert int(lengths[long].sum()) > int(lengths[~long].sum())  # the few long documents hold most tokens
+
+
+def test_without_doclens_the_builtin_mix_is_sampled(capsys):
+    advice = advise.main(["--pack", "8192", "--cp", "4", "--packs", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("document lengths: the built-in synthetic mix (no --doclens): 98% of documents")
+    assert f"recommended: {advice.recommended}" in out
+
+
+def test_runs_from_a_fresh_checkout(tmp_path):
+    # the package alone, nothing beside it (no ../shared data): the README's command must still run
+    checkout = tmp_path / "cpcompile-checkout"
+    shutil.copytree(Path(advise.__file__).parent, checkout / "cpcompile", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, "-m", "cpcompile.advise", "--pack", "8192", "--cp", "4", "--packs", "2"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "built-in synthetic mix" in run.stdout and "recommended:" in run.stdout
+    assert "Warning" not in run.stderr
 
 
 def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):

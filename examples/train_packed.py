@@ -53,6 +53,8 @@ def packs(args, vocab: int):
 
 
 def train(model, step_fn, data, optimizer, label: str, show: bool) -> list[float]:
+    # a bar redrawn in place on a terminal; one line per step in captured logs, where "\r" runs steps together
+    redraw = show and sys.stdout.isatty()
     losses, start = [], time.perf_counter()
     for i, pack in enumerate(data):
         optimizer.zero_grad()
@@ -61,13 +63,13 @@ def train(model, step_fn, data, optimizer, label: str, show: bool) -> list[float
         losses.append(loss)
         if show:
             rate = (i + 1) * int(pack["cu_seqlens"][-1]) / (time.perf_counter() - start)
-            bar = "#" * (20 * (i + 1) // len(data))
-            print(
-                f"\r{label:<28} [{bar:<20}] step {i + 1}/{len(data)} loss {loss:.4f} {rate:,.0f} tok/s",
-                end="",
-                flush=True,
-            )
-    if show:
+            status = f"step {i + 1}/{len(data)} loss {loss:.4f} {rate:,.0f} tok/s"
+            if redraw:
+                bar = "#" * (20 * (i + 1) // len(data))
+                print(f"\r{label:<28} [{bar:<20}] {status}", end="", flush=True)
+            else:
+                print(f"{label:<28} {status}", flush=True)
+    if redraw:
         print()
     return losses
 

@@ -1,0 +1,56 @@
+"""Tier 4: the example scripts' command lines, run as a user runs them (subprocesses, a few seconds each).
+
+Nothing is imported from ``examples/``: the scripts are run, the way a newcomer meets them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_packed.py"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def run_example(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run an example with this checkout's cpcompile first on the path and no torchrun variables but ``env``."""
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    base["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        capture_output=True,  # stdout is a pipe, as in CI logs
+        text=True,
+        timeout=180,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_progress_is_one_line_per_step_in_a_log():
+    # one rank (no torchrun needed), the eager inner compiler: a few seconds;
+    # no_load_balance pads nothing at cp=1 (the backend skips its pass there, so padding would not be undone)
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = ["--steps", "3", "--tokens", "256", "--inner", "eager", "--no-check"]
+    args += ["--strategy", "no_load_balance"]
+    run = run_example(str(TRAIN), *args, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stdout
+    steps = [line for line in run.stdout.splitlines() if " step " in line]
+    assert [line.split(" step ")[1].split()[0] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(line.startswith("cp=1 no_load_balance all_gather") for line in steps)

@@ -30,15 +30,24 @@ def run_example(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
     )
 
 
+def test_help_names_no_path_outside_the_repository():
+    run = run_example(str(TRAIN), "--help")
+    assert run.returncode == 0, run.stderr
+    assert "../shared" not in run.stdout
+    assert "--doclens FILE" in run.stdout and "upper_bound_tokens,cumulative_percent" in run.stdout
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_progress_is_one_line_per_step_in_a_log():
-    # one rank (no torchrun needed), the eager inner compiler: a few seconds;
+def test_progress_is_one_line_per_step_in_a_log(tmp_path):
+    # one rank (no torchrun needed), a CDF length file, the eager inner compiler: a few seconds;
     # no_load_balance pads nothing at cp=1 (the backend skips its pass there, so padding would not be undone)
+    cdf = tmp_path / "lengths.csv"
+    cdf.write_text("upper_bound_tokens,cumulative_percent\n32,50\n256,100\n")
     env = {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -46,7 +55,7 @@ def test_progress_is_one_line_per_step_in_a_log():
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }
-    args = ["--steps", "3", "--tokens", "256", "--inner", "eager", "--no-check"]
+    args = ["--steps", "3", "--tokens", "256", "--inner", "eager", "--no-check", "--doclens", str(cdf)]
     args += ["--strategy", "no_load_balance"]
     run = run_example(str(TRAIN), *args, env=env)
     assert run.returncode == 0, run.stderr

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_packed.py"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
 def run_example(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -35,6 +38,31 @@ def test_help_names_no_path_outside_the_repository():
     assert run.returncode == 0, run.stderr
     assert "../shared" not in run.stdout
     assert "--doclens FILE" in run.stdout and "upper_bound_tokens,cumulative_percent" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--strategy", "foo"], "argument --strategy: invalid choice: 'foo' (choose from 'dual_chunk_swap', "),
+        (["--inner", "foo"], "--inner: inner must be 'inductor', 'aot_eager', another registered backend"),
+    ],
+)
+def test_bad_arguments_fail_before_any_process_group(args, expected):
+    # rank 0 of 2 as torchrun starts it: checked after init_process_group, this would wait for rank 1
+    run = run_example(str(TRAIN), *args, env=TORCHRUN_2)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("train_packed.py: error: ") and expected in lines[-1]
+    assert len(lines) < 10 and "Traceback" not in run.stderr
+
+
+def test_without_torchrun_says_how_to_start_it():
+    run = run_example(str(TRAIN), "--steps", "1")
+    assert run.returncode == 1
+    assert run.stderr.strip() == (
+        "train_packed.py: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: this example runs one process "
+        "per CP rank; start it with torchrun --nproc-per-node 2 examples/train_packed.py"
+    )
 
 
 def free_port() -> int:

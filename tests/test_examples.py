@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+import cpcompile
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_packed.py"
+DEMO = ROOT / "examples" / "cp_attention_demo.py"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -91,3 +94,11 @@ def test_progress_is_one_line_per_step_in_a_log(tmp_path):
     steps = [line for line in run.stdout.splitlines() if " step " in line]
     assert [line.split(" step ")[1].split()[0] for line in steps] == ["1/3", "2/3", "3/3"]
     assert all(line.startswith("cp=1 no_load_balance all_gather") for line in steps)
+
+
+def test_demo_runs_every_strategy():
+    run = run_example(str(DEMO), "--tokens", "512")
+    assert run.returncode == 0, run.stderr
+    rows = [line.split()[0] for line in run.stdout.splitlines()[2:-1]]
+    assert rows == [s.value for s in cpcompile.Strategy]
+    assert "auto -> " in run.stdout

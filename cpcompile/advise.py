@@ -1,17 +1,18 @@
 """Strategy advisor: which CP strategy suits a document-length mix, from the cost model alone.
 
-    python -m cpcompile.advise --doclens lengths.json --pack 131072 --cp 8 [--packs 4] [--plot out.png]
+    python -m cpcompile.advise [--doclens lengths.json] --pack 131072 --cp 8 [--packs 4] [--plot out.png]
 
 It samples packs from the length file as a data loader packs them (documents drawn
 until the pack is full, the last one cut), runs :func:`cpcompile.predict_rank_costs`
 for every strategy ``auto`` chooses from, prints per strategy the per-rank attention
 work (max/mean), the padding it adds, pieces per rank and the predicted step, and
-recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost
-(needs matplotlib: ``pip install "cpcompile[advise]"``).
+recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost on
+the first pack (needs matplotlib: ``pip install "cpcompile[advise]"``).
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
-is drawn by its share, then a length uniformly inside it).
+is drawn by its share, then a length uniformly inside it). Without one, a built-in
+synthetic mix (:data:`BUILTIN_MIX`: many short documents, a long tail) is sampled.
 
 Design constraint: no GPU, no process group, no model: everything comes from
 ``cu_seqlens`` and the cost model's constants, so it runs where a data set is prepared.
@@ -23,13 +24,14 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .checks import check_int
 from .cost import CostModel, RankCosts, auto_candidates, predict_rank_costs
 from .strategy import Strategy, StrategySpec
 
@@ -47,20 +49,62 @@ def spec_name(spec: StrategySpec) -> str:
 # --- document lengths and packs --------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class LengthMix:
+    """A synthetic document-length mix: log-normal short documents and a log-uniform long tail.
+
+    Stands in for a length file: long-context pretraining data is mostly short documents
+    (web pages) with a few long ones (books, code repositories) that hold most tokens.
+    Made up to have that shape, not fitted to any data set.
+    """
+
+    median: int = 1024  # tokens, of the short documents
+    sigma: float = 1.2  # of the short documents' log length
+    long_share: float = 0.02  # of documents
+    long_min: int = 16384
+    long_max: int = 524288
+
+    def describe(self) -> str:
+        return (
+            f"{100 * (1 - self.long_share):.0f}% of documents log-normal around {self.median:,} tokens "
+            f"(sigma {self.sigma}), {100 * self.long_share:.0f}% log-uniform in "
+            f"{self.long_min:,}-{self.long_max:,} tokens"
+        )
+
+    def sampler(self, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
+        """``draw(n)`` -> ``[n]`` int64 document lengths."""
+
+        def draw(n: int) -> torch.Tensor:
+            short = torch.empty(n, dtype=torch.float64)
+            short.log_normal_(math.log(self.median), self.sigma, generator=generator)
+            log_long = torch.empty(n, dtype=torch.float64).uniform_(
+                math.log(self.long_min), math.log(self.long_max), generator=generator
+            )
+            is_long = torch.rand(n, dtype=torch.float64, generator=generator) < self.long_share
+            return torch.where(is_long, log_long.exp(), short).long().clamp_(min=1)
+
+        return draw
+
+
+#: what the advisor samples when no length file is given
+BUILTIN_MIX = LengthMix()
+
+
 def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], torch.Tensor]:
-    """``draw(n)`` -> ``[n]`` int64 document lengths from a length file (see the module docstring)."""
-    text = path.read_text()
+    """``draw(n)`` -> ``[n]`` int64 document lengths from a length file (see the module docstring).
+
+    Raises ``ValueError`` naming ``--doclens``, the file and what is accepted when the
+    file cannot be read or holds anything else.
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--doclens {path}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
+    accepted = "a JSON list of token counts (.json), one count per line, or a .csv CDF"
+    if not text.strip():
+        raise ValueError(f"--doclens {path}: the file is empty; expected {accepted}")
     if path.suffix == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-        try:
-            upper = torch.tensor([int(r["upper_bound_tokens"]) for r in rows])
-            cum = torch.tensor([float(r["cumulative_percent"]) for r in rows])
-        except (KeyError, ValueError) as e:
-            raise ValueError(
-                f"--doclens {path}: a CSV must have columns upper_bound_tokens,cumulative_percent ({e})"
-            ) from None
-        lower = torch.cat([upper.new_ones(1), upper[:-1] + 1])
-        share = torch.diff(cum, prepend=cum.new_zeros(1))
+        lower, upper, share = read_cdf(text, path)
 
         def draw_binned(n: int) -> torch.Tensor:
             b = torch.multinomial(share, n, replacement=True, generator=generator)
@@ -68,15 +112,49 @@ def length_sampler(path: Path, generator: torch.Generator) -> Callable[[int], to
 
         return draw_binned
     try:
-        values = json.loads(text) if path.suffix == ".json" else [int(line) for line in text.split()]
-        lengths = torch.tensor(values, dtype=torch.long)
-    except (ValueError, TypeError, RuntimeError) as e:
+        values = json.loads(text) if path.suffix == ".json" else [int(word) for word in text.split()]
+    except ValueError as e:
+        raise ValueError(f"--doclens {path}: expected {accepted} ({e})") from None
+    if not isinstance(values, list) or not values:
+        got = "an empty list" if values == [] else f"a JSON {type(values).__name__}"
+        raise ValueError(f"--doclens {path}: expected a JSON list of token counts (ints >= 1), got {got}")
+    bad = [v for v in values if type(v) is not int or v < 1]
+    if bad:
         raise ValueError(
-            f"--doclens {path}: expected a JSON list of token counts (.json), one count per line, or a .csv CDF ({e})"
-        ) from None
-    if lengths.dim() != 1 or lengths.numel() == 0 or bool((lengths < 1).any()):
-        raise ValueError(f"--doclens {path}: document lengths must be a non-empty list of ints >= 1")
+            f"--doclens {path}: token counts must be ints >= 1, got {bad[0]!r} ({len(bad)} such of {len(values)})"
+        )
+    lengths = torch.tensor(values, dtype=torch.long)
     return lambda n: lengths[torch.randint(lengths.numel(), (n,), generator=generator)]
+
+
+def read_cdf(text: str, path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CSV length histogram as ``[bins]`` int64 lower and upper bounds and float32 shares."""
+    columns = "a CSV must have columns upper_bound_tokens,cumulative_percent"
+    reader = csv.DictReader(text.splitlines())
+    if not {"upper_bound_tokens", "cumulative_percent"} <= set(reader.fieldnames or ()):
+        raise ValueError(f"--doclens {path}: {columns}, got {','.join(reader.fieldnames or ())}")
+    rows = []
+    for row in reader:
+        try:
+            rows.append((int(row["upper_bound_tokens"]), float(row["cumulative_percent"])))
+        except (TypeError, ValueError):
+            line = text.splitlines()[reader.line_num - 1]
+            raise ValueError(
+                f"--doclens {path}: line {reader.line_num} needs an int upper_bound_tokens and a number "
+                f"cumulative_percent, got {line!r}"
+            ) from None
+    if not rows:
+        raise ValueError(f"--doclens {path}: {columns} and at least one row, got none")
+    upper = torch.tensor([u for u, _ in rows], dtype=torch.long)
+    cum = torch.tensor([c for _, c in rows])
+    if int(upper[0]) < 1 or bool((upper[1:] <= upper[:-1]).any()):
+        raise ValueError(f"--doclens {path}: upper_bound_tokens must rise from 1 or more, got {upper.tolist()[:8]}")
+    if not bool(cum.isfinite().all()) or float(cum[0]) < 0 or bool((cum[1:] < cum[:-1]).any()) or float(cum[-1]) <= 0:
+        raise ValueError(
+            f"--doclens {path}: cumulative_percent must not fall and must end above 0, got {cum.tolist()[:8]}"
+        )
+    lower = torch.cat([upper.new_ones(1), upper[:-1] + 1])
+    return lower, upper, torch.diff(cum, prepend=cum.new_zeros(1))
 
 
 def cut_pack(draw: Callable[[int], torch.Tensor], pack: int) -> torch.Tensor:
@@ -194,7 +272,10 @@ def format_table(advice: Advice) -> str:
 
 
 def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
-    """Per-rank bars for one pack: attention work (top) and predicted cost by part (bottom), per strategy."""
+    """Per-rank bars for pack ``pack_index``: attention work (top) and predicted cost by part (bottom), per strategy.
+
+    The title says which pack of how many it draws (the table averages them all).
+    """
     try:
         import matplotlib
 
@@ -236,8 +317,8 @@ def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=10)
     docs = advice.packs[pack_index].shape[0] - 1
     fig.suptitle(
-        f"Per-rank work, cp={advice.cp}, one pack of {advice.pack:,} tokens in {docs} documents "
-        f"(recommended: {advice.recommended})",
+        f"Per-rank work, cp={advice.cp}, pack {pack_index + 1} of {len(advice.packs)}: {advice.pack:,} tokens "
+        f"in {docs} documents (recommended over all packs: {advice.recommended})",
         fontsize=13,
     )
     fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below the panels
@@ -245,24 +326,68 @@ def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
     plt.close(fig)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, else argparse's one-line error naming the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def plot_path_error(path: Path) -> str | None:
+    """Why a plot cannot be written to ``path``, or ``None``; checked before any work."""
+    if path.is_dir():
+        return "is a directory"
+    if not path.parent.is_dir():
+        return f"directory {path.parent} does not exist"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "is not writable"
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None  # no plot at all: said after the table
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        return f"needs a suffix matplotlib writes ({', '.join('.' + f for f in sorted(formats))})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> Advice:
     parser = argparse.ArgumentParser(
         prog="python -m cpcompile.advise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--doclens", type=Path, required=True, help="length file: .json list, .csv CDF, or text")
-    parser.add_argument("--pack", type=int, default=131072, help="tokens per pack, whole CP group (default 131072)")
-    parser.add_argument("--cp", type=int, default=8, help="CP ranks (default 8)")
-    parser.add_argument("--packs", type=int, default=4, help="packs to sample (default 4)")
+    parser.add_argument(
+        "--doclens",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="length file: .json list, .csv CDF, or text (default: a built-in synthetic mix)",
+    )
+    parser.add_argument(
+        "--pack", type=positive_int, default=131072, help="tokens per pack, whole CP group (default 131072)"
+    )
+    parser.add_argument("--cp", type=positive_int, default=8, help="CP ranks (default 8)")
+    parser.add_argument("--packs", type=positive_int, default=4, help="packs to sample (default 4)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-rank bars (needs matplotlib)")
+    parser.add_argument("--plot", type=Path, default=None, help="write per-rank bars of the first pack (.png, ...)")
     args = parser.parse_args(argv)
-    for name in ("pack", "cp", "packs"):
-        check_int(f"--{name}", getattr(args, name), minimum=1)
-    if not args.doclens.is_file():
-        parser.error(f"--doclens {args.doclens}: no such file")
     if args.pack < args.cp:
         parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
-    draw = length_sampler(args.doclens, torch.Generator().manual_seed(args.seed))
+    if args.plot is not None and (why := plot_path_error(args.plot)) is not None:
+        parser.error(f"--plot {args.plot}: {why}")
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.doclens is None:
+        draw = BUILTIN_MIX.sampler(generator)
+        print(f"document lengths: the built-in synthetic mix (no --doclens): {BUILTIN_MIX.describe()}")
+    else:
+        try:
+            draw = length_sampler(args.doclens, generator)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"document lengths: {args.doclens}")
     advice = advise([cut_pack(draw, args.pack) for _ in range(args.packs)], cp_size=args.cp)
     print(format_table(advice))
     if args.plot is not None:
@@ -271,7 +396,7 @@ def main(argv: list[str] | None = None) -> Advice:
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)
         else:
-            print(f"wrote {args.plot}")
+            print(f"wrote {args.plot}: per-rank bars of pack 1 of {args.packs} (the table averages all {args.packs})")
     return advice
 
 

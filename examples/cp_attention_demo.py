@@ -1,8 +1,9 @@
 """Context-parallel attention on CPU ranks equals single-device attention.
 
 Two (``--cp``) gloo processes each take their shard of one packed batch, run
-``cpcompile.cp_attention`` forward and backward for every strategy, and compare
-output and gradients with ``cpcompile.packed_attention`` on the whole batch.
+``cpcompile.cp_attention`` forward and backward for every strategy (``auto`` as
+``shard_batch`` resolves it), and compare output and gradients with
+``cpcompile.packed_attention`` on the whole batch.
 
     python examples/cp_attention_demo.py [--cp 2] [--tokens 2048]
 """
@@ -19,10 +20,9 @@ import torch.multiprocessing as mp
 
 import cpcompile
 
+# every strategy; auto is resolved per batch by shard_batch, which records its pick in the batch's spec
 STRATEGIES = [
-    cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
-    cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
-    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=16),
+    cpcompile.StrategySpec(s, stripe_size=16 if s is cpcompile.Strategy.STRIPED else 1) for s in cpcompile.Strategy
 ]
 
 
@@ -54,7 +54,7 @@ def run(rank: int, cp: int, init_file: str, tokens: int) -> None:
     for spec in STRATEGIES:
         shard = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=cp, rank=rank, strategy=spec)
         local = [shard.tensors[n].clone().requires_grad_() for n in "qkv"]
-        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=shard.cu_seqlens_padded, strategy=spec)
+        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=shard.cu_seqlens_padded, strategy=shard.spec)
         grads = torch.autograd.grad(out, local, shard.tensors["dout"])
         # back to the unpadded global order, to compare with the single-device run
         real = cpcompile.batch.physical_positions(cu, shard.cu_seqlens_padded)
@@ -64,6 +64,8 @@ def run(rank: int, cp: int, init_file: str, tokens: int) -> None:
         ]
         if rank == 0:
             name = f"{spec.strategy.value}" + (f" (stripe {spec.stripe_size})" if spec.stripe_size > 1 else "")
+            if spec.strategy is cpcompile.Strategy.AUTO:
+                name += f" -> {shard.spec.strategy.value}"
             pad = int(shard.cu_seqlens_padded[-1]) - tokens
             print(f"{name:<24}{pad:>8}" + "".join(f"{e:>10.1e}" for e in errors))
             assert max(errors) < 1e-4, "CP attention differs from single-device attention"

@@ -6,8 +6,12 @@ gradients over the CP group. Rank 0 then trains the same model on one process, o
 the same packs, and checks that the two loss curves match.
 
     torchrun --nproc-per-node 2 examples/train_packed.py --strategy dual_chunk_swap
-    torchrun --nproc-per-node 3 examples/train_packed.py --doclens ../shared/data/doclens/prolong.json
+    torchrun --nproc-per-node 3 examples/train_packed.py --doclens lengths.json
     torchrun --nproc-per-node 2 examples/train_packed.py --strategy striped --comm ring
+
+--doclens FILE: document lengths as a JSON list of token counts, or a CSV of
+``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF); without it,
+a log-normal mix (median 1,914 tokens, mean 3,052).
 
 Runs on CPU with gloo, or on GPUs with nccl (one per rank) when CUDA is available.
 """
@@ -15,10 +19,10 @@ Runs on CPU with gloo, or on GPUs with nccl (one per rank) when CUDA is availabl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,30 +33,73 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack  # noqa: E402
 
 import cpcompile  # noqa: E402
+from cpcompile.advise import cut_pack, length_sampler, positive_int  # noqa: E402
+from cpcompile.strategy import COMMS  # noqa: E402
+
+# what torchrun sets and init_process_group("env://") reads
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_args() -> argparse.Namespace:
+    """The arguments, all checked here: a bad one fails before any process group exists."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="dual_chunk_swap", help="dual_chunk_swap, no_load_balance, striped, ...")
+    strategies = [s.value for s in cpcompile.Strategy]
+    p.add_argument("--strategy", default="dual_chunk_swap", choices=strategies, help="how tokens are split over ranks")
     p.add_argument("--stripe-size", type=int, default=None, help="tokens per stripe for --strategy striped")
-    p.add_argument("--comm", default="all_gather", choices=["all_gather", "ring"], help="how K/V travel")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per packed batch (whole CP group)")
-    p.add_argument("--doclens", default=None, help="JSON list of document lengths (default: a ProLong-like mix)")
-    p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor or aot_eager")
+    p.add_argument("--comm", default="all_gather", choices=COMMS, help="how K/V travel")
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per packed batch (whole CP group)")
+    p.add_argument(
+        "--doclens",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="document lengths: a JSON list of token counts, or a CSV of upper_bound_tokens,cumulative_percent "
+        "(default: a log-normal mix, median 1,914 tokens)",
+    )
+    p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, eager, ...")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--no-check", action="store_true", help="skip the single-process reference run")
-    return p.parse_args()
+    args = p.parse_args()
+    stripe = 1 if args.stripe_size is None else args.stripe_size
+    try:
+        args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe, comm=args.comm)
+    except ValueError as e:
+        p.error(f"--stripe-size: {e}")
+    try:
+        args.backend = cpcompile.backend(inner=args.inner)
+    except ValueError as e:
+        p.error(f"--inner: {e}")
+    if args.doclens is not None:
+        try:
+            length_sampler(args.doclens, torch.Generator())  # a bad file fails here, before any process group
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+def check_torchrun_env() -> None:
+    """Fail with a hint, not init_process_group's bare ``environment variable RANK expected``."""
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise SystemExit(
+            f"train_packed.py: {', '.join(missing)} not set: this example runs one process per CP rank; "
+            "start it with torchrun --nproc-per-node 2 examples/train_packed.py"
+        )
 
 
 def packs(args, vocab: int):
     """The same sequence of packs on every rank (seeded), with document lengths that vary."""
-    lengths = json.load(open(args.doclens)) if args.doclens else None
     g = torch.Generator().manual_seed(1234)
-    return [synthetic_pack(sample_lengths(args.tokens, g, lengths), vocab, g) for _ in range(args.steps)]
+    if args.doclens is None:
+        return [synthetic_pack(sample_lengths(args.tokens, g), vocab, g) for _ in range(args.steps)]
+    draw = length_sampler(args.doclens, g)
+    return [synthetic_pack(torch.diff(cut_pack(draw, args.tokens)).tolist(), vocab, g) for _ in range(args.steps)]
 
 
 def train(model, step_fn, data, optimizer, label: str, show: bool) -> list[float]:
+    # a bar redrawn in place on a terminal; one line per step in captured logs, where "\r" runs steps together
+    redraw = show and sys.stdout.isatty()
     losses, start = [], time.perf_counter()
     for i, pack in enumerate(data):
         optimizer.zero_grad()
@@ -61,19 +108,20 @@ def train(model, step_fn, data, optimizer, label: str, show: bool) -> list[float
         losses.append(loss)
         if show:
             rate = (i + 1) * int(pack["cu_seqlens"][-1]) / (time.perf_counter() - start)
-            bar = "#" * (20 * (i + 1) // len(data))
-            print(
-                f"\r{label:<28} [{bar:<20}] step {i + 1}/{len(data)} loss {loss:.4f} {rate:,.0f} tok/s",
-                end="",
-                flush=True,
-            )
-    if show:
+            status = f"step {i + 1}/{len(data)} loss {loss:.4f} {rate:,.0f} tok/s"
+            if redraw:
+                bar = "#" * (20 * (i + 1) // len(data))
+                print(f"\r{label:<28} [{bar:<20}] {status}", end="", flush=True)
+            else:
+                print(f"{label:<28} {status}", flush=True)
+    if redraw:
         print()
     return losses
 
 
 def main() -> None:
     args = parse_args()
+    check_torchrun_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,7 +135,7 @@ def main() -> None:
 
     model = PackedGPT(cfg).to(device)
     model.load_state_dict(init)
-    compiled = torch.compile(model, backend=cpcompile.backend(inner=args.inner), dynamic=True)
+    compiled = torch.compile(model, backend=args.backend, dynamic=True)
 
     def cp_step(m, pack):
         cu = pack["cu_seqlens"]
@@ -104,7 +152,7 @@ def main() -> None:
         dist.all_reduce(loss := loss.detach())
         return loss.item()
 
-    with cpcompile.strategy(args.strategy, stripe_size=args.stripe_size, comm=args.comm):
+    with cpcompile.strategy(args.spec):
         label = f"cp={world} {cpcompile.current_spec().strategy.value} {args.comm}"
         cp_losses = train(model, cp_step, data, torch.optim.AdamW(model.parameters(), lr=args.lr), label, rank == 0)
     graphs = counters["stats"]["unique_graphs"]

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +81,97 @@ def test_bad_length_file_names_the_option(tmp_path):
         advise.length_sampler(path, torch.Generator())
 
 
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("lengths.json", '{"a": 1', "expected a JSON list of token counts"),
+        ("lengths.json", "", "the file is empty"),
+        ("lengths.json", "[5, -3, 7]", "token counts must be ints >= 1, got -3"),
+        ("lengths.json", "[1.5]", "token counts must be ints >= 1, got 1.5"),
+        ("lengths.json", "[]", "got an empty list"),
+        ("lengths.txt", "12\nx\n", "invalid literal"),
+        ("cdf.csv", "tokens,percent\n10,100\n", "columns upper_bound_tokens,cumulative_percent, got tokens,percent"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n", "at least one row"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n10,50\n20\n", "line 3 needs an int"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n100,50\n50,100\n", "must rise"),
+        ("cdf.csv", "upper_bound_tokens,cumulative_percent\n10,60\n20,40\n", "must not fall"),
+        ("missing.json", None, "cannot read it as text"),
+    ],
+)
+def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expected):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main(["--doclens", str(path), "--pack", "1024", "--cp", "2", "--packs", "1"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing sampled or printed before the error
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(f"python -m cpcompile.advise: error: --doclens {path}: ") and expected in message
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--cp", "0"], "argument --cp: must be an int >= 1, got '0'"),
+        (["--cp", "-4"], "argument --cp: must be an int >= 1, got '-4'"),
+        (["--packs", "0"], "argument --packs: must be an int >= 1, got '0'"),
+        (["--pack", "4", "--cp", "8"], "--pack 4 must be at least --cp 8 (one token per rank)"),
+        (["--plot", "no/such/dir/advice.png"], "--plot no/such/dir/advice.png: directory no/such/dir does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advise: error: {expected}"
+
+
+def test_plot_path_is_checked_before_work(tmp_path):
+    pytest.importorskip("matplotlib", reason='needs the advise extra: pip install "cpcompile[advise]"')
+    assert advise.plot_path_error(tmp_path) == "is a directory"
+    assert advise.plot_path_error(tmp_path / "advice.foo").startswith("needs a suffix matplotlib writes (")
+    assert advise.plot_path_error(tmp_path / "advice.png") is None
+
+
+def test_builtin_mix_is_many_short_documents_and_a_long_tail():
+    mix = advise.BUILTIN_MIX
+    lengths = mix.sampler(torch.Generator().manual_seed(0))(20000)
+    assert lengths.dtype == torch.int64 and int(lengths.min()) >= 1 and int(lengths.max()) <= mix.long_max
+    long = lengths >= mix.long_min
+    # the long share, plus the log-normal's own tail past long_min (1% at sigma 1.2)
+    assert mix.long_share < float(long.double().mean()) < mix.long_share + 0.015
+    assert 0.9 * mix.median < float(lengths.double().median()) < 1.1 * mix.median  # the long ones barely move it
+    assert int(lengths[long].sum()) > int(lengths[~long].sum())  # the few long documents hold most tokens
+
+
+def test_without_doclens_the_builtin_mix_is_sampled(capsys):
+    advice = advise.main(["--pack", "8192", "--cp", "4", "--packs", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("document lengths: the built-in synthetic mix (no --doclens): 98% of documents")
+    assert f"recommended: {advice.recommended}" in out
+
+
+def test_runs_from_a_fresh_checkout(tmp_path):
+    # the package alone, nothing beside it (no ../shared data): the README's command must still run
+    checkout = tmp_path / "cpcompile-checkout"
+    shutil.copytree(Path(advise.__file__).parent, checkout / "cpcompile", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, "-m", "cpcompile.advise", "--pack", "8192", "--cp", "4", "--packs", "2"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "built-in synthetic mix" in run.stdout and "recommended:" in run.stdout
+    assert "Warning" not in run.stderr
+
+
 def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(["300", "1200", "50", "5000"]))
@@ -87,11 +182,12 @@ def test_command_line_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert 'pip install "cpcompile[advise]"' in err
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_plot_writes_a_png(tmp_path, capsys):
     image = pytest.importorskip("matplotlib.image", reason='needs the advise extra: pip install "cpcompile[advise]"')
     path = tmp_path / "lengths.json"
     path.write_text(json.dumps([300, 1200, 50, 5000]))
     png = tmp_path / "advice.png"
     advise.main(["--doclens", str(path), "--pack", "8192", "--cp", "4", "--packs", "2", "--plot", str(png)])
+    assert f"wrote {png}: per-rank bars of pack 1 of 2 (the table averages all 2)" in capsys.readouterr().out
     height, width, _ = image.imread(png).shape
     assert width > 1000 and height > 500  # four strategy panels side by side

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,9 @@ from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
 from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
-from cpcompile.ops import exchange, gathered, kernels  # noqa: E402
+from cpcompile.comm import exchange  # noqa: E402
+from cpcompile.comm.kv_gather import grad_buffers  # noqa: E402
+from cpcompile.ops import gathered, kernels  # noqa: E402
 from cpcompile.ops.kernels import cudnn  # noqa: E402
 from cpcompile.plan import max_piece_len  # noqa: E402
 
@@ -75,7 +76,7 @@ def causal_flops(lengths: list[int], hq: int, d: int) -> float:
 
 def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
-    ``read`` (the sparse exchange's :class:`~cpcompile.ops.exchange.Reads`) over the keys the
+    ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
     rank reads, dK/dV for those alone; else over all the keys (all-gathered), the backward
     writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     k_len = plan.k_len(causal)
@@ -92,7 +93,7 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
         key_order = gathered.gathered_order(plan.gather_index)
 
         def sums():
-            dk_sums, dv_sums = gathered.grad_buffers(plan.gather_index, args, k, 1)
+            dk_sums, dv_sums = grad_buffers(plan.gather_index, args, k, 1)
             return {"key_order": key_order, "dkv_out": (dk_sums[0], dv_sums[0])}
 
     def run():
@@ -114,10 +115,10 @@ def rank_reads(plans: list, cp: int) -> list | None:
 def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    config = cpcompile.Config(kernel=kernel)
 
     def run():
-        os.environ["CPCOMPILE_KERNEL"] = kernel
-        out = cpcompile.packed_attention(*leaves, cu, max_seqlen=max_seqlen)
+        out = cpcompile.packed_attention(*leaves, cu, max_seqlen=max_seqlen, config=config)
         if backward:
             out.backward(out)
 

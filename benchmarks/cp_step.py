@@ -3,7 +3,7 @@
 Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
 and in backward the re-gather and dK/dV reduce-scatter; or the sparse exchange of
 only the rows each rank reads, ``cpcompile.ops.exchange``, forced each way with
-``CPCOMPILE_KV_EXCHANGE``) on its shard of one pack;
+``Config.kv_exchange``) on its shard of one pack;
 CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
 (``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
 timed beside it for dual_chunk_swap and balanced. Before each timing, every rank's output
@@ -33,6 +33,7 @@ from packed_gpt import sample_lengths  # noqa: E402
 from report import add_output_argument, command, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
+from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
 from cpcompile.ops import kernels  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
@@ -47,20 +48,21 @@ def rank_plan(cu, padded, spec, comm: str, local_tokens: int, device):
     return type(plan)(*(t.to(device) for t in plan))
 
 
-def step(q, k, v, cu, padded, spec, max_len, backward: bool, comm: str, plan):
+def step(q, k, v, cu, padded, spec, max_len, backward: bool, comm: str, plan, config):
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
 
     def run():
         out = cpcompile.cp_attention(
-            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm
-        )
+            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm,
+            config=config,
+        )  # fmt: skip
         if backward:
             out.backward(out)
 
     return run
 
 
-def check_rank(local, cu, padded, spec, max_len, comm, plan, want, dout, rows, picked, label: str) -> None:
+def check_rank(local, cu, padded, spec, max_len, comm, plan, config, want, dout, rows, picked, label: str) -> None:
     """This rank's rows of the output (``dout`` None) or of the gradients for ``dout`` against
     one GPU's ``want``, every rank failing together. The backward first runs once with the
     full mask on the same plan: the dK/dV buffers it leaves must not reach the causal sums."""
@@ -70,7 +72,7 @@ def check_rank(local, cu, padded, spec, max_len, comm, plan, want, dout, rows, p
         leaves = [t.detach().requires_grad_(backward) for t in local]
         out = cpcompile.cp_attention(
             *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm,
-            causal=causal,
+            causal=causal, config=config,
         )  # fmt: skip
         if not backward:
             return [out]
@@ -172,8 +174,7 @@ def main() -> None:
                 if "ring" in comms:
                     variants.append(("ring", 1, "never"))
                 for comm, chunks, exchange in variants:
-                    os.environ["CPCOMPILE_KV_CHUNKS"] = str(chunks)
-                    os.environ["CPCOMPILE_KV_EXCHANGE"] = exchange
+                    config = cpcompile.Config(kv_chunks=chunks, kv_exchange=exchange)
                     padded = batch.cu_seqlens_padded.to(device)
                     plan = rank_plan(cu, padded, spec, comm, local[0].shape[0], device)
                     if comm == "ring" or exchange == "always":
@@ -181,9 +182,9 @@ def main() -> None:
                     else:
                         how = "all-gather" if chunks == 1 else f"all-gather, {chunks} chunks"
                     label = f"{hq}/{hkv} {spec.strategy.value} {how}"
-                    check_rank(local, cu.to(device), padded, spec, max_len, comm, plan, want,
+                    check_rank(local, cu.to(device), padded, spec, max_len, comm, plan, config, want,
                                dout if backward else None, rows_real, picked, label)  # fmt: skip
-                    run = step(*local, cu.to(device), padded, spec, max_len, backward, comm, plan)
+                    run = step(*local, cu.to(device), padded, spec, max_len, backward, comm, plan, config)
                     ms = torch.tensor(timed(run), device=device)
                     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
                     name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
@@ -196,7 +197,7 @@ def main() -> None:
                     if rank == 0:
                         print(rows[-1], file=sys.stderr, flush=True)  # progress
         gather_ms = timed(
-            lambda full=full: cpcompile.distributed.all_gather_rows(
+            lambda full=full: all_gather_rows(
                 torch.cat([full[1][: args.tokens // cp], full[2][: args.tokens // cp]], 1), dist.group.WORLD
             )
         )

@@ -9,7 +9,7 @@ events (mean of ``--iters`` back-to-back calls after ``--warmup``; the slowest r
     bound       max(comm, gemm): what perfect overlap reaches
     sequential  all_gather, then mm
     ag_gemm     cpcompile.ag_gemm on buffers of capacity max(t) (allocated once): copy engine
-                over symmetric memory, and ``ag_gemm p2p`` (``CPCOMPILE_TP_COMM=p2p``, NCCL p2p)
+                over symmetric memory, and ``ag_gemm p2p`` (``Config(tp_comm="p2p")``, NCCL p2p)
     torch fused torch.ops.symm_mem.fused_all_gather_matmul (micro-pipeline TP's op)
 
 Prints its section of ``BENCHMARKS.md`` (milliseconds and each variant's ratio to the bound);
@@ -32,16 +32,17 @@ import torch.multiprocessing as mp
 from report import add_output_argument, header, publish
 
 import cpcompile
-from cpcompile.distributed import all_gather_rows
+from cpcompile.comm.collectives import all_gather_rows
 
 HEADING = "## TP overlap (benchmarks/tp_overlap.py)"
 TIMED = ("sequential", "ag_gemm", "ag_gemm p2p", "torch fused")
 
 
 def _ag_gemm(x, w, group, capacity: int, comm: str):
+    config = cpcompile.Config(tp_comm=comm)
+
     def fn():
-        os.environ["CPCOMPILE_TP_COMM"] = comm  # read by every call
-        return cpcompile.ag_gemm(x, w, group=group, capacity_tokens=capacity)
+        return cpcompile.ag_gemm(x, w, group=group, capacity_tokens=capacity, config=config)
 
     return fn
 

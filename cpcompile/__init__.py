@@ -8,6 +8,7 @@ balances them (:func:`predict_rank_costs`, :func:`choose_strategy`), the data-lo
 
 from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
+from .config import Config
 from .cost import CostModel, choose_strategy, predict_rank_costs
 from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention, release_grad_buffers
 from .partition import all_partition_indices, pad_for_cp, partition_indices
@@ -16,6 +17,7 @@ from .strategy import Strategy, StrategySpec, current_spec, current_strategy, st
 
 __all__ = [
     "AttentionPlan",
+    "Config",
     "CostModel",
     "ShardedBatch",
     "Strategy",

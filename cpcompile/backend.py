@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .distributed import resolve_group
+from .comm.groups import resolve_group
+from .config import Config, resolve_config
 from .passes.overlap_matmul import overlap_matmul_pass
 from .passes.shard_attention import check_unsupported, shard_attention_pass
 from .strategy import check_comm, current_spec
@@ -58,6 +59,7 @@ def backend(
     overlap_tp: bool = True,
     tp_capacity_tokens: int | None = None,
     unsupported: str = "raise",
+    config: Config | None = None,
 ) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
@@ -78,6 +80,9 @@ def backend(
             window, different query and key documents, ``seqused_k``, paged keys):
             ``"raise"`` (default) fails the compile naming it; ``"single_device"``
             leaves it as it is, with a warning, so it attends within each rank's tokens.
+        config: kernel, K/V transport and TP transport (:class:`cpcompile.Config`), passed
+            to the inserted ops as arguments, so the compiled graph holds them (default:
+            :func:`cpcompile.config.default_config`, as the environment seeded it at import).
 
     Example::
 
@@ -87,6 +92,7 @@ def backend(
     if comm is not None:
         check_comm(comm)
     check_unsupported(unsupported)
+    config = resolve_config(config)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         pg = resolve_group(group)
@@ -94,10 +100,16 @@ def backend(
             _guard_on_strategy()
             spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
             shard_attention_pass(
-                gm, group_name=pg.group_name, cp_size=pg.size(), rank=pg.rank(), spec=spec, unsupported=unsupported
+                gm,
+                group_name=pg.group_name,
+                cp_size=pg.size(),
+                rank=pg.rank(),
+                spec=spec,
+                unsupported=unsupported,
+                config=config,
             )
         if overlap_tp:
-            overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens)
+            overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
         return compile_inner(gm, example_inputs)
 
     return cpcompile_backend

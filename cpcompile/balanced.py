@@ -1,8 +1,8 @@
 """The BALANCED layout: equal tokens and equal causal attention work on every rank.
 
 Design constraint: a deterministic pure function of ``(cu_seqlens_padded, cp_size)``
-that every rank computes alone, fast enough for a data loader (about 1.6 ms for
-100K tokens in 1,000 documents). It chooses cut points from document lengths, so
+that every rank computes alone, fast enough for a data loader (its host time:
+BENCHMARKS.md, "Balance"). It chooses cut points from document lengths, so
 it reads ``cu_seqlens_padded`` on the host: on CUDA that is one host sync
 (:func:`balanced_layout` copies the offsets to the CPU and moves the layout back).
 The custom op ``cpcompile::balanced_layout`` wraps it so that tracing sees a
@@ -17,10 +17,8 @@ Algorithm (``t = T / cp`` tokens per rank, ``W`` = total work / cp):
 document's query tiles visit, ``s**2 x tiles(L)``. With ``s = 1`` that is the
 attention pairs ``L (L + 1) / 2``. Where ranks hold at least ``SNAP_MIN_TOKENS``
 the layout counts kernel tiles (``s = TILE``): a rank's kernel time follows its
-tiles more than its pairs. On the H200 (cuDNN, cp=8), ranks with the same pairs
-ran up to 8 % apart, the slowest the one holding a long document's last, partial
-query tile, which reads every key tile for a few rows; their tiles told them apart
-(r = 0.74-0.94 over a pack's 8 ranks). Below that, pieces are too short to keep on
+tiles more than its pairs, since a long document's last, partial query tile reads
+every key tile for a few rows (measured: docs/balanced-layout.md). Below that, pieces are too short to keep on
 tiles and it counts pairs (``s = 1``).
 
 1. Short documents (fewer than ``4 * TILE`` tokens), sorted by length, are dealt
@@ -79,10 +77,8 @@ SNAP_SLACK = 128
 _SNAP_TILES = 10
 #: Work counts tiles, and front cuts move to them (step 4), where a rank holds at least this many
 #: tokens: a front cut's move shifts the back cut by up to about 2,900 tokens, and where that is more
-#: than a quarter of a rank it reshapes much of it (the cost model, on packs of one dominant document
-#: with 2-8K tokens per rank: slowest ranks up to 4.5 % slower; with 16K and more, 0-0.5 % faster).
-#: Below it, counting tiles alone barely evened them (cp=32, ProLong 128K packs: tiles max/mean median
-#: 1.082 -> 1.080) and left attention pairs less even (1.001 -> 1.020).
+#: than a quarter of a rank it reshapes much of it, making the slowest rank slower; below it, counting
+#: tiles alone barely evens them and leaves attention pairs less even (docs/balanced-layout.md).
 SNAP_MIN_TOKENS = 8 * (_SNAP_TILES + 1) * TILE
 _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] head or tail moves
 #: Step 4 tries this many of a front cut's candidates, nearest the share first.
@@ -299,7 +295,7 @@ def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tens
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
-    with torch.inference_mode():  # integer work with nothing to record: 12 % less time (cp=8, 100K tokens)
+    with torch.inference_mode():  # integer work with nothing to record: no autograd bookkeeping
         layout = _host_layout(cu_seqlens_padded.detach().cpu().long(), cp_size)
     # copied outside inference mode: the layout indexes tensors that autograd may save
     return layout.to(cu_seqlens_padded.device, copy=True)
@@ -354,14 +350,3 @@ def _expand_runs(start: torch.Tensor, length: torch.Tensor, total: int) -> torch
     step = torch.ones(total, dtype=torch.long)
     step[offset] = start - last_before
     return step.cumsum(0)
-
-
-@torch.library.custom_op("cpcompile::balanced_layout", mutates_args=())
-def balanced_layout_op(cu_seqlens_padded: torch.Tensor, cp_size: int, num_tokens: int) -> torch.Tensor:
-    """:func:`balanced_layout` as an op: ``[cp_size, num_tokens / cp_size]`` int64."""
-    return balanced_layout(cu_seqlens_padded, cp_size)
-
-
-@balanced_layout_op.register_fake
-def _(cu_seqlens_padded, cp_size, num_tokens):
-    return cu_seqlens_padded.new_empty((cp_size, num_tokens // cp_size), dtype=torch.int64)

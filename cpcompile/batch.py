@@ -11,8 +11,9 @@ import dataclasses
 import torch
 
 from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .comm.collectives import all_gather_rows
+from .comm.groups import resolve_group
 from .cost import resolve_auto
-from .distributed import all_gather_rows, resolve_group
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 

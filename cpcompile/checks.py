@@ -9,17 +9,17 @@ never on fake tensors while tracing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from .config import VALIDATE
 
 
 def data_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks may read the values of ``t`` (no tracing, no forced host sync)."""
     if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta":
         return False
-    return t.device.type == "cpu" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
+    return t.device.type == "cpu" or VALIDATE
 
 
 def agreement_enabled(group, q: object) -> bool:
@@ -37,7 +37,7 @@ def agreement_enabled(group, q: object) -> bool:
     backend = dist.get_backend(group)
     if backend == "fake":
         return False
-    return backend == "gloo" or os.environ.get("CPCOMPILE_VALIDATE", "0") == "1"
+    return backend == "gloo" or VALIDATE
 
 
 def check_device(q: torch.Tensor, **metadata: torch.Tensor | None) -> None:

@@ -16,22 +16,22 @@ Model, in units of one query-key pair of attention (its forward and backward):
   ``ceil(document length / block_k)``. So a piece shorter than a tile costs a whole
   tile, and a short piece deep in a long document costs a whole row of tiles.
 - ``tokens_r``: rows the rank holds, padding included (projections and MLP scale
-  with them). ``token_cost`` defaults to one 128x128 tile, about a Llama-3-8B-like
-  layer on an H200: a token's projections and MLP (2 x 218M FLOP at ~600 TFLOP/s)
-  take as long as ~15K pairs of attention (4 x 32 heads x 128 FLOP at ~330 TFLOP/s).
+  with them). ``token_cost`` defaults to one 128x128 tile: in a Llama-3-8B-like
+  layer a token's projections and MLP take about as long as that many pairs of
+  attention (the derivation: docs/cost-model.md).
 - ``key_rows_r``: the sum of the rank's pieces' key counts: rows of K/V that
   torch's flash backward copies, one copy per piece, and whose dK/dV it adds back
   (``ops/kernels/flash.py``: its backward kernel has no ``seqused_k``). About
   ``T`` for dual_chunk_swap, far more for short stripes. ``key_cost`` defaults to
-  32: ~20 KB moved per row (8 KV heads x 128, bf16 copies, fp32 sums) at ~3 TB/s
-  against ~0.2 ns for a pair's forward and backward.
+  32: the memory traffic of one copied row (bf16 copies, fp32 sums) against the
+  arithmetic of one pair's forward and backward (docs/cost-model.md).
 - ``pairs_r`` (reported beside the cost): exact causal work, the sum over the
   rank's query tokens of the keys they see (DESIGN.md section 8).
 - ``keys_read_r`` (reported beside the cost): the distinct keys the rank's pieces
   read, the rows of dK/dV its backward writes (``ops/gathered.py``: the others stay
   zero) and the rows of K/V it needs from the all-gather.
 - ``keys_remote_r`` (reported beside the cost): those of them other ranks hold, the
-  K/V rows the sparse exchange brings the rank (``ops/exchange.py``).
+  K/V rows the sparse exchange brings the rank (``comm/exchange.py``).
 
 ``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
 and take the smallest; on a tie the earlier candidate wins. Candidates, in order:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from .balanced import balanced_layout_op
 from .checks import check_cp, check_cu_seqlens, data_checks_enabled
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
@@ -109,6 +108,8 @@ def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: i
 def _indices(cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.Tensor, t_local) -> torch.Tensor:
     """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64."""
     if spec.strategy is Strategy.BALANCED:
+        from .ops.layout import balanced_layout_op  # the ops package imports this module
+
         return balanced_layout_op(cu_padded, cp, t_local * cp)[ranks[:, 0]]
     j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
     if spec.strategy is Strategy.NO_LOAD_BALANCE:

@@ -100,8 +100,8 @@ def make_plan(
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets; ``None``: :func:`pad_for_cp`.
         num_tokens: padded total ``T`` (``T_local * cp_size``) if known, so no value is read on the host.
         strategy: ``auto`` is resolved here from ``cu_seqlens`` (:func:`cpcompile.choose_strategy`, the
-            same answer on every rank), which takes ~15 ms per 100K tokens: pass the ``ShardedBatch.spec``
-            the data loader resolved instead.
+            same answer on every rank), which costs the cost model's host time per call: pass the
+            ``ShardedBatch.spec`` the data loader resolved instead.
     """
     check_cp(cp_size, rank)
     requested = resolve_strategy(strategy)

@@ -3,12 +3,10 @@
 A rank that rejects its arguments, or ranks that disagree on what to compute, must
 not leave the others waiting in a collective (the process group's timeout is set to
 20 s here, so a hang fails the test) nor return wrong values: every rank raises
-before any communication of the op, through ``cpcompile.distributed.agree``.
+before any communication of the op, through ``cpcompile.comm.groups.agree``.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -96,13 +94,15 @@ def test_every_rank_fails_fast(check):
     run_ranks(check, 2, timeout_s=20)
 
 
-def _no_exchange_setting_mismatch(rank: int, world: int) -> None:
-    # Ranks set to different K/V paths: every rank is told, inside the op, before either path.
-    os.environ["CPCOMPILE_KV_EXCHANGE"] = "always" if rank else "never"
+def _configs_differ(rank: int, world: int) -> None:
+    """Ranks configured for different K/V paths: every rank is told, before either path."""
     q = torch.randn(8, 2, 4)
-    with pytest.raises(ValueError, match=r"the same on every rank, got \['always', 'never'\]"):
-        cpcompile.cp_attention(q, q, q, torch.tensor([0, 16], dtype=torch.int32), strategy="no_load_balance")
+    config = cpcompile.Config(kv_exchange="always" if rank else "never")
+    with pytest.raises(ValueError, match=r"disagree on kv_exchange \(rank 0: 'never'; rank 1: 'always'\)"):
+        cpcompile.cp_attention(
+            q, q, q, torch.tensor([0, 16], dtype=torch.int32), strategy="no_load_balance", config=config
+        )
 
 
-def test_exchange_settings_that_differ_fail_fast():
-    run_ranks(_no_exchange_setting_mismatch, 2, timeout_s=20)
+def test_configs_that_differ_fail_fast():
+    run_ranks(_configs_differ, 2, timeout_s=20)

@@ -68,6 +68,9 @@ def test_opcheck_cp_attention(single_rank_group):
             None,
             9,
             9,
+            None,  # kernel, kv_exchange, kv_chunks: cpcompile.Config's
+            "auto",
+            1,
         )
         opcheck(torch.ops.cpcompile.cp_attention.default, args)
 
@@ -122,90 +125,3 @@ def test_cp_attention_rejects_bad_arguments(single_rank_group):
         cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded, strategy="no_load_balance")
     with pytest.raises(ValueError, match=r"cu_seqlens_padded must be on the device of q \(cpu\), got meta"):
         cpcompile.cp_attention(q, k, v, cu, cu_seqlens_padded=padded.to("meta"), strategy="no_load_balance")
-
-
-def test_kv_chunks_setting(monkeypatch):
-    from cpcompile.ops.gathered import kv_chunks
-
-    assert kv_chunks(8) == 1  # default: one gather each of K and V, one kernel call
-    for want, heads, got in ((4, 8, 4), (3, 8, 2), (16, 4, 4), (2, 1, 1)):
-        monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", str(want))
-        assert kv_chunks(heads) == got
-    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "0")
-    with pytest.raises(ValueError, match="CPCOMPILE_KV_CHUNKS must be a positive int, got 0"):
-        kv_chunks(8)
-
-
-def test_exchange_rule():
-    """The sparse exchange is used when the busiest rank's rows sent or received are at most
-    EXCHANGE_AT of an all-gather's; counts[r][s]: rows rank r reads from rank s."""
-    from cpcompile.ops.exchange import EXCHANGE_AT, use_exchange
-
-    assert EXCHANGE_AT == 0.75
-    assert use_exchange([[10, 7], [0, 10]], 10)  # rank 0 receives 7 of 10
-    assert not use_exchange([[10, 8], [0, 10]], 10)  # 8 > 7.5
-    # cp=3, all-gather brings 2 x 10 rows: rank 2 sends 8 + 8 > 15, though no rank receives more than 8
-    assert not use_exchange([[10, 0, 8], [0, 10, 8], [0, 0, 10]], 10)
-    assert use_exchange([[10, 0, 7], [0, 10, 8], [0, 0, 10]], 10)
-    assert use_exchange([[10, 10], [10, 10]], 10, "always") and not use_exchange([[10, 0], [0, 10]], 10, "never")
-
-
-def test_exchange_sums_take_own_rows_then_senders_in_rank_order():
-    """Each local row's gradient parts, by layer: its own compact sum, then each sender's
-    returned one in rank order (a fixed order: deterministic sums)."""
-    from cpcompile.ops.exchange import _sum_layers
-
-    # 5 local rows; the rank reads rows 0 and 3 itself (compact rows 2 and 0); 4 compact keys;
-    # rank 0 returns rows 3, 4 and rank 2 returns row 3 (rank 1, this one, and rank 3 send none)
-    own_rows, own_compact = torch.tensor([0, 3]), torch.tensor([2, 0])
-    send_rows, send_counts = torch.tensor([3, 4, 3]), [2, 0, 1, 0]
-    spare = 4 + 3
-    want = torch.tensor(
-        [
-            [2, spare, spare, 0, spare],  # own
-            [spare, spare, spare, 4, 5],  # rank 0's, returned at rows 4 and 5
-            [spare, spare, spare, 6, spare],  # rank 2's, at row 6
-        ]
-    )
-    assert torch.equal(_sum_layers(own_rows, own_compact, send_rows, send_counts, 4, 5), want)
-
-
-def test_exchange_setting_is_checked(single_rank_group, monkeypatch):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "sometimes")
-    with pytest.raises(ValueError, match=r"CPCOMPILE_KV_EXCHANGE must be one of .* got \['\(not one of them\)'\]"):
-        cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
-
-
-def test_grad_buffers_are_zeroed_once_per_plan():
-    """The backward's dK/dV buffers: zero for new pieces (plan or mask) or head grouping; for
-    the same ones, what the last layer's kernel wrote stays (each layer rewrites the same rows)."""
-    from cpcompile.ops.gathered import grad_buffers
-
-    k = torch.empty(4, 2, 3)
-    plan = torch.arange(8)
-    cu_q, k_start, causal, full = torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([4]), torch.tensor([8])
-    dk, dv = grad_buffers(plan, (cu_q, k_start, causal), k, 1)
-    assert dk.shape == dv.shape == (1, 8, 2, 3) and not dk.any() and not dv.any()
-    dk.fill_(1)
-    dv.fill_(2)
-    again = grad_buffers(plan, (cu_q, k_start, causal), k, 1)
-    assert (again[0] == 1).all() and (again[1] == 2).all()
-    dk, dv = grad_buffers(plan, (cu_q, k_start, full), k, 1)  # the same plan, another mask
-    assert not dk.any() and not dv.any()
-    dk.fill_(1)
-    dv.fill_(2)
-    for changed in (torch.arange(8), torch.arange(12)):  # a new plan: zeroed, grown to its T
-        dk, dv = grad_buffers(changed, (cu_q, k_start, full), k, 1)
-        assert dk.shape == (1, changed.shape[0], 2, 3) and not dk.any() and not dv.any()
-        dk.fill_(1)
-    dk, _ = grad_buffers(changed[:], (cu_q, k_start, full), k, 2)  # two head groups; a view of the plan is the plan
-    assert dk.shape == (2, 12, 1, 3) and not dk.any()
-    dk.fill_(1)
-    assert (grad_buffers(changed[:], (cu_q, k_start, full), k, 2)[0] == 1).all()
-    changed.add_(0)  # changed in place: a new plan too
-    dk, _ = grad_buffers(changed, (cu_q, k_start, full), k, 2)
-    assert not dk.any()
-    dk.fill_(1)
-    cpcompile.release_grad_buffers()
-    assert not grad_buffers(changed, (cu_q, k_start, full), k, 2)[0].any()

@@ -12,7 +12,6 @@ cases are the property test's examples, many per process group so CI stays fast.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -30,7 +29,7 @@ SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
     cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
 ]
-#: (comm, CPCOMPILE_KV_EXCHANGE): the all-gather path with the exchange chosen per plan, forced, or off.
+#: (comm, Config.kv_exchange): the all-gather path with the exchange chosen per plan, forced, or off.
 PATHS = [("all_gather", "auto"), ("all_gather", "always"), ("all_gather", "never"), ("ring", "auto")]
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 KINDS = ("one_token_docs", "single_document", "one_token_per_rank", "zero_length_docs", "many_docs", "mixed")
@@ -89,7 +88,6 @@ def _reference(cu, sharded, tensors, causal):
 
 def _check_rank(rank: int, world: int, seed: int) -> None:
     for spec, (comm, exchange), causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
-        os.environ["CPCOMPILE_KV_EXCHANGE"] = exchange
         g = torch.Generator().manual_seed(case_seed)
         t = sum(lengths)
         tensors = {n: torch.randn(t, h, 8, generator=g, dtype=dtype) for n, h in zip("qkvd", (hq, hkv, hkv, hq))}
@@ -98,7 +96,13 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
         out = cpcompile.cp_attention(
-            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, comm=comm, causal=causal
+            *local,
+            cu,
+            cu_seqlens_padded=sharded.cu_seqlens_padded,
+            strategy=sharded.spec,
+            comm=comm,
+            causal=causal,
+            config=cpcompile.Config(kv_exchange=exchange),
         )
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
         label = f"rank {rank}/{world} {spec} {comm}/{exchange} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.ops import exchange, kernels
+from cpcompile.comm import exchange
+from cpcompile.ops import kernels
 from cpcompile.ops.kernels import cudnn, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
@@ -56,13 +57,12 @@ def _torch_varlen(q, k, v, dout, cu, causal):
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_attention_bf16_within_twice_the_kernel_error(causal, kernel, monkeypatch):
-    monkeypatch.setenv("CPCOMPILE_KERNEL", kernel)
+def test_packed_attention_bf16_within_twice_the_kernel_error(causal, kernel):
     cu, q, k, v, dout = _case([1, 700, 129, 2048, 64])
     ref, ref_grads = _reference(q, k, v, dout, cu, causal)
     base, base_grads = _torch_varlen(q, k, v, dout, cu, causal)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cpcompile.packed_attention(*leaves, cu, causal=causal)
+    out = cpcompile.packed_attention(*leaves, cu, causal=causal, config=cpcompile.Config(kernel=kernel))
     grads = torch.autograd.grad(out, leaves, dout)
     for got, baseline, want in zip([out, *grads], [base, *base_grads], [ref, *ref_grads]):
         assert _err(got, want) <= max(2 * _err(baseline, want), 1e-3)
@@ -227,17 +227,17 @@ def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
 
 
 @pytest.mark.parametrize("kv", ["never", "always"])
-def test_cp_attention_on_one_nccl_rank(kv, monkeypatch):
+def test_cp_attention_on_one_nccl_rank(kv):
     """Both K/V paths through NCCL (at cp=1: an all-gather, or an all-to-all of no rows)."""
     import torch.distributed as dist
 
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)
+    config = cpcompile.Config(kv_exchange=kv)
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         cu, q, k, v, dout = _case([3, 300, 77])
         want = cpcompile.packed_attention(q, k, v, cu)
-        got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
+        got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", config=config)
         assert torch.equal(got, want)
         # the backward (the all-gather path's through its kept dK/dV buffers), for two plans in turn
         for lengths in ([3, 300, 77], [150, 2, 200, 28]):
@@ -245,7 +245,8 @@ def test_cp_attention_on_one_nccl_rank(kv, monkeypatch):
             k = k.transpose(0, 1).contiguous().transpose(0, 1)  # dense, not contiguous: the sums handle it
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             want = torch.autograd.grad(cpcompile.packed_attention(*leaves, cu), leaves, dout)
-            got = torch.autograd.grad(cpcompile.cp_attention(*leaves, cu, strategy="no_load_balance"), leaves, dout)
+            got = cpcompile.cp_attention(*leaves, cu, strategy="no_load_balance", config=config)
+            got = torch.autograd.grad(got, leaves, dout)
             for g, w in zip(got, want):
                 assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max()
     finally:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import cpcompile
-from cpcompile.ops import ring_comm
+from cpcompile.comm import ring as ring_comm
 from tests.dist import run_ranks
 from tests.reference import relative_error
 from tests.test_overlap_pass import OverlapBackend, sp_mlp
@@ -172,12 +172,12 @@ def test_opcheck(single_rank_group):
     dy, dy3 = torch.randn(5, N), torch.randn(5, 2, N)
     ops = torch.ops.cpcompile
     for op, args in [
-        (ops.ag_gemm, (x, w, b, name, 8)),
-        (ops.ag_gemm, (x3, w, None, name, None)),
-        (ops.gemm_rs, (x, w, name, 8)),
-        (ops.gemm_rs, (x3, w, name, None)),
-        (ops.ag_gemm_backward, (dy, x.detach(), w.detach(), name, 8)),
-        (ops.gemm_rs_backward, (dy3, x3.detach(), w.detach(), name, None)),
+        (ops.ag_gemm, (x, w, b, name, 8, "p2p")),
+        (ops.ag_gemm, (x3, w, None, name, None, "symm_mem")),
+        (ops.gemm_rs, (x, w, name, 8, "p2p")),
+        (ops.gemm_rs, (x3, w, name, None, "symm_mem")),
+        (ops.ag_gemm_backward, (dy, x.detach(), w.detach(), name, 8, "p2p")),
+        (ops.gemm_rs_backward, (dy3, x3.detach(), w.detach(), name, None, "symm_mem")),
     ]:
         opcheck(op.default, args)
 

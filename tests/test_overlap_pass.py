@@ -97,10 +97,10 @@ class GraphModule(torch.nn.Module):
         l_w2_ = L_w2_
         l_b2_ = L_b2_
 
-        ag_gemm_default: "f32[2*s77, 6]" = torch.ops.cpcompile.ag_gemm.default(l_x_, l_w1_, l_b1_, '0', 64);  l_x_ = l_w1_ = l_b1_ = None
+        ag_gemm_default: "f32[2*s77, 6]" = torch.ops.cpcompile.ag_gemm.default(l_x_, l_w1_, l_b1_, '0', 64, 'symm_mem');  l_x_ = l_w1_ = l_b1_ = None
         h: "f32[2*s77, 6]" = torch._C._nn.gelu(ag_gemm_default);  ag_gemm_default = None
 
-        gemm_rs_default: "f32[s77, 8]" = torch.ops.cpcompile.gemm_rs.default(h, l_w2_, '0', 64);  h = l_w2_ = None
+        gemm_rs_default: "f32[s77, 8]" = torch.ops.cpcompile.gemm_rs.default(h, l_w2_, '0', 64, 'symm_mem');  h = l_w2_ = None
 
         add: "f32[s77, 8]" = gemm_rs_default + l_b2_;  gemm_rs_default = l_b2_ = None
         return (add,)
@@ -111,10 +111,10 @@ class GraphModule(torch.nn.Module):
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s77)", primals_2: "f32[s77, 8]", primals_3: "f32[6, 8]", primals_4: "f32[6]", primals_5: "f32[8, 6]", primals_6: "f32[8]"):
-        ag_gemm: "f32[2*s77, 6]" = torch.ops.cpcompile.ag_gemm.default(primals_2, primals_3, primals_4, '0', 64);  primals_4 = None
+        ag_gemm: "f32[2*s77, 6]" = torch.ops.cpcompile.ag_gemm.default(primals_2, primals_3, primals_4, '0', 64, 'symm_mem');  primals_4 = None
         gelu: "f32[2*s77, 6]" = torch.ops.aten.gelu.default(ag_gemm)
 
-        gemm_rs: "f32[s77, 8]" = torch.ops.cpcompile.gemm_rs.default(gelu, primals_5, '0', 64)
+        gemm_rs: "f32[s77, 8]" = torch.ops.cpcompile.gemm_rs.default(gelu, primals_5, '0', 64, 'symm_mem')
 
         add_9: "f32[s77, 8]" = torch.ops.aten.add.Tensor(gemm_rs, primals_6);  gemm_rs = primals_6 = None
         return (add_9, primals_2, primals_3, primals_5, ag_gemm, gelu, primals_1)
@@ -128,12 +128,12 @@ class GraphModule(torch.nn.Module):
         sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
         view: "f32[8]" = torch.ops.aten.view.default(sum_1, [8]);  sum_1 = None
 
-        gemm_rs_backward = torch.ops.cpcompile.gemm_rs_backward.default(tangents_1, gelu, primals_5, '0', 64);  tangents_1 = gelu = primals_5 = None
+        gemm_rs_backward = torch.ops.cpcompile.gemm_rs_backward.default(tangents_1, gelu, primals_5, '0', 64, 'symm_mem');  tangents_1 = gelu = primals_5 = None
         getitem: "f32[2*s77, 6]" = gemm_rs_backward[0]
         getitem_1: "f32[8, 6]" = gemm_rs_backward[1];  gemm_rs_backward = None
 
         gelu_backward: "f32[2*s77, 6]" = torch.ops.aten.gelu_backward.default(getitem, ag_gemm);  getitem = ag_gemm = None
-        ag_gemm_backward = torch.ops.cpcompile.ag_gemm_backward.default(gelu_backward, primals_2, primals_3, '0', 64);  primals_2 = primals_3 = None
+        ag_gemm_backward = torch.ops.cpcompile.ag_gemm_backward.default(gelu_backward, primals_2, primals_3, '0', 64, 'symm_mem');  primals_2 = primals_3 = None
         getitem_2: "f32[s77, 8]" = ag_gemm_backward[0]
         getitem_3: "f32[6, 8]" = ag_gemm_backward[1];  ag_gemm_backward = None
         view_1: "f32[2*s77, 6]" = torch.ops.aten.view.default(gelu_backward, [-1, 6]);  gelu_backward = None
@@ -172,12 +172,12 @@ class GraphModule(torch.nn.Module):
         l_w3_ = L_w3_
 
         flatten: "f32[3*s82, 8]" = torch.flatten(l_x3_, 0, -2)
-        ag_gemm_default: "f32[6*s82, 6]" = torch.ops.cpcompile.ag_gemm.default(flatten, l_w1_, l_b1_, '0', None);  flatten = l_w1_ = l_b1_ = None
+        ag_gemm_default: "f32[6*s82, 6]" = torch.ops.cpcompile.ag_gemm.default(flatten, l_w1_, l_b1_, '0', None, 'symm_mem');  flatten = l_w1_ = l_b1_ = None
 
         t_1: "f32[5, 8]" = torch.t(l_w_kn_);  l_w_kn_ = None
-        ag_gemm_default_1: "f32[2*s82, 3, 5]" = torch.ops.cpcompile.ag_gemm.default(l_x3_, t_1, None, '0', None);  l_x3_ = t_1 = None
+        ag_gemm_default_1: "f32[2*s82, 3, 5]" = torch.ops.cpcompile.ag_gemm.default(l_x3_, t_1, None, '0', None, 'symm_mem');  l_x3_ = t_1 = None
 
-        gemm_rs_default: "f32[(s10//2), 3, 4]" = torch.ops.cpcompile.gemm_rs.default(l_y3_, l_w3_, '0', None);  l_y3_ = l_w3_ = None
+        gemm_rs_default: "f32[(s10//2), 3, 4]" = torch.ops.cpcompile.gemm_rs.default(l_y3_, l_w3_, '0', None, 'symm_mem');  l_y3_ = l_w3_ = None
         return (ag_gemm_default, ag_gemm_default_1, gemm_rs_default)
 """,
         )  # noqa: E501

@@ -18,7 +18,7 @@ def test_opcheck_ring_ops(single_rank_group):
         opcheck(torch.ops.cpcompile.ring_key_ranges.default, (plan.gather_index, plan.k_start, plan.k_len(causal), 1))
         ring = make_ring_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), ring.cu_q, ring.k_start)
-        args += (ring.k_len(causal), single_rank_group.group_name, causal, None, 9, 9)
+        args += (ring.k_len(causal), single_rank_group.group_name, causal, None, 9, 9, None)
         opcheck(torch.ops.cpcompile.cp_ring_attention.default, args)
 
 

@@ -111,7 +111,7 @@ class GraphModule(torch.nn.Module):
         l_cu_seqlens_ = L_cu_seqlens_
         l_max_seqlen_ = L_max_seqlen_
 
-        packed_attention = torch.ops.cpcompile.packed_attention(l_q_, l_k_, l_v_, l_cu_seqlens_, None, l_max_seqlen_, True, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
+        packed_attention = torch.ops.cpcompile.packed_attention(l_q_, l_k_, l_v_, l_cu_seqlens_, None, l_max_seqlen_, True, None, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
         getitem_4: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
         return (getitem_4,)
 """,
@@ -142,7 +142,7 @@ class GraphModule(torch.nn.Module):
         floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
         mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
         getitem_4: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
         return (getitem_4,)
 """,
@@ -192,7 +192,7 @@ class GraphModule(torch.nn.Module):
         floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
         mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
         out: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
         return (out,)
 """,
@@ -239,7 +239,7 @@ class GraphModule(torch.nn.Module):
         floordiv: "Sym(((s7 + 3)//4))" = sub_5 // 4;  sub_5 = None
         mul_6: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6)
+        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6, None, 'auto', 1)
         getitem_5: "f32[s85, s34, s0]" = cp_attention[0]
         getitem_6: "f32[s34, s85]" = cp_attention[1];  cp_attention = None
         detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_5)
@@ -252,7 +252,7 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_6: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_6: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
         detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
-        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = mul_6 = None
+        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6, None, 'auto', 1);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = mul_6 = None
         getitem_7: "f32[s85, s34, s0]" = cp_attention_backward[0]
         getitem_8: "f32[s85, s25, s0]" = cp_attention_backward[1]
         getitem_9: "f32[s85, s25, s0]" = cp_attention_backward[2];  cp_attention_backward = None
@@ -341,7 +341,7 @@ class GraphModule(torch.nn.Module):
         ring_start: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges[0]
         ring_len: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges[1];  ring_key_ranges = None
 
-        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(l_q_, l_k_, l_v_, cu_q, ring_start, ring_len, '0', True, None, l_max_seqlen_, 1);  l_q_ = ring_start = ring_len = None
+        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(l_q_, l_k_, l_v_, cu_q, ring_start, ring_len, '0', True, None, l_max_seqlen_, 1, None);  l_q_ = ring_start = ring_len = None
         o: "f32[s85, s34, s0]" = cp_ring_attention[0];  cp_ring_attention = None
 
         ring_key_ranges_1 = torch.ops.cpcompile.ring_key_ranges.default(gather_index, k_start, k_len_full, 2);  gather_index = k_start = k_len_full = None
@@ -349,7 +349,7 @@ class GraphModule(torch.nn.Module):
         ring_start_1: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges_1[0]
         ring_len_1: "i32[2, Min(s85, 2*s40 + s85 - 2)]" = ring_key_ranges_1[1];  ring_key_ranges_1 = None
 
-        cp_ring_attention_1 = torch.ops.cpcompile.cp_ring_attention.default(o, l_k_, l_v_, cu_q, ring_start_1, ring_len_1, '0', False, None, l_max_seqlen_, 1);  o = l_k_ = l_v_ = cu_q = ring_start_1 = ring_len_1 = l_max_seqlen_ = None
+        cp_ring_attention_1 = torch.ops.cpcompile.cp_ring_attention.default(o, l_k_, l_v_, cu_q, ring_start_1, ring_len_1, '0', False, None, l_max_seqlen_, 1, None);  o = l_k_ = l_v_ = cu_q = ring_start_1 = ring_len_1 = l_max_seqlen_ = None
         out: "f32[s85, s34, s0]" = cp_ring_attention_1[0];  cp_ring_attention_1 = None
         return (out,)
 """,
@@ -378,7 +378,7 @@ class GraphModule(torch.nn.Module):
         floordiv: "Sym(((s7 + 3)//4))" = sub_7 // 4;  sub_7 = None
         mul_8: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8)
+        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8, None)
         getitem_7: "f32[s85, s34, s0]" = cp_ring_attention[0]
         getitem_8: "f32[s34, s85]" = cp_ring_attention[1];  cp_ring_attention = None
         detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_7)
@@ -391,7 +391,7 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_8: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_5: "i32[2, Min(s85, 3*s40 - 3)]", getitem_6: "i32[2, Min(s85, 3*s40 - 3)]", getitem_8: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
         detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
-        cp_ring_attention_backward = torch.ops.cpcompile.cp_ring_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_8, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_8 = getitem_1 = getitem_5 = getitem_6 = primals_10 = mul_8 = None
+        cp_ring_attention_backward = torch.ops.cpcompile.cp_ring_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_8, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8, None);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_8 = getitem_1 = getitem_5 = getitem_6 = primals_10 = mul_8 = None
         getitem_9: "f32[s85, s34, s0]" = cp_ring_attention_backward[0]
         getitem_10: "f32[s85, s25, s0]" = cp_ring_attention_backward[1]
         getitem_11: "f32[s85, s25, s0]" = cp_ring_attention_backward[2];  cp_ring_attention_backward = None

@@ -14,42 +14,20 @@ is again a custom op. Groups travel by name.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .. import distributed as cpdist
 from ..checks import agreement_enabled, check_cu_seqlens, check_device, check_padded, check_qkv, data_checks_enabled
+from ..comm.exchange import exchange_plan
+from ..comm.groups import agree, agreed, digest, resolve_group
+from ..config import Config, resolve_config
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import exchange, gathered, kernels
+from .common import agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
 from .kernels.per_plan import per_plan
-
-
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else scale
-
-
-def _check_fake_metadata(q, **metadata) -> None:
-    for name, t in metadata.items():
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
-
-
-def _check_fake_qkv(q, k, v) -> None:
-    torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
-    torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
-    torch._check(q.shape[2] == k.shape[2], lambda: f"head_dim of q {q.shape} and k {k.shape} differ")
-    torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What sums and ``lse`` are kept in: float32, or float64 for float64 inputs (so that float64
-    runs are exact to float64, not to the float32 of a statistic)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
 
 
 @per_plan
@@ -72,7 +50,7 @@ def _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, sc
     plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
     keywords = {
         "causal": causal,
-        "scale": _scale(q, scale),
+        "scale": softmax_scale(q, scale),
         "max_seqlen_q": max_seqlen,
         "max_seqlen_k": max_seqlen,
         "disjoint_keys": cu_seqlens_padded is None,
@@ -93,17 +71,18 @@ def _packed_attention(
     max_seqlen: int | None,
     causal: bool,
     scale: float | None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    return kernels.select(q).forward(q, k, v, *pieces, **keywords)
+    return kernels.select(q, kernel).forward(q, k, v, *pieces, **keywords)
 
 
 @_packed_attention.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale):
-    _check_fake_qkv(q, k, v)
-    _check_fake_metadata(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel=None):
+    check_fake_qkv(q, k, v)
+    check_fake_metadata(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
-    return _out_and_lse(q)
+    return out_and_lse(q)
 
 
 @torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=())
@@ -119,9 +98,10 @@ def _packed_attention_backward(
     max_seqlen: int | None,
     causal: bool,
     scale: float | None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    dq, dk, dv = kernels.select(q).backward(dout, q, k, v, out, lse, *pieces, **keywords)
+    dq, dk, dv = kernels.select(q, kernel).backward(dout, q, k, v, out, lse, *pieces, **keywords)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -131,10 +111,10 @@ def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal
 
 
 def _packed_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale = inputs
+    q, k, v, cu_seqlens, cu_seqlens_padded, *args = inputs  # args: max_seqlen, causal, scale, kernel
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_padded)
-    ctx.args = (max_seqlen, causal, scale)
+    ctx.args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
@@ -143,7 +123,7 @@ def _packed_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.cpcompile.packed_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, *ctx.args
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, *(None,) * (2 + len(ctx.args))
 
 
 _packed_attention.register_autograd(_packed_backward, setup_context=_packed_setup)
@@ -159,6 +139,7 @@ def packed_attention(
     max_seqlen: int | None = None,
     causal: bool = True,
     scale: float | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """Single-device attention over packed documents (THD).
 
@@ -169,6 +150,7 @@ def packed_attention(
             padding at their ends (default: none, ``T = cu_seqlens[-1]``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         causal: causal within each document. scale: default ``D ** -0.5``.
+        config: its ``kernel`` (:class:`cpcompile.Config`; default: :func:`cpcompile.config.default_config`).
     Returns:
         ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
     """
@@ -179,7 +161,10 @@ def packed_attention(
     else:
         check_padded(cu_seqlens, cu_seqlens_padded)
         _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
-    return torch.ops.cpcompile.packed_attention(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)[0]
+    kernel = resolve_config(config).kernel
+    return torch.ops.cpcompile.packed_attention(
+        q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel
+    )[0]
 
 
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
@@ -191,13 +176,13 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
-    :class:`~cpcompile.ops.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
-    group = cpdist.resolve_group(group_name)
-    ex = exchange.exchange_plan(gather_index, k_start, k_len, group_name, exchange.exchange_setting())
-    kw = {"causal": causal, "scale": _scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
-    return group, kernels.select(q), ex, kw
+    :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
+    group = resolve_group(group_name)
+    ex = exchange_plan(gather_index, k_start, k_len, group_name, kv_exchange)
+    kw = {"causal": causal, "scale": softmax_scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
+    return group, kernels.select(q, kernel), ex, kw
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
@@ -214,27 +199,31 @@ def _cp_attention(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
+    kernel: str | None,
+    kv_exchange: str,
+    kv_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    agree_in_op("cp_attention (all_gather)", cpdist.resolve_group(group_name), q, k, causal, scale, gather_index)
-    group, kernel, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q
+    config = {"kernel": kernel, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
+    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, causal, scale, gather_index, config)
+    group, kern, ex, kw = _cp_call(
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange
     )
     if ex is not None:
-        return exchange.forward(kernel, q, k, v, ex, cu_q, k_len, group, **kw)
-    return gathered.forward(kernel, q, k, v, gather_index, (cu_q, k_start, k_len), group, **kw)
+        return exchange.forward(kern, q, k, v, ex, cu_q, k_len, group, **kw)
+    return gathered.forward(kern, q, k, v, gather_index, (cu_q, k_start, k_len), group, kv_chunks, **kw)
 
 
 @_cp_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
-    _check_fake_qkv(q, k, v)
-    _check_fake_metadata(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
-    cp = cpdist.resolve_group(group_name).size()
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
+    check_fake_qkv(q, k, v)
+    check_fake_metadata(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(
         gather_index.shape[0] == q.shape[0] * cp,
         lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp}",
     )
-    return _out_and_lse(q)
+    return out_and_lse(q)
 
 
 @torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=())
@@ -254,31 +243,35 @@ def _cp_attention_backward(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
+    kernel: str | None,
+    kv_exchange: str,
+    kv_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group, kernel, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q
+    group, kern, ex, kw = _cp_call(
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange
     )
+    pieces = (cu_q, k_start, k_len)
     if ex is not None:
-        return exchange.backward(kernel, dout, q, k, v, out, lse, ex, cu_q, k_len, group, **kw)
-    return gathered.backward(kernel, dout, q, k, v, out, lse, gather_index, (cu_q, k_start, k_len), group, **kw)
+        return exchange.backward(kern, dout, q, k, v, out, lse, ex, cu_q, k_len, group, **kw)
+    return gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw)
 
 
 @_cp_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _cp_setup(ctx, inputs, output):
-    q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q = inputs
+    q, k, v, gather_index, cu_q, k_start, k_len, *args = inputs  # args: group_name ... kv_chunks
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, gather_index, cu_q, k_start, k_len)
-    ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q)
+    ctx.args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
 def _cp_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.cpcompile.cp_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * (4 + len(ctx.args))
 
 
 _cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
@@ -298,6 +291,7 @@ def cp_attention(
     scale: float | None = None,
     max_seqlen: int | None = None,
     plan: AttentionPlan | RingPlan | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over packed documents; call it on every rank of ``group``.
 
@@ -310,16 +304,18 @@ def cp_attention(
         group: the CP process group, its name, or ``None`` (default group).
         strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`).
         comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
-            ``cpcompile.ops.exchange``) or ``"ring"`` (pass K/V blocks around the
+            ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
             ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
             unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         plan: a prebuilt :func:`cpcompile.make_plan` (all_gather) or
             :func:`cpcompile.ring_plan.make_ring_plan` (ring) for this rank, to share across layers.
+        config: kernel and K/V transport (:class:`cpcompile.Config`; default
+            :func:`cpcompile.config.default_config`).
     Returns:
         ``[T_local, Hq, D]`` in layout order; padding rows are 0.
     """
-    pg = cpdist.resolve_group(group)
+    pg = resolve_group(group)
     cp, rank = pg.size(), pg.rank()
     # Every check that can fail on one rank alone runs before the ranks agree: a rank that
     # raised here while the others entered a collective would leave them waiting.
@@ -328,6 +324,7 @@ def cp_attention(
     try:
         check_qkv(q, k, v)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        config = resolve_config(config)
         spec = resolve_strategy(strategy)
         comm = check_comm(spec.comm if comm is None else comm)
         if not isinstance(causal, bool):
@@ -345,19 +342,20 @@ def cp_attention(
         error = e
     if agreement_enabled(pg, q):
         record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
-        cpdist.agree(pg, error, record)
+        agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
     elif error is not None:
         raise error
-    with cpdist.agreed():  # the op need not compare again what this call just compared
+    with agreed():  # the op need not compare again what this call just compared
         if comm == "ring":
             args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-            return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q)[0]
+            return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
         args = (q, k, v, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q)[0]
+        kv = (config.kernel, config.kv_exchange, config.kv_chunks)
+        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv)[0]
 
 
 def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale) -> dict[str, object]:
-    """What every rank of one ``cp_attention`` call must agree on (``distributed.agree``)."""
+    """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
         "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
@@ -367,30 +365,9 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
         "comm": comm,
         "causal": causal,
         "scale": scale,
-        "cu_seqlens": cpdist.digest(cu_seqlens),
-        "cu_seqlens_padded": None if cu_seqlens_padded is None else cpdist.digest(cu_seqlens_padded),
+        "cu_seqlens": digest(cu_seqlens),
+        "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
     }
-
-
-def op_record(op: str, q, k, causal: bool, scale, layout: torch.Tensor | None) -> dict[str, object]:
-    """What every rank must agree on when a compiled graph calls a CP attention op directly
-    (no :func:`cp_attention` wrapper compared the call): the op (its collectives), the
-    shapes, the mask, and the layout (``gather_index`` is the same on every rank)."""
-    return {
-        "op (comm)": op,
-        "local tokens (q.shape[0])": q.shape[0],
-        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
-        "dtype": str(q.dtype),
-        "causal": causal,
-        "scale": scale,
-        "layout (strategy and cu_seqlens)": None if layout is None else cpdist.digest(layout),
-    }
-
-
-def agree_in_op(op: str, group, q, k, causal: bool, scale, layout: torch.Tensor | None) -> None:
-    """An op's own agreement, where no wrapper ran one for this call."""
-    if not cpdist.already_agreed() and agreement_enabled(group, q):
-        cpdist.agree(group, None, op_record(op, q, k, causal, scale, layout))
 
 
 def _check_plan(plan: AttentionPlan | RingPlan, comm: str, local_tokens: int, cp: int) -> None:

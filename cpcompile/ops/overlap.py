@@ -3,8 +3,8 @@
 ``ag_gemm(x, w)`` is ``all_gather(x) @ w.T`` and ``gemm_rs(x, w)`` is
 ``reduce_scatter(x @ w.T)``, both along dim 0 (the tokens of sequence parallelism).
 Rank r multiplies the chunk it holds while the next one travels the ring of
-``ring_comm`` (capacity buffers, since the token count is symbolic; symmetric memory
-on CUDA, p2p otherwise).
+``comm.ring`` (capacity buffers, since the token count is symbolic; symmetric memory
+or NCCL p2p on CUDA, as ``transport`` (``Config.tp_comm``) says, p2p otherwise).
 
 The backward of one op runs the other's ring: ag_gemm's dx is ``gemm_rs(dy, w.T)``,
 gemm_rs's dx is ``ag_gemm(dy, w.T)``; the weight gradient is accumulated (in float32
@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import distributed as cpdist
-from .ring_comm import gather_ring, reduce_scatter_ring
+from ..comm.groups import group_name as _group_name
+from ..comm.groups import resolve_group
+from ..comm.ring import gather_ring, reduce_scatter_ring
+from ..config import Config, resolve_config
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -34,9 +36,14 @@ def _wgrad_accumulator(w: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("cpcompile::ag_gemm", mutates_args=())
 def _ag_gemm(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group_name: str, capacity_tokens: int | None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    capacity_tokens: int | None,
+    transport: str,
 ) -> torch.Tensor:
-    pg = cpdist.resolve_group(group_name)
+    pg = resolve_group(group_name)
     x2, rows = _rows(x), x.shape[:-1].numel()
     out = x2.new_empty((pg.size() * rows, w.shape[0]))  # [tp * rows, N]
 
@@ -47,7 +54,7 @@ def _ag_gemm(
         else:
             torch.addmm(bias, chunk, w.t(), out=dest)
 
-    gather_ring(x2, pg, capacity_tokens, consume)
+    gather_ring(x2, pg, capacity_tokens, consume, transport=transport)
     return out.view(pg.size() * x.shape[0], *x.shape[1:-1], w.shape[0])
 
 
@@ -58,37 +65,37 @@ def _check_fake_matmul(x, w, bias=None) -> None:
 
 
 @_ag_gemm.register_fake
-def _(x, w, bias, group_name, capacity_tokens):
+def _(x, w, bias, group_name, capacity_tokens, transport):
     _check_fake_matmul(x, w, bias)
-    tp = cpdist.resolve_group(group_name).size()
+    tp = resolve_group(group_name).size()
     return x.new_empty((tp * x.shape[0], *x.shape[1:-1], w.shape[0]))
 
 
 @torch.library.custom_op("cpcompile::ag_gemm_backward", mutates_args=())
 def _ag_gemm_backward(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pg = cpdist.resolve_group(group_name)
-    dx = _gemm_rs_impl(dy, w.t(), pg, capacity_tokens)  # reduce_scatter(dy @ w): [t, ..., K]
+    pg = resolve_group(group_name)
+    dx = _gemm_rs_impl(dy, w.t(), pg, capacity_tokens, transport)  # reduce_scatter(dy @ w): [t, ..., K]
     dy2, rows = _rows(dy), x.shape[:-1].numel()
     dw = _wgrad_accumulator(w)  # [N, K] = dy.T @ all_gather(x), x re-gathered rather than kept
 
     def consume(src: int, chunk: torch.Tensor) -> None:
         dw.add_(dy2[src * rows : (src + 1) * rows].t() @ chunk)
 
-    gather_ring(_rows(x), pg, capacity_tokens, consume)
+    gather_ring(_rows(x), pg, capacity_tokens, consume, transport=transport)
     return dx, dw.to(w.dtype)
 
 
 @_ag_gemm_backward.register_fake
-def _(dy, x, w, group_name, capacity_tokens):
+def _(dy, x, w, group_name, capacity_tokens, transport):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _ag_gemm_setup(ctx, inputs, output):
-    x, w, bias, group_name, capacity_tokens = inputs
+    x, w, bias, *args = inputs  # args: group_name, capacity_tokens, transport
     ctx.save_for_backward(x, w)
-    ctx.args = (group_name, capacity_tokens)
+    ctx.args = tuple(args)
     ctx.has_bias = bias is not None
 
 
@@ -96,7 +103,7 @@ def _ag_gemm_grad(ctx, dy):
     x, w = ctx.saved_tensors
     dx, dw = torch.ops.cpcompile.ag_gemm_backward(dy, x, w, *ctx.args)
     dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-    return dx, dw, dbias, None, None
+    return dx, dw, dbias, None, None, None
 
 
 _ag_gemm.register_autograd(_ag_gemm_grad, setup_context=_ag_gemm_setup)
@@ -105,7 +112,9 @@ _ag_gemm.register_autograd(_ag_gemm_grad, setup_context=_ag_gemm_setup)
 # --- gemm_rs ---------------------------------------------------------------------------
 
 
-def _gemm_rs_impl(x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capacity_tokens: int | None) -> torch.Tensor:
+def _gemm_rs_impl(
+    x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capacity_tokens: int | None, transport: str
+) -> torch.Tensor:
     x2 = _rows(x)
     rows = x2.shape[0] // pg.size()
     out = x2.new_empty((rows, w.shape[0]))  # [rows, N]
@@ -113,28 +122,30 @@ def _gemm_rs_impl(x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capac
     def produce(dest_rank: int, dest: torch.Tensor) -> None:
         torch.mm(x2[dest_rank * rows : (dest_rank + 1) * rows], w.t(), out=dest)
 
-    reduce_scatter_ring(out, pg, capacity_tokens, produce)
+    reduce_scatter_ring(out, pg, capacity_tokens, produce, transport=transport)
     return out.view(x.shape[0] // pg.size(), *x.shape[1:-1], w.shape[0])
 
 
 @torch.library.custom_op("cpcompile::gemm_rs", mutates_args=())
-def _gemm_rs(x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None) -> torch.Tensor:
-    return _gemm_rs_impl(x, w, cpdist.resolve_group(group_name), capacity_tokens)
+def _gemm_rs(
+    x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
+) -> torch.Tensor:
+    return _gemm_rs_impl(x, w, resolve_group(group_name), capacity_tokens, transport)
 
 
 @_gemm_rs.register_fake
-def _(x, w, group_name, capacity_tokens):
+def _(x, w, group_name, capacity_tokens, transport):
     _check_fake_matmul(x, w)
-    tp = cpdist.resolve_group(group_name).size()
+    tp = resolve_group(group_name).size()
     torch._check(x.shape[0] % tp == 0, lambda: f"x has {x.shape[0]} rows, not a multiple of the group size {tp}")
     return x.new_empty((x.shape[0] // tp, *x.shape[1:-1], w.shape[0]))
 
 
 @torch.library.custom_op("cpcompile::gemm_rs_backward", mutates_args=())
 def _gemm_rs_backward(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pg = cpdist.resolve_group(group_name)
+    pg = resolve_group(group_name)
     x2, dy2 = _rows(x), _rows(dy)
     rows = dy2.shape[0]
     dx = x2.new_empty(x2.shape)  # [tp * rows, K] = all_gather(dy) @ w: ag_gemm's ring
@@ -144,25 +155,25 @@ def _gemm_rs_backward(
         torch.mm(chunk, w, out=dx[src * rows : (src + 1) * rows])
         dw.add_(chunk.t() @ x2[src * rows : (src + 1) * rows])
 
-    gather_ring(dy2, pg, capacity_tokens, consume)
+    gather_ring(dy2, pg, capacity_tokens, consume, transport=transport)
     return dx.view(x.shape), dw.to(w.dtype)
 
 
 @_gemm_rs_backward.register_fake
-def _(dy, x, w, group_name, capacity_tokens):
+def _(dy, x, w, group_name, capacity_tokens, transport):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _gemm_rs_setup(ctx, inputs, output):
-    x, w, group_name, capacity_tokens = inputs
+    x, w, *args = inputs  # args: group_name, capacity_tokens, transport
     ctx.save_for_backward(x, w)
-    ctx.args = (group_name, capacity_tokens)
+    ctx.args = tuple(args)
 
 
 def _gemm_rs_grad(ctx, dy):
     x, w = ctx.saved_tensors
     dx, dw = torch.ops.cpcompile.gemm_rs_backward(dy, x, w, *ctx.args)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 _gemm_rs.register_autograd(_gemm_rs_grad, setup_context=_gemm_rs_setup)
@@ -202,6 +213,7 @@ def ag_gemm(
     group=None,
     capacity_tokens: int | None = None,
     bias: torch.Tensor | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """``all_gather(x, dim=0) @ w.T + bias`` with the gather overlapped with the matmul.
 
@@ -212,14 +224,23 @@ def ag_gemm(
         capacity_tokens: the most tokens (rows ``t * ...``) a call may pass; the gather
             buffer ``[tp * capacity_tokens, K]`` is allocated once. ``None``: sized by the
             largest call so far, rounded up to a power of two.
+        config: its ``tp_comm`` picks the transport (:class:`cpcompile.Config`).
     Returns:
         ``[tp * t, ..., N]``, rank-major like ``all_gather_into_tensor``; same dtype as x.
     """
     _check_args(x, w, bias, capacity_tokens)
-    return torch.ops.cpcompile.ag_gemm(x, w, bias, cpdist.group_name(group), capacity_tokens)
+    transport = resolve_config(config).tp_comm
+    return torch.ops.cpcompile.ag_gemm(x, w, bias, _group_name(group), capacity_tokens, transport)
 
 
-def gemm_rs(x: torch.Tensor, w: torch.Tensor, *, group=None, capacity_tokens: int | None = None) -> torch.Tensor:
+def gemm_rs(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group=None,
+    capacity_tokens: int | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
     """``reduce_scatter(x @ w.T, dim=0)`` (sum) with the matmul overlapped with the communication.
 
     Args:
@@ -228,11 +249,13 @@ def gemm_rs(x: torch.Tensor, w: torch.Tensor, *, group=None, capacity_tokens: in
         group: the TP process group, its name, or ``None`` (default group).
         capacity_tokens: the most tokens (rows ``t * ...``) of the *output* per rank; the
             buffer ``[3 * capacity_tokens, N]`` is allocated once. ``None`` as in :func:`ag_gemm`.
+        config: its ``tp_comm`` picks the transport (:class:`cpcompile.Config`).
     Returns:
         ``[t, ..., N]``: rank r's rows ``[r * t, (r + 1) * t)`` of the sum over ranks.
     """
     _check_args(x, w, None, capacity_tokens)
-    tp = cpdist.resolve_group(group).size()
+    tp = resolve_group(group).size()
     if x.shape[0] % tp != 0:
         raise ValueError(f"x.shape[0] = {x.shape[0]} must be a multiple of the group size {tp}")
-    return torch.ops.cpcompile.gemm_rs(x, w, cpdist.group_name(group), capacity_tokens)
+    transport = resolve_config(config).tp_comm
+    return torch.ops.cpcompile.gemm_rs(x, w, _group_name(group), capacity_tokens, transport)

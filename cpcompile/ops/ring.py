@@ -20,16 +20,13 @@ is again a custom op. Groups travel by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
-import torch.distributed as dist
 
-from .. import distributed as cpdist
+from ..comm.groups import resolve_group
+from ..comm.ring import rotate, shift
 from ..ring_plan import block_key_ranges
 from . import kernels
-from .attention import _check_fake_metadata, _check_fake_qkv, _out_and_lse, _scale, accumulation_dtype, agree_in_op
-from .ring_comm import shift
+from .common import accumulation_dtype, agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
 
 
 @torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
@@ -68,27 +65,14 @@ def merge(
     return out * w_old + block_out.to(out.dtype) * w_new, merged
 
 
-def _blocks(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield ``(src, x_src)`` for every rank's ``x`` ``[T_local, ...]``, own first, in ring order;
-    the next block is in flight while the caller works on the one yielded."""
-    cp, rank = group.size(), group.rank()
-    spare = [torch.empty_like(x) for _ in range(min(2, cp - 1))]  # the one received, the one arriving
-    current = x
-    for i in range(cp - 1):
-        works = shift(current, spare[i % 2], group)
-        yield (rank - i) % cp, current
-        for work in works:
-            work.wait()
-        current = spare[i % 2]
-    yield (rank + 1) % cp, current
-
-
 def _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q):
     """Per ring step, for the block in hand: ``(k_src, v_src, (cu_q, k_start, k_len), kernel keywords)``."""
-    for src, kv in _blocks(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
+    for src, kv in rotate(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
         k_src, v_src = kv.split(k.shape[1], dim=1)
         own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full
-        kw = dict(causal=causal and own, scale=_scale(q, scale), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen)
+        kw = dict(
+            causal=causal and own, scale=softmax_scale(q, scale), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen
+        )
         yield k_src, v_src, (cu_q, k_start[src], k_len[src]), kw
 
 
@@ -105,28 +89,29 @@ def _ring_attention(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
+    kernel: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    group = cpdist.resolve_group(group_name)
-    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None)
-    kernel = kernels.select(q)
+    group = resolve_group(group_name)
+    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None, {"kernel": kernel})
+    kern = kernels.select(q, kernel)
     lse_dtype = accumulation_dtype(q.dtype)
     out = lse = None
     steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
     for k_src, v_src, ranges, kw in steps:
-        block = kernel.forward(q, k_src, v_src, *ranges, **kw)
+        block = kern.forward(q, k_src, v_src, *ranges, **kw)
         out, lse = (block[0].to(lse_dtype), block[1]) if out is None else merge(out, lse, *block)
     return out.to(q.dtype), lse
 
 
 @_ring_attention.register_fake
-def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
-    _check_fake_qkv(q, k, v)
-    _check_fake_metadata(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
-    cp = cpdist.resolve_group(group_name).size()
+def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel):
+    check_fake_qkv(q, k, v)
+    check_fake_metadata(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
     torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")
-    return _out_and_lse(q)
+    return out_and_lse(q)
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=())
@@ -145,16 +130,17 @@ def _ring_attention_backward(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
+    kernel: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group = cpdist.resolve_group(group_name)
-    kernel = kernels.select(q)
+    group = resolve_group(group_name)
+    kern = kernels.select(q, kernel)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
     works = []
     steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
     for step, (k_src, v_src, ranges, kw) in enumerate(steps):
-        dq_step, dk, dv = kernel.backward(dout, q, k_src, v_src, out, lse, *ranges, **kw)
+        dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, *ranges, **kw)
         dq += dq_step
         dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
         if step > 0:
@@ -177,21 +163,21 @@ def _ring_attention_backward(
 
 
 @_ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q):
+def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q = inputs
+    q, k, v, cu_q, k_start, k_len, *args = inputs  # args: group_name ... kernel
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, k_start, k_len)
-    ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q)
+    ctx.args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.cpcompile.cp_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * (3 + len(ctx.args))
 
 
 _ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

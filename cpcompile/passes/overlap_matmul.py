@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import distributed as cpdist
+from ..comm.groups import group_name
 from ..ops import overlap  # noqa: F401  (registers torch.ops.cpcompile.ag_gemm / gemm_rs)
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _only_user(node: fx.Node) -> fx.Node | None:
 
 
 def _group(node: fx.Node) -> str:
-    return cpdist.group_name(_arg(node, 3 if node.target in REDUCE_SCATTER else 2, "group_name"))
+    return group_name(_arg(node, 3 if node.target in REDUCE_SCATTER else 2, "group_name"))
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -220,7 +220,9 @@ def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node, dead: list[fx.Node], l
         graph.erase_node(linear.weight_t)
 
 
-def rewrite_ag_matmul(graph: fx.Graph, match: AgMatmulMatch, *, capacity_tokens: int | None) -> fx.Node:
+def rewrite_ag_matmul(
+    graph: fx.Graph, match: AgMatmulMatch, *, capacity_tokens: int | None, transport: str = "symm_mem"
+) -> fx.Node:
     linear = match.linear
     with graph.inserting_before(linear.node):
         x = match.gather.args[0]
@@ -229,39 +231,42 @@ def rewrite_ag_matmul(graph: fx.Graph, match: AgMatmulMatch, *, capacity_tokens:
         new = _call(
             graph,
             torch.ops.cpcompile.ag_gemm.default,
-            (x, _weight_node(graph, linear), linear.bias, match.group_name, capacity_tokens),
+            (x, _weight_node(graph, linear), linear.bias, match.group_name, capacity_tokens, transport),
             linear.node,
         )
     _replace(graph, linear.node, new, [linear.node, *reversed(match.views), match.wait, match.gather], linear)
     return new
 
 
-def rewrite_matmul_rs(graph: fx.Graph, match: MatmulRsMatch, *, capacity_tokens: int | None) -> fx.Node:
+def rewrite_matmul_rs(
+    graph: fx.Graph, match: MatmulRsMatch, *, capacity_tokens: int | None, transport: str = "symm_mem"
+) -> fx.Node:
     linear = match.linear
     with graph.inserting_before(match.wait):
         new = _call(
             graph,
             torch.ops.cpcompile.gemm_rs.default,
-            (linear.input, _weight_node(graph, linear), match.group_name, capacity_tokens),
+            (linear.input, _weight_node(graph, linear), match.group_name, capacity_tokens, transport),
             match.wait,
         )
     _replace(graph, match.wait, new, [match.wait, match.scatter, linear.node], linear)
     return new
 
 
-def overlap_matmul_pass(gm: fx.GraphModule, *, capacity_tokens: int | None = None) -> int:
+def overlap_matmul_pass(gm: fx.GraphModule, *, capacity_tokens: int | None = None, transport: str = "symm_mem") -> int:
     """Rewrite ``gm`` (a Dynamo graph) in place; returns the number of ops inserted.
 
     ``capacity_tokens`` goes to every inserted op (see :func:`cpcompile.ag_gemm`):
-    the most tokens per rank, or None for buffers that grow to the largest call.
+    the most tokens per rank, or None for buffers that grow to the largest call;
+    ``transport`` too (``Config.tp_comm``).
     """
     graph = gm.graph
     rewrites = 0
     for match in find_ag_matmul(graph):
-        rewrite_ag_matmul(graph, match, capacity_tokens=capacity_tokens)
+        rewrite_ag_matmul(graph, match, capacity_tokens=capacity_tokens, transport=transport)
         rewrites += 1
     for match in find_matmul_rs(graph):
-        rewrite_matmul_rs(graph, match, capacity_tokens=capacity_tokens)
+        rewrite_matmul_rs(graph, match, capacity_tokens=capacity_tokens, transport=transport)
         rewrites += 1
     if not rewrites:
         log.info("overlap_matmul_pass: no all-gather -> matmul or matmul -> reduce-scatter to rewrite")

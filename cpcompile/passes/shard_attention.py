@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from ..config import Config, resolve_config
 from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..plan import AttentionPlan, max_piece_len
@@ -173,10 +174,12 @@ def rewrite_packed_attention(
     cp_size: int,
     rank: int,
     spec: StrategySpec,
+    config: Config | None = None,
 ) -> None:
     """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``),
     one shared ``cp_plan`` per ``cu_seqlens``."""
     graph = gm.graph
+    config = resolve_config(config)
 
     def insert(target, args, name=None, origin=None):
         node = graph.create_node("call_function", target, args, name=name)
@@ -226,9 +229,11 @@ def rewrite_packed_attention(
                     ]
                 name, target = "cp_ring_attention", torch.ops.cpcompile.cp_ring_attention.default
                 plan_args = (cu_q, *ring_ranges[ring_key])
+                config_args = (config.kernel,)
             else:
                 name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
+                config_args = (config.kernel, config.kv_exchange, config.kv_chunks)
             cp = insert(
                 target,
                 (
@@ -241,6 +246,7 @@ def rewrite_packed_attention(
                     m.scale,
                     m.max_seqlen,
                     _max_piece_len(graph, spec, cp_size, m.max_seqlen),
+                    *config_args,
                 ),
                 name,
                 m.node,
@@ -250,13 +256,21 @@ def rewrite_packed_attention(
 
 
 def shard_attention_pass(
-    gm: fx.GraphModule, *, group_name: str, cp_size: int, rank: int, spec: StrategySpec, unsupported: str = "raise"
+    gm: fx.GraphModule,
+    *,
+    group_name: str,
+    cp_size: int,
+    rank: int,
+    spec: StrategySpec,
+    unsupported: str = "raise",
+    config: Config | None = None,
 ) -> int:
     """Shard every recognized packed attention call of ``gm`` over the CP group; returns how many.
 
     ``unsupported``: ``"raise"`` (:class:`UnsupportedAttentionError` for a call CP cannot
     compute exactly) or ``"single_device"`` (leave it, warn: each rank then attends
-    within its own tokens only).
+    within its own tokens only). ``config``: the kernel and K/V transport the inserted
+    ops get as arguments (default :func:`cpcompile.config.default_config`).
     """
     matches, skipped = find_packed_attention(gm)
     if skipped and check_unsupported(unsupported) == "raise":
@@ -272,7 +286,7 @@ def shard_attention_pass(
     if not matches:
         log.info("shard_attention_pass: no packed attention call to shard")
         return 0
-    rewrite_packed_attention(gm, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec)
+    rewrite_packed_attention(gm, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

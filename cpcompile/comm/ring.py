@@ -1,5 +1,6 @@
-"""Rings of row chunks between ranks: the TP overlap's transports on capacity buffers
-(``overlap``), and the one p2p step the CP ring (``ring``) shares with them.
+"""Rings of row chunks between ranks: the CP ring's K/V rotation (:func:`rotate`, for
+``ops/ring.py``) and the TP overlap's transports on capacity buffers (:func:`gather_ring`,
+:func:`reduce_scatter_ring`, for ``ops/overlap.py``), all built on one p2p step (:func:`shift`).
 
 Design constraint: the token count ``t`` changes every microbatch and stays symbolic
 in compiled graphs, so the communication buffer can neither be registered at one
@@ -10,24 +11,26 @@ capacity; each call uses a contiguous prefix of it, the active shape.
 Ring: rank r works on the chunk it holds while the next chunk is in flight.
 Two transports, same numbers:
 
-- CUDA on NCCL (default): torch's symmetric memory. Peers' chunks are copied by the
-  copy engine on a side stream, which takes no SMs from the matmuls on the current
-  stream (NCCL's p2p kernels were seen to serialize with a concurrent GEMM on H200).
-  ``CPCOMPILE_TP_COMM=p2p`` selects the other transport.
-- Otherwise (CPU/gloo, or ``CPCOMPILE_TP_COMM=p2p``): ``batch_isend_irecv`` to r + 1
-  and from r - 1, exact and plain.
+- ``transport="symm_mem"`` (the default) on CUDA with NCCL: torch's symmetric memory.
+  Peers' chunks are copied by the copy engine on a side stream, which takes no SMs from
+  the matmuls on the current stream (NCCL's p2p kernels serialize with a concurrent
+  GEMM: docs/communication.md).
+- Otherwise (CPU/gloo, or ``transport="p2p"``): ``batch_isend_irecv`` to r + 1 and
+  from r - 1, exact and plain.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from .. import distributed as cpdist
 from ..checks import data_checks_enabled
+from .collectives import all_gather_rows
+
+#: How the TP rings move chunks on CUDA (``Config.tp_comm``): symmetric memory or NCCL p2p.
+TRANSPORTS = ("symm_mem", "p2p")
 
 
 class CapacityBuffers:
@@ -121,7 +124,7 @@ def _agree_on_rows(pg: dist.ProcessGroup, rows: int, error: Exception | None) ->
         raise ValueError(f"another rank of TP group {pg.group_name!r} rejected its token count (see its error)")
     if hi != -neg_lo:
         # Every rank saw the same min/max, so every rank joins this second collective.
-        counts = cpdist.all_gather_rows(torch.tensor([rows], device=device), pg).tolist()
+        counts = all_gather_rows(torch.tensor([rows], device=device), pg).tolist()
         listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         raise ValueError(
             f"ranks of TP group {pg.group_name!r} disagree on the token count ({listed}); "
@@ -129,8 +132,10 @@ def _agree_on_rows(pg: dist.ProcessGroup, rows: int, error: Exception | None) ->
         )
 
 
-def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    return t.is_cuda and dist.get_backend(pg) == "nccl" and os.environ.get("CPCOMPILE_TP_COMM", "symm_mem") != "p2p"
+def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor, transport: str) -> bool:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport == "symm_mem" and t.is_cuda and dist.get_backend(pg) == "nccl"
 
 
 def shift(send: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> list:
@@ -144,8 +149,29 @@ def shift(send: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> list
     )
 
 
+def rotate(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(src, x_src)`` for every rank's ``x [T_local, ...]``, own first, in ring order
+    (rank ``r`` gets rank ``r - i``'s at step ``i``); the next block is in flight while the
+    caller works on the one yielded. At most three blocks exist at a time."""
+    cp, rank = group.size(), group.rank()
+    spare = [torch.empty_like(x) for _ in range(min(2, cp - 1))]  # the one received, the one arriving
+    current = x
+    for i in range(cp - 1):
+        works = shift(current, spare[i % 2], group)
+        yield (rank - i) % cp, current
+        for work in works:
+            work.wait()
+        current = spare[i % 2]
+    yield (rank + 1) % cp, current
+
+
 def gather_ring(
-    x: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, consume: Callable[[int, torch.Tensor], None]
+    x: torch.Tensor,
+    pg: dist.ProcessGroup,
+    capacity: int | None,
+    consume: Callable[[int, torch.Tensor], None],
+    *,
+    transport: str = "symm_mem",
 ) -> None:
     """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile."""
     tp, rank = pg.size(), pg.rank()
@@ -154,7 +180,7 @@ def gather_ring(
         return consume(rank, x)
     shape = dict(rows=x.shape[0], features=x.shape[1], capacity=capacity)
     buf, _ = BUFFERS.prefix("gather", pg.group_name, x, slots=tp, **shape)  # [tp, rows, F]
-    if _copy_engine(pg, x):
+    if _copy_engine(pg, x, transport):
         return _gather_copy_engine(x, pg, buf, shape, consume)
     chunk = x
     for i in range(tp):
@@ -188,7 +214,12 @@ def _gather_copy_engine(x, pg, buf, shape, consume) -> None:
 
 
 def reduce_scatter_ring(
-    out: torch.Tensor, pg: dist.ProcessGroup, capacity: int | None, produce: Callable[[int, torch.Tensor], None]
+    out: torch.Tensor,
+    pg: dist.ProcessGroup,
+    capacity: int | None,
+    produce: Callable[[int, torch.Tensor], None],
+    *,
+    transport: str = "symm_mem",
 ) -> None:
     """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank.
 
@@ -200,7 +231,7 @@ def reduce_scatter_ring(
     if tp == 1:
         return produce(rank, out)
     shape = dict(rows=out.shape[0], features=out.shape[1], capacity=capacity)
-    if _copy_engine(pg, out):
+    if _copy_engine(pg, out, transport):
         return _reduce_scatter_copy_engine(out, pg, shape, produce)
     # [3, rows, F]: two partial sums alternating, one receive slot
     buf, _ = BUFFERS.prefix("reduce_scatter", pg.group_name, out, slots=3, **shape)

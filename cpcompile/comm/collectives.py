@@ -1,0 +1,46 @@
+"""Row collectives across torch versions: all-gather, reduce-scatter, all-to-all of ``[rows, ...]``.
+
+``torch.distributed`` renamed ``all_gather_into_tensor``/``reduce_scatter_tensor``
+to ``*_single`` in 2.13; both spellings are supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """``[n, ...]`` on each rank -> ``[size * n, ...]``, rank-major; with ``async_op``,
+    ``(output, work)`` where the output is valid after ``work.wait()``."""
+    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+    work = _all_gather(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """``[size * n, ...]`` summed over ranks, rank r keeps rows ``[r * n, (r + 1) * n)``;
+    with ``async_op``, ``(output, work)``."""
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    work = _reduce_scatter(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def all_to_all_rows(
+    x: torch.Tensor,
+    out_counts: list[int],
+    in_counts: list[int],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Rows ``x [sum(in_counts), ...]``, ``in_counts[s]`` of them to rank s in rank order ->
+    ``[sum(out_counts), ...]`` (into ``out``, contiguous, if given), ``out_counts[s]`` from
+    rank s in rank order; with ``async_op``, ``(output, work)``."""
+    out = x.new_empty((sum(out_counts), *x.shape[1:])) if out is None else out
+    work = dist.all_to_all_single(out, x.contiguous(), out_counts, in_counts, group=group, async_op=async_op)
+    return (out, work) if async_op else out

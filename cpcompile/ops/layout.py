@@ -1,0 +1,19 @@
+"""``balanced_layout`` as an op, so that compiled graphs call the host algorithm of
+:mod:`cpcompile.balanced` (its cuts depend on the document lengths) with a symbolic size."""
+
+from __future__ import annotations
+
+import torch
+
+from ..balanced import balanced_layout
+
+
+@torch.library.custom_op("cpcompile::balanced_layout", mutates_args=())
+def balanced_layout_op(cu_seqlens_padded: torch.Tensor, cp_size: int, num_tokens: int) -> torch.Tensor:
+    """:func:`cpcompile.balanced.balanced_layout` as an op: ``[cp_size, num_tokens / cp_size]`` int64."""
+    return balanced_layout(cu_seqlens_padded, cp_size)
+
+
+@balanced_layout_op.register_fake
+def _(cu_seqlens_padded, cp_size, num_tokens):
+    return cu_seqlens_padded.new_empty((cp_size, num_tokens // cp_size), dtype=torch.int64)

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed as cpdist
-from .kernels.per_plan import per_plan
+from ..per_plan import per_plan
 from .kernels.scratch import keys_read, sum_layers
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an

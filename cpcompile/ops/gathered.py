@@ -46,7 +46,7 @@ import weakref
 import torch
 
 from .. import distributed as cpdist
-from .kernels.per_plan import per_plan, same_plan, token
+from ..per_plan import per_plan, same_plan, token
 
 
 def kv_chunks(kv_heads: int) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .per_plan import per_plan
+from ...per_plan import per_plan
 
 #: Most query rows per chunk (2048 was the fastest of 1024, 2048 and 4096 in the measurements above).
 ROWS = 2048

@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import torch
 
+from ...per_plan import per_plan
 from . import dead_rows
 from .chunks import row_chunks
-from .per_plan import per_plan
 from .scratch import add_back, place, scratch_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)

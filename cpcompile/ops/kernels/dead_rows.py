@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .per_plan import per_plan
+from ...per_plan import per_plan
 
 try:
     import triton

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ...per_plan import per_plan
 from . import dead_rows
-from .per_plan import per_plan
 from .scratch import add_back, place, scratch_rows
 
 

@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...per_plan import per_plan
 from . import sum_rows
-from .per_plan import per_plan
 
 
 class Scratch(NamedTuple):

@@ -21,7 +21,7 @@ Model, in units of one query-key pair of attention (its forward and backward):
   take as long as ~15K pairs of attention (4 x 32 heads x 128 FLOP at ~330 TFLOP/s).
 - ``key_rows_r``: the sum of the rank's pieces' key counts: rows of K/V that
   torch's flash backward copies, one copy per piece, and whose dK/dV it adds back
-  (``ops/kernels/flash.py``: its backward kernel has no ``seqused_k``). About
+  (``kernels/flash.py``: its backward kernel has no ``seqused_k``). About
   ``T`` for dual_chunk_swap, far more for short stripes. ``key_cost`` defaults to
   32: ~20 KB moved per row (8 KV heads x 128, bf16 copies, fp32 sums) at ~3 TB/s
   against ~0.2 ns for a pair's forward and backward.

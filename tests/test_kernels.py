@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.ops import kernels
-from cpcompile.ops.kernels import cudnn, dead_rows, reference
+from cpcompile import kernels
+from cpcompile.kernels import cudnn, reference
+from cpcompile.kernels.triton import dead_rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 
@@ -143,7 +144,7 @@ def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
 
 
 def test_auto_takes_cudnns_backward_where_pieces_read_many_keys_per_row_within_memory():
-    from cpcompile.ops.kernels import auto
+    from cpcompile.kernels import auto
 
     t = 131072
     assert auto.use_cudnn_backward(int(1.06 * t), t)  # dual_chunk_swap at cp=8
@@ -169,7 +170,7 @@ def _prefix_pieces(seed: int):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, device):
     """On CPU torch's gathers add back, on CUDA the ``sum_rows`` kernel."""
-    from cpcompile.ops.kernels import scratch
+    from cpcompile.kernels.metadata import scratch
 
     cu_q, k_start, k_len, num_keys = (t.to(device) if torch.is_tensor(t) else t for t in _prefix_pieces(seed))
     s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
@@ -209,7 +210,7 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
 
 @CUDA
 def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
-    from cpcompile.ops.kernels import sum_rows
+    from cpcompile.kernels.triton import sum_rows
 
     g = torch.Generator().manual_seed(0)
     rows, num_layers, keys = 300, 5, 97
@@ -233,7 +234,7 @@ def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
 
 
 def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):
-    from cpcompile.ops.kernels import auto, cudnn, flash
+    from cpcompile.kernels import auto, cudnn, flash
 
     picked = []
     monkeypatch.setattr(cudnn, "backward", lambda *args, **kw: picked.append("cudnn"))
@@ -256,7 +257,7 @@ def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_layers_number_the_pieces_that_share_a_start(seed):
-    from cpcompile.ops.kernels import scratch
+    from cpcompile.kernels.metadata import scratch
 
     _, k_start, k_len, _ = _prefix_pieces(seed)
     got = scratch.layers(k_start, k_len).tolist()
@@ -291,7 +292,7 @@ def test_every_plan_reads_disjoint_or_same_start_key_ranges():
 
 
 def _chunks_case(seed: int):
-    from cpcompile.ops.kernels import chunks
+    from cpcompile.kernels.metadata import chunks
 
     cu_q, k_start, k_len, num_keys = _prefix_pieces(seed)
     # a key range at least as long as the rows, as in causal plans (some shorter: rows without keys)
@@ -302,7 +303,7 @@ def _chunks_case(seed: int):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkeypatch):
-    from cpcompile.ops.kernels import chunks
+    from cpcompile.kernels.metadata import chunks
 
     monkeypatch.setattr(chunks, "ROWS", 8)
     monkeypatch.setattr(chunks, "MAX_CHUNKS", 3)
@@ -326,7 +327,7 @@ def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkey
 @pytest.mark.parametrize("seed", range(4))
 def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
     """Causal attention and its gradients over the chunks equal those over the pieces (float64)."""
-    from cpcompile.ops.kernels import chunks
+    from cpcompile.kernels.metadata import chunks
 
     monkeypatch.setattr(chunks, "ROWS", 8)
     cu_q, k_start, k_len, num_keys, num_rows, pieces = _chunks_case(seed)

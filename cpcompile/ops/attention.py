@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from .. import distributed as cpdist
+from .. import kernels
 from ..checks import agreement_enabled, check_cu_seqlens, check_device, check_padded, check_qkv, data_checks_enabled
 from ..per_plan import per_plan
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
-from . import exchange, gathered, kernels
+from . import exchange, gathered
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:

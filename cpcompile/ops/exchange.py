@@ -44,8 +44,8 @@ from typing import NamedTuple
 import torch
 
 from .. import distributed as cpdist
+from ..kernels.metadata.scratch import keys_read, sum_layers
 from ..per_plan import per_plan
-from .kernels.scratch import keys_read, sum_layers
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
 #: all-gather's ``(cp - 1) x T_local``; ``CPCOMPILE_KV_EXCHANGE`` overrides.

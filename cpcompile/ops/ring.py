@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed as cpdist
+from .. import kernels
 from ..ring_plan import block_key_ranges
-from . import kernels
 from .attention import _check_fake_metadata, _check_fake_qkv, _out_and_lse, _scale, accumulation_dtype, agree_in_op
 from .ring_comm import shift
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ...per_plan import per_plan
-from . import sum_rows
+from ..triton import sum_rows
 
 
 class Scratch(NamedTuple):

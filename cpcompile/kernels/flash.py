@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ...per_plan import per_plan
-from . import dead_rows
-from .scratch import add_back, place, scratch_rows
+from ..per_plan import per_plan
+from .metadata.scratch import add_back, place, scratch_rows
+from .triton import dead_rows
 
 
 @per_plan

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .scratch import place
+from .metadata.scratch import place
 
 _ROW_BLOCK = 256
 

@@ -54,10 +54,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...per_plan import per_plan
-from . import dead_rows
-from .chunks import row_chunks
-from .scratch import add_back, place, scratch_rows
+from ..per_plan import per_plan
+from .metadata.chunks import row_chunks
+from .metadata.scratch import add_back, place, scratch_rows
+from .triton import dead_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads

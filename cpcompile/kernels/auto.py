@@ -1,4 +1,4 @@
-"""The default CUDA kernel when cudnn-frontend is present: each direction on its faster backend.
+"""The default CUDA kernel when cudnn-frontend is present: each direction on its faster backend (``contract``).
 
 Measured on the H200 (docs/attention-kernels.md): cuDNN's forward runs
 1.6-1.7x torch's flash forward on ProLong packs, so the forward is cuDNN's. With
@@ -22,6 +22,7 @@ The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forwar
 from __future__ import annotations
 
 from . import cudnn, flash
+from .contract import check_options
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
 
@@ -33,20 +34,51 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
     return key_rows <= MAX_KEY_ROWS * num_keys
 
 
-def backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs):
-    """Gradients of :func:`forward` from the backend :func:`use_cudnn_backward` picks.
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
+    key_order=None,
+    dkv_out=None,
+    **options,
+):
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`, from the backend
+    :func:`use_cudnn_backward` picks.
 
     Whole documents that are not causal (``disjoint_keys``): cuDNN's, in place.
     Otherwise the size of cuDNN's scratch (for its own pieces: causal ones as row
     chunks) decides; it is made once per plan, here, and cuDNN's backward finds it made.
-    It is budgeted against the pack's keys (``pack_keys``, default ``k``'s rows): where
+    It is budgeted against the pack's keys (the ``pack_keys`` option, default ``k``'s rows): where
     ``k`` holds only the keys that are read (``exchange``), causal row chunks read each
     of them 1.7-3.1 times (balanced and no_load_balance ranks, ProLong and Magi packs of
     128K tokens, cp 2 and 8), which against ``k``'s rows sent the exchange's backward to
     flash (cp=2 on 2 H200s, balanced, heads 32/8: 41.5 -> 48.3 ms forward+backward).
     """
-    if kwargs.get("disjoint_keys") and not kwargs["causal"]:
-        return cudnn.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
-    _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], kwargs["causal"])
-    kernel = cudnn if use_cudnn_backward(scratch.rows, kwargs.get("pack_keys") or k.shape[0]) else flash
-    return kernel.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kwargs)
+    check_options(options)
+    args = (dout, q, k, v, out, lse, cu_q, k_start, k_len)
+    kw = {
+        "causal": causal,
+        "scale": scale,
+        "max_seqlen_q": max_seqlen_q,
+        "max_seqlen_k": max_seqlen_k,
+        "disjoint_keys": disjoint_keys,
+        "key_order": key_order,
+        "dkv_out": dkv_out,
+    }
+    if disjoint_keys and not causal:
+        return cudnn.backward(*args, **kw)
+    _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal)
+    kernel = cudnn if use_cudnn_backward(scratch.rows, options.get("pack_keys") or k.shape[0]) else flash
+    return kernel.backward(*args, **kw)

@@ -1,9 +1,9 @@
-"""cuDNN's fused attention (cudnn-frontend graph API) with the piece contract.
+"""cuDNN's fused attention (cudnn-frontend graph API) behind the kernel contract (``contract``).
 
 Each piece is one entry of cuDNN's ragged (THD) batch: it reads its query rows
 at ``cu_q[p]`` and its keys at ``k_start[p]`` through per-entry ragged offsets,
 with ``seq_len_q = q_len`` and ``seq_len_kv = k_len``, and the causal band is
-aligned bottom-right per entry, which is exactly ``reference``'s mask. So
+aligned bottom-right per entry, which is exactly the contract's mask. So
 the forward is one call that copies nothing, even where pieces' key ranges
 overlap (they are only read).
 
@@ -55,6 +55,7 @@ from typing import NamedTuple
 import torch
 
 from ..per_plan import per_plan
+from .contract import check_options
 from .metadata.chunks import row_chunks
 from .metadata.scratch import add_back, place, scratch_rows
 from .triton import dead_rows
@@ -351,7 +352,7 @@ def forward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
 ):
-    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32."""
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     _check(q, k)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
@@ -411,10 +412,10 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
-    pack_keys=None,
+    **options,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32,
-    rows in ``key_order``, into ``dkv_out`` if given (see ``reference.backward``)."""
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
+    check_options(options)
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)

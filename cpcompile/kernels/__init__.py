@@ -9,8 +9,6 @@ or cudnn-frontend; they need them only when called.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import reference
@@ -22,15 +20,16 @@ __all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "select"]
 
 
 def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
-    """The kernel module for ``q`` (``forward`` and ``backward`` functions).
+    """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
 
-    ``name`` or the ``CPCOMPILE_KERNEL`` environment variable overrides. Otherwise CUDA
-    fp16/bf16 tensors use ``auto`` when cudnn-frontend is installed (the ``gpu`` extra),
-    else ``flash``; everything else uses the exact ``reference``.
+    ``name``, one of :data:`KERNELS`, comes from the caller's configuration; this function
+    reads no environment. ``None`` chooses by what is installed: CUDA fp16/bf16 tensors get
+    ``auto`` where cudnn-frontend imports, else ``flash``; every other tensor ``reference``.
+    A named GPU kernel for other tensors, or ``cudnn``/``auto`` without cudnn-frontend,
+    raises ``ValueError``.
     """
-    name = name or os.environ.get("CPCOMPILE_KERNEL") or None
     if name is not None and name not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r} (argument or CPCOMPILE_KERNEL)")
+        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     if name == "reference":
         return reference
     usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

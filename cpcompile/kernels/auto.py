@@ -1,22 +1,18 @@
 """The default CUDA kernel when cudnn-frontend is present: each direction on its faster backend (``contract``).
 
-Measured on the H200 (docs/attention-kernels.md): cuDNN's forward runs
-1.6-1.7x torch's flash forward on ProLong packs, so the forward is cuDNN's. With
-exact launch bounds, only the pieces that see keys as entries (``scratch``) and
-long triangular pieces cut into row chunks (``chunks``), cuDNN's backward is
-the faster one on the ranks' pieces: forward+backward per rank at cp=8, heads
-32/8, 8.4 against 13.7 ms (balanced), 9.8 against 16.3 (dual_chunk_swap), 13.4
-against 19.5 (no_load_balance); and on one device, whole documents in row chunks:
-backward of a ProLong pack of 128K tokens 59.5 against 69.7 ms (36.2 against 39.7
-for a pack of shorter documents); documents that are not causal, on one device
-(``disjoint_keys``: written in place), 82.2 against 132.7 ms. Flash's backward
-serves pieces whose scratch would not fit: cuDNN holds float32 dK/dV for every
+cuDNN's forward is the faster one, on one device and on ranks' pieces, so the
+forward is cuDNN's. cuDNN's backward is the faster one too, given exact launch
+bounds, only the pieces that see keys as entries (``metadata.scratch``) and long
+triangular pieces cut into row chunks (``metadata.chunks``): on ranks' pieces, on
+whole causal documents on one device, and in place on documents that are not
+causal (``disjoint_keys``). Its price is memory: it holds float32 dK/dV for every
 query head of its scratch rows (``sum(k_len)`` over its pieces, row chunks
-included), 66 GiB for 128-token stripes of a 128K pack at cp=2, so past
-``MAX_KEY_ROWS`` scratch rows per key row it is not used. A pack that is one causal
-document of more than 6K tokens (``3 x chunks.ROWS``) takes 2.5 rows per key in
-its 4 chunks, so it gets flash's backward too.
-The two forwards' ``lse`` agree to 3e-6, so either backward takes cuDNN's forward.
+included), more than a GPU has for small stripes, so past ``MAX_KEY_ROWS``
+scratch rows per key row flash's backward serves instead. A pack that is one
+causal document of more than ``3 x chunks.ROWS`` tokens takes 2.5 rows per key in
+its 4 chunks, so it gets flash's backward too. The two forwards' ``lse`` agree,
+so either backward takes cuDNN's forward. The measurements behind each choice:
+docs/attention-kernels.md.
 """
 
 from __future__ import annotations
@@ -60,11 +56,10 @@ def backward(
     Whole documents that are not causal (``disjoint_keys``): cuDNN's, in place.
     Otherwise the size of cuDNN's scratch (for its own pieces: causal ones as row
     chunks) decides; it is made once per plan, here, and cuDNN's backward finds it made.
-    It is budgeted against the pack's keys (the ``pack_keys`` option, default ``k``'s rows): where
-    ``k`` holds only the keys that are read (``exchange``), causal row chunks read each
-    of them 1.7-3.1 times (balanced and no_load_balance ranks, ProLong and Magi packs of
-    128K tokens, cp 2 and 8), which against ``k``'s rows sent the exchange's backward to
-    flash (cp=2 on 2 H200s, balanced, heads 32/8: 41.5 -> 48.3 ms forward+backward).
+    It is budgeted against the pack's keys (the ``pack_keys`` option, default ``k``'s rows):
+    where ``k`` holds only the keys that are read (``exchange``), causal row chunks read
+    each of them up to about 3 times, and a budget against ``k``'s rows sent the
+    exchange's backward to the slower flash (docs/attention-kernels.md).
     """
     check_options(options)
     args = (dout, q, k, v, out, lse, cu_q, k_start, k_len)

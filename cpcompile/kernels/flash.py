@@ -4,7 +4,7 @@ Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) a
 ``seqused_k`` its length, so no key is copied. The backward kernel has no
 ``seqused_k``, and two pieces whose key ranges overlap would race on dK/dV; so it
 runs one call over a key buffer in which each piece gets its own copy of its keys
-(``scratch``), and the copies' gradients are summed back. That buffer holds
+(``metadata.scratch``), and the copies' gradients are summed back. That buffer holds
 ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
 for small stripes; reading its size is a host sync, once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded

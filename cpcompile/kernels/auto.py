@@ -7,10 +7,10 @@ triangular pieces cut into row chunks (``metadata.chunks``): on ranks' pieces, o
 whole causal documents on one device, and in place on documents that are not
 causal (``disjoint_keys``). Its price is memory: it holds float32 dK/dV for every
 query head of its scratch rows (``sum(k_len)`` over its pieces, row chunks
-included), more than a GPU has for small stripes, so past ``MAX_KEY_ROWS``
+included), which does not fit for small stripes, so past ``MAX_KEY_ROWS``
 scratch rows per key row flash's backward serves instead. A pack that is one
-causal document of more than ``3 x chunks.ROWS`` tokens takes 2.5 rows per key in
-its 4 chunks, so it gets flash's backward too. The two forwards' ``lse`` agree,
+causal document of more than ``3 x metadata.chunks.ROWS`` tokens takes 2.5 rows
+per key in its 4 chunks, so it gets flash's backward too. The two forwards' ``lse`` agree,
 so either backward takes cuDNN's forward. The measurements behind each choice:
 docs/attention-kernels.md.
 """

@@ -17,7 +17,8 @@ may overlap (they are only read). Query head ``h`` reads key and value head
 - Softmax and gradients accumulate in float32 (float64 for float64 inputs).
   ``backward`` returns the exact sum of every piece's dK/dV, even where pieces'
   key ranges overlap, and leaves it in that dtype: callers sum it over ranks
-  before the one rounding.
+  before the one rounding. (The GPU kernels write each piece's part in the input
+  dtype, so there it is rounded once per piece before the sum.)
 - Key ranges that overlap start at the same key (prefixes of one document's keys,
   as in every plan): the GPU backwards' scratch relies on it
   (``metadata.scratch.layers``).

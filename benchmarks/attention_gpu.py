@@ -29,10 +29,11 @@ from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
 from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
+from cpcompile import kernels  # noqa: E402
 from cpcompile.comm import exchange  # noqa: E402
 from cpcompile.comm.kv_gather import grad_buffers  # noqa: E402
-from cpcompile.ops import gathered, kernels  # noqa: E402
-from cpcompile.ops.kernels import cudnn  # noqa: E402
+from cpcompile.kernels import cudnn  # noqa: E402
+from cpcompile.ops import gathered  # noqa: E402
 from cpcompile.plan import max_piece_len  # noqa: E402
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"

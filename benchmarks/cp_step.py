@@ -33,8 +33,8 @@ from packed_gpt import sample_lengths  # noqa: E402
 from report import add_output_argument, command, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
+from cpcompile import kernels  # noqa: E402
 from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
-from cpcompile.ops import kernels  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
 RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with comm="ring"

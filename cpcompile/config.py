@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-#: Attention kernels (``cpcompile.kernels.select``); ``None`` picks by what is installed.
+#: Attention kernels (``cpcompile.kernels``); ``None`` picks by what is installed.
 KERNELS = ("reference", "flash", "cudnn", "auto")
 #: K/V for the all-gather comm: exchange only the rows read where it pays, always, or never.
 KV_EXCHANGE = ("auto", "always", "never")

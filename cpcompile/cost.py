@@ -21,7 +21,7 @@ Model, in units of one query-key pair of attention (its forward and backward):
   attention (the derivation: docs/cost-model.md).
 - ``key_rows_r``: the sum of the rank's pieces' key counts: rows of K/V that
   torch's flash backward copies, one copy per piece, and whose dK/dV it adds back
-  (``ops/kernels/flash.py``: its backward kernel has no ``seqused_k``). About
+  (``kernels/flash.py``: its backward kernel has no ``seqused_k``). About
   ``T`` for dual_chunk_swap, far more for short stripes. ``key_cost`` defaults to
   32: the memory traffic of one copied row (bf16 copies, fp32 sums) against the
   arithmetic of one pair's forward and backward (docs/cost-model.md).

@@ -135,3 +135,11 @@ def make_plan(
         k_len_causal=k_len_causal.to(torch.int32),
         k_len_full=k_len_full.to(torch.int32),
     )
+
+
+def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[Tk]`` bool: the keys that some piece (``k_start``, ``k_len`` ``[P]``) reads."""
+    ends = torch.cat([k_start, k_start + k_len]).long()
+    steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
+    reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
+    return reads.cumsum(0)[:num_keys] > 0

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import cpcompile
+from cpcompile import kernels
 from cpcompile.comm import exchange
-from cpcompile.ops import kernels
-from cpcompile.ops.kernels import cudnn, flash
+from cpcompile.kernels import cudnn, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
 from examples.packed_gpt import VARLEN_GQA
@@ -160,7 +160,7 @@ def test_cudnn_backward_in_row_chunks_within_twice_the_kernel_error(monkeypatch)
     """cuDNN's backward runs long causal pieces as row chunks (made small here), also
     for whole documents on one device: its gradients stay within twice the
     whole-document kernel's error against float64."""
-    from cpcompile.ops.kernels import chunks
+    from cpcompile.kernels.metadata import chunks
 
     monkeypatch.setattr(chunks, "ROWS", 256)
     cu, q, k, v, dout = _case([2500, 1000, 40])

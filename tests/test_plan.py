@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.ops.kernels import reference
+from cpcompile.kernels import reference
 from tests.reference import LAYOUT_SPECS as SPECS
 from tests.reference import attention_fp64, relative_error
 

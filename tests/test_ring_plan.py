@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.ops.kernels import reference
+from cpcompile.kernels import reference
 from cpcompile.ops.ring import merge
 from cpcompile.ring_plan import make_ring_plan
 from tests.reference import LAYOUT_SPECS as SPECS

@@ -36,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.kernels.per_plan import per_plan
-from ..ops.kernels.scratch import keys_read
+from ..per_plan import per_plan
+from ..plan import keys_read
 from .collectives import all_gather_rows, all_to_all_rows
 from .groups import resolve_group
 

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from ..ops.kernels.per_plan import same_plan, token
+from ..per_plan import same_plan, token
 from .collectives import all_gather_rows, reduce_scatter_rows
 
 

@@ -18,16 +18,17 @@ import dataclasses
 
 import torch
 
+from .. import kernels
 from ..checks import agreement_enabled, check_cu_seqlens, check_device, check_padded, check_qkv, data_checks_enabled
 from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
+from ..per_plan import per_plan
 from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
-from . import exchange, gathered, kernels
+from . import exchange, gathered
 from .common import agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
-from .kernels.per_plan import per_plan
 
 
 @per_plan

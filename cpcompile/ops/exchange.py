@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.exchange import Exchange, fetch_keys, return_grads
-from .kernels.scratch import sum_layers
+from ..kernels.metadata.scratch import sum_layers
 
 
 def forward(kernel, q, k, v, ex: Exchange, cu_q, k_len, group, **kw):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.kv_gather import grad_buffers, kv_chunks, start_gathers, start_reduce_scatters, wait_physical
-from .kernels.per_plan import per_plan
+from ..per_plan import per_plan
 
 
 @per_plan

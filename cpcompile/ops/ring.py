@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..comm.groups import resolve_group
 from ..comm.ring import rotate, shift
 from ..ring_plan import block_key_ranges
-from . import kernels
 from .common import accumulation_dtype, agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
 
 

@@ -1,38 +1,33 @@
-"""cuDNN's fused attention (cudnn-frontend graph API) with the piece contract.
+"""cuDNN's fused attention (cudnn-frontend graph API) behind the kernel contract (``contract``).
 
 Each piece is one entry of cuDNN's ragged (THD) batch: it reads its query rows
 at ``cu_q[p]`` and its keys at ``k_start[p]`` through per-entry ragged offsets,
 with ``seq_len_q = q_len`` and ``seq_len_kv = k_len``, and the causal band is
-aligned bottom-right per entry, which is exactly ``reference``'s mask. So
+aligned bottom-right per entry, which is exactly the contract's mask. So
 the forward is one call that copies nothing, even where pieces' key ranges
 overlap (they are only read).
 
-The entries go longest key range first. On the H200 the forward is one persistent
-CTA per SM, each taking the next query tile (of an entry and head), about in entry order,
-as it finishes one; a tile's time grows with the keys it reads, so a long one
-placed late runs on alone at the end. On the H200 (heads 16/16), one
-query tile reading 16K keys, added to 120 documents of 512 tokens (0.58 ms), made
-the forward 0.80 ms placed last and 0.60 placed first. A rank's pieces are few and
-their key ranges differ most (a document's last piece reads all of it), so the
-order counts more there than on one device: per-rank forward at cp=8 on ProLong
-packs of 128K tokens, balanced's slowest rank 0.655 -> 0.621 ms and 1.092 -> 1.054
-(heads 16/16), 1.206 -> 1.156 (32/8); single-device time within noise.
+The entries go longest key range first. The forward (on Hopper) is one persistent
+CTA per SM, each taking the next query tile (of an entry and head), about in entry
+order, as it finishes one; a tile's time grows with the keys it reads, so a long one
+placed late runs on alone at the end. A rank's pieces are few and their key ranges
+differ most (a document's last piece reads all of it), so the order counts more
+there than on one device (docs/attention-kernels.md, "cuDNN's forward").
 
 A piece that sees no keys (padding) is an empty entry: cuDNN would write NaN
 rows for it, so its rows are left alone, and then set to 0, its lse to -inf, in
-the kernel that transposes the statistics (``dead_rows.finish``). Every other
+the kernel that transposes the statistics (``triton.dead_rows.finish``). Every other
 row's statistics are cuDNN's: plans never make a causal piece with keys but
 fewer than its rows (whose first rows would see none).
 
 The backward writes dK/dV at their own ragged offsets. Where pieces are not causal
 and their key ranges are consecutive (``disjoint_keys``) those are the keys' rows.
-Causal pieces run as row chunks (``chunks``: cuDNN is slow on whole causal
-documents), even where their keys are read once: on one device, the backward of a
-ProLong pack of 128K tokens (heads 32/8) took 59.5 ms in chunks against 83.0 whole
-(flash: 69.7; docs/attention-kernels.md).
+Causal pieces run as row chunks (``metadata.chunks``: cuDNN is slow on whole causal
+documents), even where their keys are read once, as on one device: there too the
+chunks are faster than whole documents and than flash.
 Each chunk, and each piece sharing keys, writes into its own rows of a scratch
-buffer (``scratch``: ``sum(k_len)`` rows, reading that size is this module's one
-host sync) whose sums go back to the keys.
+buffer (``metadata.scratch``: ``sum(k_len)`` rows, reading that size is this
+module's one host sync) whose sums go back to the keys.
 Unlike the flash backend, K and V themselves are never copied. cuDNN writes dK/dV
 in the input dtype only (its planner declines float32 gradients), so, as with
 flash, each piece's partial sum is rounded once before the float32 sums.
@@ -41,9 +36,9 @@ A cuDNN graph is fixed to its dimensions and takes a while to build, so graphs
 are cached, and the dimensions that change from pack to pack are rounded up
 (:func:`bucket`): the number of pieces (extra entries have length 0), the longest
 piece's query and key rows, and the token totals the backward's dQ accumulator is
-sized by. A few graphs then serve every pack. The rounding is fine (at most 1/8
-over) because the grids are sized by these bounds: on the H200, a 17K-row
-longest document launched as 32K made the backward 20 % slower.
+sized by. A few graphs then serve every pack. The rounding is fine-grained (at most
+1/8 over, not to the next power of two) because the grids are sized by these bounds,
+and loose ones make the kernels measurably slower (docs/attention-kernels.md).
 """
 
 from __future__ import annotations
@@ -54,10 +49,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import dead_rows
-from .chunks import row_chunks
-from .per_plan import per_plan
-from .scratch import add_back, place, scratch_rows
+from ..per_plan import per_plan
+from .contract import check_options
+from .metadata.chunks import row_chunks
+from .metadata.scratch import add_back, place, scratch_rows
+from .triton import dead_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads
@@ -351,7 +347,7 @@ def forward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
 ):
-    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` float32."""
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     _check(q, k)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
@@ -387,7 +383,7 @@ def _longest(k_len: torch.Tensor) -> int:
 
 def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: bool):
     """The pieces the backward runs over shared keys, ``(cu_q, k_start, k_len)``, and their
-    :class:`Scratch`: causal pieces as row chunks (``chunks``). Once per plan."""
+    :class:`Scratch`: causal pieces as row chunks (``metadata.chunks``). Once per plan."""
     if causal:
         cu_q, k_start, k_len = row_chunks(cu_q, k_start, k_len, num_rows)
     return (cu_q, k_start, k_len), scratch_rows(cu_q, k_start, k_len, num_keys)
@@ -411,10 +407,10 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
-    pack_keys=None,
+    **options,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]`` float32,
-    rows in ``key_order``, into ``dkv_out`` if given (see ``reference.backward``)."""
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
+    check_options(options)
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
@@ -433,8 +429,8 @@ def backward(
     shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
     dq = torch.empty_like(q)
     # In place, keys no piece reads keep 0. A scratch's rows are each an entry's (``scratch_rows``) and
-    # cuDNN writes every key row of an entry, so only the spare row is zeroed: zeroing all of them
-    # took 2 x 50 us of a 4.8 ms balanced rank's forward+backward at cp=8 (heads 16/16, H200).
+    # cuDNN writes every key row of an entry, so only the spare row is zeroed: zeroing all of them was
+    # two fills of the whole scratch per layer (docs/attention-kernels.md, "Rows that see no keys").
     dkc, dvc = (
         (torch.zeros if in_place else torch.empty)(max(rows, 1), *t.shape[1:], dtype=t.dtype, device=t.device)
         for t in (k, v)

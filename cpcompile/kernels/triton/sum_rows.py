@@ -1,14 +1,14 @@
-"""One GPU kernel for ``scratch.sum_layers`` (the backward's add-back of per-piece dK/dV
-rows, and the sparse exchange's sums of returned ones): each key's rows over all layers,
-summed once.
+"""One GPU kernel for ``metadata.scratch.sum_layers`` (the backward's add-back of per-piece
+dK/dV rows, and the sparse exchange's sums of returned ones): each key's rows over all
+layers, summed once.
 
-The torch ways were slower on the H200: gathering every key once per layer (the
-spare row where a layer has none) and summing the gathered ``[L, Tk, H, D]``
-copy, or ``index_add_`` layer by layer into zeroed sums, whose float32 atomics ran
-4x slower per row than ``index_copy_``. This kernel reads the ``[L, Tk]`` row
-index, loads only the rows that are there, adds them in float32 in layer order
+The torch ways were slower: gathering every key once per layer (the spare row where
+a layer has none) and summing the gathered ``[L, Tk, H, D]`` copy writes and reads
+that copy, and ``index_add_`` layer by layer into zeroed sums pays for float32
+atomics, much slower per row than ``index_copy_``. This kernel reads the ``[L, Tk]``
+row index, loads only the rows that are there, adds them in float32 in layer order
 (deterministic) and writes each key's sum once: no zeroed sums, no gathered copy.
-The measurements are in ``scratch``'s docstring.
+The measurements: docs/attention-kernels.md.
 """
 
 from __future__ import annotations

@@ -2,41 +2,39 @@
 
 cuDNN's backward gives each key block of a piece its own CTA, which loops over the
 query tiles that see the block. On a whole causal document those loops run from
-1 to ``L / 128`` tiles, and the long ones finish last: on the H200 (heads 32/8,
-head dim 128), 4 documents of 16K tokens ran at 257 TFLOP/s (flash: 308), where
-pieces of 2K rows reading 16K keys ran at 410-420. Cut into row chunks, each
-reading the keys up to its last row (bottom-right causal holds per chunk, so the
-result is the same), those documents took 56.9 ms in 4 chunks of 4K rows and 53.9
-in 8 of 2K, instead of 85.5; balanced's slowest rank at cp=8 (two whole documents
-of 7-8K tokens, 4 chunks each) 8.8 instead of 10.9 ms; and a whole ProLong pack
-of 128K tokens on one device 59.5 instead of 83.0 (flash: 69.7). Chunks have
-:data:`ROWS` rows, and a piece is cut into at most :data:`MAX_CHUNKS`.
+1 to ``L / 128`` tiles, and the long ones finish last, so whole causal documents
+run well below the rate of pieces with even loops, and below flash's backward.
+Cut into row chunks, each reading the keys up to its last row (bottom-right causal
+holds per chunk, so the result is the same), they run faster than whole and than
+flash: long documents on one device, and ranks holding whole documents (balanced).
+Chunks have :data:`ROWS` rows, and a piece is cut into at most :data:`MAX_CHUNKS`.
 
-Pieces of 2K rows or fewer, such as dual_chunk_swap's at cp=8 on 128K tokens, are
-left as they are, and so are pieces that read at least twice as many keys as they
-have rows: mostly rectangles, whose loops are even already (dual_chunk_swap's tail
-chunks), and for which the extra scratch rows cost more than the chunks gained
-(heads 16/16, cp=4: 11.5 ms per rank with them cut, 10.5 without).
+Pieces of :data:`ROWS` rows or fewer, such as dual_chunk_swap's at cp=8 on 128K
+tokens, are left as they are, and so are pieces that read at least twice as many
+keys as they have rows: mostly rectangles, whose loops are even already
+(dual_chunk_swap's tail chunks), and for which the extra scratch rows cost more
+than the chunks gained.
 
 The chunks of a piece share its keys, so each writes its own scratch rows
 (``scratch``): more rows to add back, and dK/dV rounded to bf16 once per chunk
-before the float32 sums, as for any pieces sharing keys. Against float64, even 16
-chunks of an 8K document stayed within the kernel's own error: dK 0.019 and dV
-0.027, the whole document 0.021 and 0.021, flash's 0.023 and 0.021 (max abs
-error, unit-variance inputs).
+before the float32 sums, as for any pieces sharing keys. Against float64 that
+stayed within the kernel's own error, even in 16 chunks of an 8K document.
+
+The measurements behind each of these: docs/attention-kernels.md, "cuDNN's
+backward in row chunks".
 """
 
 from __future__ import annotations
 
 import torch
 
-from .per_plan import per_plan
+from ...per_plan import per_plan
 
-#: Most query rows per chunk (2048 was the fastest of 1024, 2048 and 4096 in the measurements above).
+#: Most query rows per chunk: the fastest of 1024, 2048 and 4096 (docs/attention-kernels.md).
 ROWS = 2048
-#: Most chunks per piece: the chunks of an ``n``-row triangle read ``(c + 1) / 2 x n`` scratch rows for
-#: ``c`` chunks, so this keeps a piece's scratch within 2.5x its keys (a 128K-token document in 2048-row
-#: chunks would need 32.5x). Longer pieces get longer chunks: 16K rows in 4 took 56.9 ms, in 8 53.9.
+#: Most chunks per piece: the ``c`` chunks of an ``n``-row triangle read ``(c + 1) / 2 * n`` scratch rows,
+#: so this keeps a piece's scratch within 2.5 rows per key (a 128K-token document in 2048-row chunks would
+#: take 32.5). Longer pieces get longer chunks instead, which costs little (docs/attention-kernels.md).
 MAX_CHUNKS = 4
 
 

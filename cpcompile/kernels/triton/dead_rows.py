@@ -4,24 +4,21 @@ A piece that sees no keys (padding; in a ring step, a piece with no keys in the
 block) is not an entry of a kernel's call, so nothing writes its rows. Zeroing
 the whole output before the call, or masking all of it after, is a pass over
 every row for rows that are few or none (balanced pads less than ``cp`` tokens).
-On the H200, a rank's cuDNN forward at cp=8 (128K ProLong tokens) spent 21 us of
-0.92 ms in that memset at heads 16/16, 40 us of 1.74 ms at 32/8, and its backward
-as much again for dQ. :func:`zero` reads one flag per row and writes only the
-dead rows (1.4 us where there are none).
+:func:`zero` reads one flag per row and writes only the dead rows.
 
 cuDNN's forward also leaves those rows' statistics unwritten, and writes them
 token-major (``[Tq, Hq]``) where the kernels' ``lse`` is ``[Hq, Tq]``.
 :func:`finish` transposes them, with ``-inf`` for dead rows, and zeroes the dead
-output rows in the same kernel: on the H200 a rank's forward at cp=8 (heads 16/16)
-launched a ``-inf`` fill of the statistics (1.0 us), this zeroing (1.4 us) and a
-transpose (3.1 us), each after a gap of 1.0-1.2 us on the GPU.
+output rows in the same kernel, where a ``-inf`` fill, the zeroing and a transpose
+were three small kernels, each after a gap on the GPU. What they cost:
+docs/attention-kernels.md, "Rows that see no keys".
 """
 
 from __future__ import annotations
 
 import torch
 
-from .per_plan import per_plan
+from ...per_plan import per_plan
 
 try:
     import triton

@@ -1,10 +1,10 @@
-"""torch's built-in flash varlen kernel (CUDA, fp16/bf16) with the piece contract.
+"""torch's built-in flash varlen kernel (CUDA, fp16/bf16) behind the kernel contract (``contract``).
 
 Forward is one call: ``cum_seq_k`` holds each piece's key start (not monotone) and
 ``seqused_k`` its length, so no key is copied. The backward kernel has no
 ``seqused_k``, and two pieces whose key ranges overlap would race on dK/dV; so it
 runs one call over a key buffer in which each piece gets its own copy of its keys
-(``scratch``), and the copies' gradients are summed back. That buffer holds
+(``metadata.scratch``), and the copies' gradients are summed back. That buffer holds
 ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance, more
 for small stripes; reading its size is a host sync, once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dead_rows
-from .per_plan import per_plan
-from .scratch import add_back, place, scratch_rows
+from ..per_plan import per_plan
+from .contract import check_options
+from .metadata.scratch import add_back, place, scratch_rows
+from .triton import dead_rows
 
 
 @per_plan
@@ -49,6 +50,7 @@ def forward(
     max_seqlen_k=None,
     disjoint_keys: bool = False,
 ):
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     if disjoint_keys:  # consecutive key ranges, every row sees a key: torch's own varlen call
         cu_k = _consecutive_cu_k(k_start, k_len)
@@ -90,8 +92,10 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
-    pack_keys=None,
+    **options,
 ):
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
+    check_options(options)
     max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
     dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
     if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies

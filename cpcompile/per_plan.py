@@ -3,9 +3,10 @@
 Every layer of a step calls the kernels with the same plan tensors (``cu_q``,
 ``k_start``, ``k_len``), so what the kernels derive from them (cuDNN's ragged
 offsets; the backward's scratch rows, whose size is a host sync) is the same for
-every layer. Built per call, the backward's sync drained the stream in every
-layer, and the GPU then waited for the host's metadata work: 1.9 ms per rank's
-backward on the H200 (dual_chunk_swap, cp=8, 128K tokens), for a 9.5 ms kernel.
+every layer, and so is what the ops derive (the all-gather's key order, the sparse
+exchange's plan). Built per call, the backward's sync drained the stream in
+every layer, and the GPU then waited for the host's metadata work
+(docs/attention-kernels.md, "Launch bounds and metadata once per plan").
 
 A step can use several plans in turn: the ring attends over one key block per
 step (``k_start[src]``: a new view of the same plan every call), and ``auto``

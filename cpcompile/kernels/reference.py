@@ -1,24 +1,17 @@
-"""Reference kernel: exact piece attention on any device, float32 accumulation (float64 for float64).
-
-The kernel contract shared by every backend. Queries are cut into pieces by
-``cu_q``; piece p reads keys ``[k_start[p], k_start[p] + k_len[p])`` of the full
-key buffer. Causal pieces are aligned bottom-right (row i of a piece of length
-``n`` sees the first ``k_len - n + 1 + i`` of its keys). A row that sees no key
-outputs 0 with ``lse = -inf`` and gets zero gradient. ``backward`` returns the
-exact sum of every piece's dK/dV, even where key ranges of pieces overlap, in
-float32 (float64 for float64 inputs) so that sums over ranks round once. Key
-ranges that overlap start at the same key (prefixes of one document's keys, as
-in every plan): the GPU backwards' scratch relies on it (``scratch.layers``).
+"""Reference kernel: exact piece attention on any device and floating dtype (``contract``).
 
 Rows are processed in blocks against the key window they need, with a dense mask:
-simple and exact, meant for CPU tests and small runs, not for speed.
+simple and exact, meant for CPU tests and small runs, not for speed. It needs
+none of the GPU backends' hints (launch bounds, ``disjoint_keys``, the backward's
+options) and accepts them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .scratch import place
+from .contract import check_options
+from .metadata.scratch import place
 
 _ROW_BLOCK = 256
 
@@ -75,13 +68,9 @@ def forward(
     scale: float,
     max_seqlen_q=None,
     max_seqlen_k=None,
-    disjoint_keys=False,
+    disjoint_keys: bool = False,
 ):
-    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` (float32; float64 for float64).
-
-    ``max_seqlen_q``/``max_seqlen_k`` (launch bounds for GPU kernels) and ``disjoint_keys``
-    (key ranges consecutive, in piece order: a GPU fast path) are not needed here.
-    """
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
@@ -116,18 +105,10 @@ def backward(
     disjoint_keys: bool = False,
     key_order=None,
     dkv_out=None,
-    pack_keys=None,
+    **options,
 ):
-    """Gradients of :func:`forward`: dq ``[Tq, Hq, D]`` in the input dtype, dk/dv ``[Tk, Hkv, D]``
-    in the accumulation dtype (callers sum them over ranks before rounding). ``disjoint_keys`` (key
-    ranges consecutive, in piece order) lets GPU kernels skip work; this kernel needs no hint.
-    ``key_order`` ``[Tk]`` int64: dK/dV row ``i`` is key ``key_order[i]``'s (default: key ``i``'s),
-    so that sums can go to a reduce-scatter in the all-gather's order as they are.
-    ``dkv_out``: two ``[Tk, Hkv, D]`` buffers, 0 at the rows of keys no piece reads; the
-    sums are written into the others, in the buffers' dtype, and the buffers returned
-    (``scratch.place``; the all-gather path's are float32, float64 for float64 inputs).
-    ``pack_keys``: where ``k`` holds only the keys that are read (``exchange``), the pack's
-    key count, which ``auto`` budgets the backward's scratch against; unused by the others."""
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
+    check_options(options)
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]

@@ -8,18 +8,16 @@ Every plan's key ranges are prefixes of documents (``[doc start, ...)``), so two
 ranges either start at the same key or are disjoint. Numbering the pieces that
 share a start 0, 1, 2, ... gives *layers* whose ranges are disjoint, and each
 key's sum takes at most one row per layer, in float32, in layer order. On CUDA,
-``sum_rows`` adds them in one kernel that reads only the rows there are; per rank
-at cp=8 on the H200 (128K ProLong tokens, 8 KV heads) 0.18-0.22 ms per tensor,
-where gathering every key once per layer and summing took 0.72-0.91 ms, and
-``index_add_`` layer by layer 0.50-1.45 (16 KV heads: 0.38-0.45 against
-0.97-1.44 for the better torch way). Off CUDA or without Triton, torch gathers.
+``triton.sum_rows`` adds them in one kernel that reads only the rows there are,
+several times faster than gathering every key once per layer or ``index_add_``
+layer by layer (docs/attention-kernels.md). Off CUDA or without Triton, torch gathers.
 
 The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
 a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and
 ``auto`` its size for its choice). The same sync reads which pieces see keys and
 the longest one's rows: exact launch bounds for the backward kernels, whose grids
-are sized by them (balanced's bound, the longest document, made cuDNN's backward
-1.5x slower on the H200 than its longest piece did).
+are sized by them (a bound of the longest document, where balanced's longest piece
+is shorter, made cuDNN's backward markedly slower: docs/attention-kernels.md).
 """
 
 from __future__ import annotations
@@ -28,8 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import sum_rows
-from .per_plan import per_plan
+from ...per_plan import per_plan
+from ...plan import keys_read
+from ..triton import sum_rows
 
 
 class Scratch(NamedTuple):
@@ -71,14 +70,6 @@ def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(number).scatter_(0, order, number).masked_fill_(~reads, 0)
 
 
-def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``[Tk]`` bool: the keys that some piece (``k_start``, ``k_len`` ``[P]``) reads."""
-    ends = torch.cat([k_start, k_start + k_len]).long()
-    steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
-    reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
-    return reads.cumsum(0)[:num_keys] > 0
-
-
 @per_plan
 def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
     """:class:`Scratch` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
@@ -113,9 +104,9 @@ def add_back(
     Row ``i`` sums key ``key_order[i]`` (``[Tk]`` int64, default: key ``i``), written
     there directly: the index is reordered once per plan, not the sums. With ``out``
     (``[Tk, H, D]`` float32, 0 at the rows of keys no piece reads) only the rows of
-    the keys that pieces read are written, into ``out``: a rank's pieces read 14-30 %
-    of a 128K ProLong pack's keys at cp=8 (balanced), and the other rows need not be
-    written again in every layer.
+    the keys that pieces read are written, into ``out``: a rank's pieces may read a
+    small part of the pack's keys (balanced: docs/attention-kernels.md, "The backward's
+    dK/dV buffers"), and the other rows need not be written again in every layer.
     Left in float32: callers add the sums over ranks before the one rounding.
     Deterministic: each key's rows are added in layer order. The torch way zeroes
     the spare row ``partial[rows]`` and reads it where a layer has no row.

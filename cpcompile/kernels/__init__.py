@@ -1,0 +1,49 @@
+"""Attention kernels behind one stated contract (``contract``), and :func:`select`, which picks one.
+
+Backends: ``reference`` (exact, any device), ``flash`` (torch's varlen flash kernel),
+``cudnn`` (cuDNN's fused attention, the ``gpu`` extra) and ``auto`` (cuDNN's forward
+and the backward chosen per call). ``metadata`` holds what the GPU backwards derive
+from a plan, ``triton`` their Triton helpers. The GPU backends import without CUDA
+or cudnn-frontend; they need them only when called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import KERNELS
+from . import reference
+from .contract import AttentionKernel, BackwardOptions
+
+__all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "select"]
+
+
+def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
+    """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
+
+    ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``Config.kernel``); this function
+    reads no environment. ``None`` chooses by what is installed: CUDA fp16/bf16 tensors get
+    ``auto`` where cudnn-frontend imports, else ``flash``; every other tensor ``reference``.
+    A named GPU kernel for other tensors, or ``cudnn``/``auto`` without cudnn-frontend,
+    raises ``ValueError``.
+    """
+    if name is not None and name not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    if name == "reference":
+        return reference
+    usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if name is not None and not usable:
+        raise ValueError(f"kernel {name!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+    if not usable:
+        return reference
+    from . import cudnn, flash
+
+    if name in ("cudnn", "auto") and not cudnn.available():
+        raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
+    if name == "cudnn":
+        return cudnn
+    if name == "flash" or not cudnn.available():
+        return flash
+    from . import auto
+
+    return auto

@@ -1,0 +1,155 @@
+"""The kernel contract: what every attention backend computes, stated once.
+
+A backend is a module with the two functions of :class:`AttentionKernel`
+(``reference``, ``flash``, ``cudnn``, ``auto``); the ops call whichever
+``select`` returns, so every backend must give the same answer to the same call.
+
+Queries are cut into *pieces* by ``cu_q``: piece ``p`` is query rows
+``[cu_q[p], cu_q[p + 1])`` and reads keys ``[k_start[p], k_start[p] + k_len[p])``
+of the whole key buffer, so no key is copied per piece, and pieces' key ranges
+may overlap (they are only read). Query head ``h`` reads key and value head
+``h // (Hq // Hkv)``.
+
+- Causal pieces are aligned bottom-right: row ``i`` of a piece of ``n`` rows sees
+  the first ``k_len - n + 1 + i`` of its keys (a whole piece's keys when not causal).
+- A row that sees no key (a padding piece, ``k_len = 0``; in a ring step, a piece
+  with no key in the block) outputs 0 with ``lse = -inf`` and gets zero gradient.
+- Softmax and gradients accumulate in float32 (float64 for float64 inputs).
+  ``backward`` returns the exact sum of every piece's dK/dV, even where pieces'
+  key ranges overlap, and leaves it in that dtype: callers sum it over ranks
+  before the one rounding. (The GPU kernels write each piece's part in the input
+  dtype, so there it is rounded once per piece before the sum.)
+- Key ranges that overlap start at the same key (prefixes of one document's keys,
+  as in every plan): the GPU backwards' scratch relies on it
+  (``metadata.scratch.layers``).
+- A causal piece reads no key or at least as many keys as it has rows (every
+  plan's do): cuDNN leaves the statistics of rows before a piece's first key
+  undefined; ``reference`` needs no such promise.
+
+``tests/test_kernels_contract.py`` checks every backend's signatures against
+:class:`AttentionKernel`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class BackwardOptions(TypedDict, total=False):
+    """Facts about a backward call that one backend uses and the others accept and ignore.
+
+    - ``pack_keys``: where ``k`` holds only the keys that are read (the sparse exchange),
+      the pack's key count; ``auto`` budgets cuDNN's backward scratch against it
+      (default: ``k``'s rows).
+    """
+
+    pack_keys: int
+
+
+def check_options(options: dict) -> None:
+    """Raise ``TypeError`` for a keyword that is no :class:`BackwardOptions` field, as a
+    misspelt keyword argument would: backends take the options as ``**options``."""
+    unknown = sorted(options.keys() - BackwardOptions.__optional_keys__)
+    if unknown:
+        known = sorted(BackwardOptions.__optional_keys__)
+        raise TypeError(f"backward() got unexpected keyword arguments {unknown}; backend options are {known}")
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    """An attention backend: a module with these two functions (the piece contract: module docstring).
+
+    ``Tq`` query rows, ``Tk`` key rows, ``P`` pieces, ``Hq`` query heads, ``Hkv`` key and
+    value heads (``Hq % Hkv == 0``), head dim ``D``. GPU backends take CUDA fp16/bf16
+    tensors; ``reference`` any device and floating dtype.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        k_start: torch.Tensor,
+        k_len: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        disjoint_keys: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of every piece over its keys.
+
+        Args:
+            q: ``[Tq, Hq, D]``.
+            k, v: ``[Tk, Hkv, D]``, ``q``'s dtype: the whole key buffer that pieces index.
+            cu_q: ``[P + 1]`` int32, piece ``p``'s query rows ``[cu_q[p], cu_q[p + 1])``;
+                non-decreasing from 0 to ``Tq`` (empty pieces allowed).
+            k_start: ``[P]`` int32, each piece's first key row in ``k``.
+            k_len: ``[P]`` int32, each piece's key count (0: it sees no key).
+            causal: the bottom-right causal band within each piece.
+            scale: the softmax scale.
+            max_seqlen_q: launch bound, at least the query rows of every piece that sees
+                keys (pieces that see none may be longer); ``None``: ``Tq``. GPU kernels
+                size their grids by it.
+            max_seqlen_k: launch bound, at least every ``k_len``; ``None``: ``Tk``.
+            disjoint_keys: the caller's promise that each piece reads the keys at its own
+                rows (``k_start == cu_q[:-1]``, ``k_len == cu_q[1:] - cu_q[:-1]``: the
+                documents of an unpadded pack); GPU backends then take a plain path.
+
+        Returns:
+            ``out`` ``[Tq, Hq, D]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
+            for float64 inputs), the log-sum-exp of each row's scaled scores, ``-inf``
+            for rows that see no key.
+        """
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_q: torch.Tensor,
+        k_start: torch.Tensor,
+        k_len: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        disjoint_keys: bool = False,
+        key_order: torch.Tensor | None = None,
+        dkv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **options: Unpack[BackwardOptions],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of :meth:`forward` with respect to ``q``, ``k`` and ``v``.
+
+        Args:
+            dout: ``[Tq, Hq, D]``, ``q``'s dtype: the gradient of ``out``.
+            q, k, v, cu_q, k_start, k_len, causal, scale, max_seqlen_q, max_seqlen_k,
+                disjoint_keys: as given to :meth:`forward`.
+            out, lse: what :meth:`forward` returned for them.
+            key_order: ``[Tk]`` int64, a permutation of the key rows: dK/dV row ``i`` is
+                key ``key_order[i]``'s (default: key ``i``'s), so that the sums go to a
+                reduce-scatter in the all-gather's order as they are.
+            dkv_out: ``(dk, dv)``, two ``[Tk, Hkv, D]`` buffers (rows in ``key_order``), 0 at
+                the rows of keys that no piece reads: the sums are written into the other
+                rows, in the buffers' dtype, and the buffers returned.
+            options: :class:`BackwardOptions`; a backend ignores those it does not use,
+                and an unknown name raises ``TypeError`` (:func:`check_options`).
+
+        Returns:
+            ``dq`` ``[Tq, Hq, D]`` in ``q``'s dtype (0 for rows that see no key); ``dk``,
+            ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
+            over all pieces, or the ``dkv_out`` buffers.
+        """
+        ...

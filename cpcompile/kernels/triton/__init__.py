@@ -1,0 +1,13 @@
+"""Triton kernels that the backends call around their attention kernels, each with a torch fallback.
+
+- ``sum_rows``: each key's scratch rows over all layers, summed once (``metadata.scratch``).
+- ``dead_rows``: the rows of pieces that see no keys, zeroed without a pass over the rest.
+
+The fallbacks run where Triton is missing (torch's CPU wheels) or the tensors are not on CUDA.
+"""
+
+from __future__ import annotations
+
+from . import dead_rows, sum_rows
+
+__all__ = ["dead_rows", "sum_rows"]

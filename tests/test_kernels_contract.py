@@ -1,0 +1,66 @@
+"""Tier 1: every backend states the kernel contract's signatures, and every plan keeps the contract's promises.
+
+The GPU backends import without CUDA or cudnn-frontend, so their signatures are
+checked here; what they compute is checked in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import kernels
+from cpcompile.kernels import contract, reference
+from cpcompile.ring_plan import make_ring_plan
+
+
+def _parameters(function, skip: int = 0):
+    """Name, kind and default of each parameter: what a caller's arguments bind to."""
+    parameters = list(inspect.signature(function).parameters.values())[skip:]
+    return [(p.name, p.kind, p.default) for p in parameters]
+
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_every_backend_has_the_contracts_signatures(name):
+    backend = importlib.import_module(f"cpcompile.kernels.{name}")
+    assert isinstance(backend, contract.AttentionKernel)
+    for function in ("forward", "backward"):
+        want = _parameters(getattr(contract.AttentionKernel, function), skip=1)  # less ``self``
+        assert _parameters(getattr(backend, function)) == want, (name, function)
+
+
+def test_backward_takes_known_options_and_rejects_others():
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.randn(3, 2, 4, dtype=torch.float64)
+    pieces, kw = (cu, cu[:-1], cu[1:] - cu[:-1]), {"causal": True, "scale": 0.5}
+    out, lse = reference.forward(q, q, q, *pieces, **kw)
+    plain = reference.backward(q, q, q, q, out, lse, *pieces, **kw)
+    with_option = reference.backward(q, q, q, q, out, lse, *pieces, pack_keys=6, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_option))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['pack_key'\]; backend options are"):
+        reference.backward(q, q, q, q, out, lse, *pieces, pack_key=6, **kw)
+
+
+def test_every_plan_reads_disjoint_or_same_start_key_ranges():
+    """The contract the scratch layers rely on, for every strategy, all-gather and ring."""
+    cu = torch.tensor([0, 1, 700, 829, 2877, 2941], dtype=torch.int32)
+    specs = [
+        "dual_chunk_swap",
+        "no_load_balance",
+        "balanced",
+        cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=16),
+    ]
+    for spec, cp, causal in ((s, cp, c) for s in specs for cp in (2, 4) for c in (True, False)):
+        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        for rank in range(cp):
+            plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            ring = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            blocks = [(plan.k_start, plan.k_len(causal)), *zip(ring.k_start, ring.k_len(causal))]
+            for k_start, k_len in blocks:
+                ranges = [(a, a + n) for a, n in zip(k_start.tolist(), k_len.tolist()) if n > 0]
+                for a0, a1 in ranges:
+                    assert all(b0 == a0 or a1 <= b0 or b1 <= a0 for b0, b1 in ranges), (spec, cp, rank)

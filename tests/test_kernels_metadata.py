@@ -1,0 +1,125 @@
+"""Tier 1 (CUDA cases skipped elsewhere): what the GPU backwards derive from a plan.
+
+The scratch rows and their sums, and the row chunks, against loops over the pieces;
+the chunks also against the reference kernel on the whole pieces (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpcompile.kernels import reference
+from cpcompile.kernels.metadata import chunks, scratch
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+
+
+def _prefix_pieces(seed: int):
+    """Random pieces as plans make them: each reads a prefix of one document's keys (some none),
+    with 0-40 query rows. Returns ``cu_q, k_start, k_len, num_keys``."""
+    g = torch.Generator().manual_seed(seed)
+    doc_len = torch.randint(1, 60, (8,), generator=g)
+    doc_start = torch.cat([doc_len.new_zeros(1), doc_len.cumsum(0)[:-1]])
+    doc = torch.randint(0, 8, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)
+    k_len = (torch.rand(doc.shape[0], generator=g) * (doc_len[doc] + 1)).long().clamp(max=doc_len[doc])
+    q_len = torch.randint(0, 40, doc.shape, generator=g)
+    cu_q = torch.cat([q_len.new_zeros(1), q_len.cumsum(0)]).to(torch.int32)
+    return cu_q, doc_start[doc].to(torch.int32), k_len.to(torch.int32), int(doc_len.sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, device):
+    """On CPU torch's gathers add back, on CUDA the ``sum_rows`` kernel."""
+    cu_q, k_start, k_len, num_keys = (t.to(device) if torch.is_tensor(t) else t for t in _prefix_pieces(seed))
+    s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
+    q_len = (cu_q[1:] - cu_q[:-1]).tolist()
+    rows = [n if m else 0 for m, n in zip(q_len, k_len.tolist())]  # pieces without query rows: no gradient
+    want = [r for start, n in zip(k_start.tolist(), rows) for r in range(start, start + n)]
+    assert s.src.tolist() == [*want, 0] and s.rows == len(want)
+    live = [p for p, n in enumerate(rows) if n]
+    assert s.live.tolist() == live
+    assert (s.max_q, s.max_k) == (max((q_len[p] for p in live), default=0), max(rows))
+    assert s.cu.tolist() == [0, *torch.tensor(rows).cumsum(0).tolist()] and s.cu.dtype == torch.int32
+    partial = torch.randn(s.rows + 1, 2, 3, dtype=torch.float64).to(torch.bfloat16)
+    partial[s.rows] = float("nan")  # the spare row holds no gradient: it must not count
+    summed = torch.zeros(num_keys, 2, 3, dtype=torch.float32)
+    for row, key in enumerate(want):
+        summed[key] += partial[row].float()
+    got = scratch.add_back(partial.to(device), s)
+    assert torch.equal(got.cpu(), summed)  # a few bf16 terms per key: exact in float32
+    order = torch.randperm(num_keys, generator=torch.Generator().manual_seed(seed))
+    got = scratch.add_back(partial.to(device), s, order.to(device))  # each key's sum at its place in ``order``
+    assert torch.equal(got.cpu(), summed[order])
+    read = torch.zeros(num_keys, dtype=torch.bool)  # every piece's keys, also those without query rows (0)
+    read[[r for start, n in zip(k_start.tolist(), k_len.tolist()) for r in range(start, start + n)]] = True
+    assert torch.equal(s.read.cpu(), read) and s.num_read == int(read.sum())
+    # into a buffer: only the rows of keys that pieces read are written, the others kept
+    out = torch.full((num_keys, 2, 3), 7.0, device=device)
+    got = scratch.add_back(partial.to(device), s, order.to(device), out)
+    assert got is out and torch.equal(got.cpu()[read[order]], summed[order][read[order]])
+    assert (got.cpu()[~read[order]] == 7).all()
+    # a whole dK (kernels without scratch) the same way
+    dense = torch.randn(num_keys, 2, 3, dtype=torch.float64).to(torch.bfloat16).to(device)
+    assert torch.equal(scratch.place(dense, k_start, k_len).cpu(), dense.float().cpu())
+    out = torch.full((num_keys, 2, 3), 7.0, device=device)
+    got = scratch.place(dense, k_start, k_len, order.to(device), out).cpu()
+    assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layers_number_the_pieces_that_share_a_start(seed):
+    _, k_start, k_len, _ = _prefix_pieces(seed)
+    got = scratch.layers(k_start, k_len).tolist()
+    seen: dict[int, int] = {}
+    for p, (start, n) in enumerate(zip(k_start.tolist(), k_len.tolist())):
+        assert got[p] == (seen.get(start, 0) if n else 0), p
+        if n:
+            seen[start] = seen.get(start, 0) + 1
+
+
+def _chunks_case(seed: int):
+    cu_q, k_start, k_len, num_keys = _prefix_pieces(seed)
+    # a key range at least as long as the rows, as in causal plans (some shorter: rows without keys)
+    k_len = torch.maximum(k_len, (cu_q[1:] - cu_q[:-1]) - seed).clamp(max=num_keys - k_start).to(torch.int32)
+    num_rows = int(cu_q[-1])
+    return cu_q, k_start, k_len, num_keys, num_rows, chunks.row_chunks(cu_q, k_start, k_len, num_rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkeypatch):
+    monkeypatch.setattr(chunks, "ROWS", 8)
+    monkeypatch.setattr(chunks, "MAX_CHUNKS", 3)
+    cu_q, k_start, k_len, _, num_rows, (chunk_cu, chunk_start, chunk_len) = _chunks_case(seed)
+    p = k_len.shape[0]
+    assert chunk_cu.shape == (p + num_rows // 8 + 1,) and chunk_cu.dtype == cu_q.dtype
+    want_cu, want_start, want_len = [], [], []
+    for a, b, start, n in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), k_start.tolist(), k_len.tolist()):
+        m = min(max(1, -(-(b - a) // 8)), 3) if n < 2 * (b - a) else 1  # mostly triangle: cut
+        for i in range(m):
+            lo, hi = (b - a) * i // m, (b - a) * (i + 1) // m
+            want_cu.append(a + lo)
+            want_start.append(start)
+            want_len.append(max(n - (b - a) + hi, 0) if hi > lo else 0)
+    extra = chunk_len.shape[0] - len(want_len)
+    assert chunk_cu.tolist() == want_cu + [int(cu_q[-1])] * (extra + 1)
+    assert chunk_len.tolist() == want_len + [0] * extra
+    assert chunk_start.tolist()[: len(want_start)] == want_start
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
+    """Causal attention and its gradients over the chunks equal those over the pieces (float64)."""
+    monkeypatch.setattr(chunks, "ROWS", 8)
+    cu_q, k_start, k_len, num_keys, num_rows, pieces = _chunks_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(num_rows, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(num_keys, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = {"causal": True, "scale": 0.25}
+    results = []
+    for plan in ((cu_q, k_start, k_len), pieces):
+        out, lse = reference.forward(q, k, v, *plan, **kw)
+        results.append((out, *reference.backward(dout, q, k, v, out, lse, *plan, **kw)))
+    for whole, chunked in zip(*results):
+        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)

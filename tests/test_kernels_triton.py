@@ -1,0 +1,71 @@
+"""Tier 1 on CPU (their torch fallbacks), tier 5 on CUDA: the kernels' Triton helpers.
+
+``dead_rows`` against masks built by hand, ``sum_rows`` against loops over the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpcompile.kernels.triton import dead_rows, sum_rows
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+
+
+def test_live_rows_marks_rows_that_see_a_key():
+    cu_q = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    k_len = torch.tensor([0, 4, 1], dtype=torch.int32)
+    assert dead_rows.live_rows(cu_q, k_len, 5).tolist() == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("shape", [(100, 3), (70, 12, 128)])  # 1536 columns: a store of 1024, then 512
+def test_dead_rows_zero_sets_those_rows_alone(device, shape):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(shape, generator=g).to(torch.bfloat16)
+    live = torch.rand(shape[0], generator=g) < 0.7
+    live[:40] = True  # a program of 32 rows with none dead: it must store nothing
+    got = dead_rows.zero(t.to(device), live.to(device)).cpu()
+    assert torch.equal(got[live], t[live]) and (got[~live] == 0).all()
+    assert torch.equal(dead_rows.zero(t.to(device)[:, :2], live.to(device)).cpu(), got[:, :2])  # strided
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize(("rows", "heads"), [(100, 3), (130, 16)])  # programs of 64 rows, the last one partial
+def test_dead_rows_finish_transposes_statistics_and_clears_dead_rows(device, rows, heads):
+    g = torch.Generator().manual_seed(2)
+    out = torch.randn(rows, heads, 8, generator=g).to(torch.bfloat16)
+    stats = torch.randn(rows, heads, generator=g)
+    live = torch.rand(rows, generator=g) < 0.7
+    live[:64] = True  # a program with no dead row: it must store no output row
+    stats[~live] = float("nan")  # rows no entry wrote hold whatever the buffer held
+    got = out.to(device)
+    lse = dead_rows.finish(got, stats.to(device), live.to(device)).cpu()
+    expected = [[stats[r, h].item() if live[r] else float("-inf") for r in range(rows)] for h in range(heads)]
+    assert lse.is_contiguous() and lse.tolist() == expected
+    got = got.cpu()
+    assert torch.equal(got[live], out[live]) and (got[~live] == 0).all()
+
+
+@CUDA
+def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
+    g = torch.Generator().manual_seed(0)
+    rows, num_layers, keys = 300, 5, 97
+    partial = torch.randn(rows + 1, 12, 128, generator=g).to(torch.bfloat16)  # 1536 columns: 1024 + 512
+    partial[rows] = float("nan")  # the spare row: "no row in this layer", never read
+    index = torch.randint(0, rows + 1, (num_layers, keys), generator=g)
+    want = torch.zeros(keys, 12, 128)
+    for layer in range(num_layers):
+        for key in range(keys):
+            if index[layer, key] != rows:
+                want[key] += partial[index[layer, key]].float()
+    assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows).cpu(), want)  # same order: exact
+    some = torch.tensor([0, 5, 96, 40])  # only these keys, into a given tensor
+    out = torch.full((keys, 12, 128), 7.0, device="cuda")
+    assert sum_rows.sum_rows(partial.cuda(), index.cuda(), rows, out, some.cuda()) is out
+    rest = torch.ones(keys, dtype=torch.bool)
+    rest[some] = False
+    assert torch.equal(out.cpu()[some], want[some]) and (out.cpu()[rest] == 7).all()
+    rounded = torch.empty(keys, 12, 128, dtype=torch.bfloat16, device="cuda")  # float32 sums, rounded once
+    assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows, rounded).cpu(), want.bfloat16())

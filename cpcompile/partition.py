@@ -32,7 +32,12 @@ def padding_multiple(spec: StrategySpec, cp_size: int) -> tuple[int, bool]:
     """``(m, per_document)``: lengths must be multiples of ``m``, per document or in total.
 
     For auto: what every strategy it may pick guarantees (the total, a multiple of cp).
+    One rank holds everything in order under every strategy, so it needs no padding: the
+    model then sees the pack as it is, which is what the backend (which leaves a graph
+    alone at cp=1) and single-device attention expect.
     """
+    if cp_size == 1:
+        return 1, False
     if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
         return 2 * cp_size, True
     if spec.strategy is Strategy.STRIPED:

@@ -44,6 +44,8 @@ def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None,
 def layout_brute_force(doc_lengths_padded: list[int], cp: int, rank: int, strategy: str, stripe: int = 1) -> list[int]:
     """The physical positions rank ``rank`` holds, from the strategies' definitions."""
     total = sum(doc_lengths_padded)
+    if cp == 1:
+        return list(range(total))
     if strategy == "no_load_balance":
         n = total // cp
         return list(range(rank * n, (rank + 1) * n))

@@ -67,3 +67,15 @@ def test_bad_batches(tensors, kwargs, message):
     cu = torch.tensor([0, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
         cpcompile.shard_batch(tensors, cu, **{"cp_size": 2, "rank": 0, **kwargs})
+
+
+def test_one_rank_gets_the_pack_as_it_is():
+    """At cp=1 nothing is padded under any strategy: the backend leaves the graph alone there,
+    so the model attends over the tokens and cu_seqlens exactly as the loader gave them."""
+    cu = torch.tensor([0, 5, 12, 13], dtype=torch.int32)
+    ids = torch.arange(13)
+    for strategy in ("dual_chunk_swap", "striped", "no_load_balance", "balanced"):
+        with cpcompile.strategy(strategy, stripe_size=4 if strategy == "striped" else None):
+            batch = cpcompile.shard_batch({"ids": ids}, cu, cp_size=1, rank=0)
+        assert torch.equal(batch.cu_seqlens_padded, cu), strategy
+        assert torch.equal(batch.tensors["ids"], ids), strategy

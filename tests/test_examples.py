@@ -76,7 +76,7 @@ def free_port() -> int:
 
 def test_progress_is_one_line_per_step_in_a_log(tmp_path):
     # one rank (no torchrun needed), a CDF length file, the eager inner compiler: a few seconds;
-    # no_load_balance pads nothing at cp=1 (the backend skips its pass there, so padding would not be undone)
+    # the default dual_chunk_swap, whose padding one rank must not get (the backend leaves cp=1 alone)
     cdf = tmp_path / "lengths.csv"
     cdf.write_text("upper_bound_tokens,cumulative_percent\n32,50\n256,100\n")
     env = {
@@ -87,13 +87,12 @@ def test_progress_is_one_line_per_step_in_a_log(tmp_path):
         "MASTER_PORT": str(free_port()),
     }
     args = ["--steps", "3", "--tokens", "256", "--inner", "eager", "--no-check", "--doclens", str(cdf)]
-    args += ["--strategy", "no_load_balance"]
     run = run_example(str(TRAIN), *args, env=env)
     assert run.returncode == 0, run.stderr
     assert "\r" not in run.stdout
     steps = [line for line in run.stdout.splitlines() if " step " in line]
     assert [line.split(" step ")[1].split()[0] for line in steps] == ["1/3", "2/3", "3/3"]
-    assert all(line.startswith("cp=1 no_load_balance all_gather") for line in steps)
+    assert all(line.startswith("cp=1 dual_chunk_swap all_gather") for line in steps)
 
 
 def test_demo_runs_every_strategy():

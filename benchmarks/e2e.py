@@ -63,6 +63,7 @@ from report import add_output_argument, header, publish  # noqa: E402
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
+from cpcompile.config import default_config  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -80,50 +81,32 @@ def int_list(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("layers", 8), ("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv-heads", 8)):
-        p.add_argument(f"--{name}", type=positive_int, default=default)
-    p.add_argument("--vocab", type=positive_int, default=32000)
-    p.add_argument("--tokens", type=positive_int, default=131072, help="tokens per pack (the whole CP group's)")
-    p.add_argument(
-        "--doclens",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="document lengths: a JSON list or a "
-        "CSV of upper_bound_tokens,cumulative_percent (default: cpcompile.advise's built-in mix)",
-    )
-    p.add_argument("--packs", type=positive_int, default=8, help="different packs, cycled through")
+    sizes = dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, tokens=131072, packs=8)
+    for name, default in sizes.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=default)
+    p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths, as python -m cpcompile.advise "
+                   "reads them (default: its built-in mix)")  # fmt: skip
     p.add_argument("--strategy", default="balanced", choices=[s.value for s in cpcompile.Strategy])
-    p.add_argument("--stripe-size", type=positive_int, default=128, help="tokens per stripe with --strategy striped")
-    p.add_argument("--cp", type=int_list, default=None, help="CP sizes, e.g. 1,2,8 (default 1,2,8; smoke: 2)")
-    p.add_argument("--ranks", type=int_list, default=None, help="ranks to time on one GPU (default: all)")
-    p.add_argument("--steps", type=positive_int, default=5, help="timed steps (the median is reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after one step on every pack")
+    p.add_argument("--stripe-size", type=positive_int, default=128, help="with --strategy striped")
+    p.add_argument("--cp", type=int_list, help="CP sizes, e.g. 1,2,8 (the default; smoke: 2)")
+    p.add_argument("--ranks", type=int_list, help="the ranks to time on one GPU, e.g. 0,7 (default: all)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps (their median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps, after one step on every pack")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
-    p.add_argument(
-        "--memory-budget",
-        type=float,
-        default=None,
-        help="torch._functorch.config.activation_memory_budget: inductor recomputes to save memory",
-    )
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per decoder layer and the root, cp > 1")
-    p.add_argument(
-        "--cpu-smoke",
-        action="store_true",
-        help="a tiny float32 model on CPU (aot_eager), to check this "
-        "script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()),
-    )
+    p.add_argument("--memory-budget", type=float, help="inductor's activation_memory_budget (recompute below 1)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per decoder layer and the root (cp > 1)")
+    p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU through aot_eager, to check "
+                   "this script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))  # fmt: skip
     add_output_argument(p)
     args = p.parse_args()
     if args.cpu_smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
+        vars(args).update(SMOKE)
     elif not torch.cuda.is_available():
         p.error("needs CUDA (or --cpu-smoke, a tiny configuration on CPU)")
     args.inner = "aot_eager" if args.cpu_smoke else "inductor"
-    args.real = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun: real ranks, one GPU each
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.real = world > 1  # under torchrun: real ranks, one GPU each
     args.cp = args.cp or ([world] if args.real else [2] if args.cpu_smoke else [1, 2, 8])
     if min(args.cp) < 1 or (args.real and set(args.cp) - {1, world}) or min(args.ranks or [0]) < 0:
         p.error(f"--cp: sizes >= 1{f', under torchrun 1 or the world size {world}' if args.real else ''}; --ranks >= 0")
@@ -207,19 +190,15 @@ class CountingBackend:
         return compiled
 
 
-def make_backend(args, cp: int):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inner = args.inner
+def make_backend(args, cp: int) -> CountingBackend:
+    """cp=1: the inner compiler alone; else cpcompile's backend over the default group, on the fake group without
+    the sparse K/V exchange (its per-plan agreement would send data-dependent sizes through the collectives)."""
     if cp == 1:
-        return CountingBackend(lookup_backend(inner))
-    if args.real:
-        return CountingBackend(cpcompile.backend(inner=inner))
-    # fake group: no sparse exchange, whose per-plan agreement sends data-dependent sizes through the collectives
-    if hasattr(cpcompile, "Config"):  # the typed configuration, where this checkout has it
-        return CountingBackend(cpcompile.backend(inner=inner, config=cpcompile.Config(kv_exchange="never")))
-    os.environ["CPCOMPILE_KV_EXCHANGE"] = "never"
-    return CountingBackend(cpcompile.backend(inner=inner))
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return CountingBackend(lookup_backend(args.inner))
+    config = None if args.real else dataclasses.replace(default_config(), kv_exchange="never")
+    return CountingBackend(cpcompile.backend(inner=args.inner, config=config))
 
 
 def shard_fsdp(model: torch.nn.Module) -> None:
@@ -286,10 +265,11 @@ def profile_step(step, inputs, cuda: bool) -> dict:
     names = sorted({e.name[:80] for e in attention})
     print(f"  attention kernels: {names or 'none'}", file=sys.stderr, flush=True)
     families = {"cudnn" if "cudnn" in n.lower() else "flash" if "flash" in n.lower() else "other" for n in names}
+    kernel = "+".join(sorted(families)) or "none"
     return {
         "busy": busy / (max(covered, span.end) - span.start) if cuda else None,
         "attention_ms": sum(e.time_range.elapsed_us() for e in attention) / 1e3 if cuda else None,
-        "kernel": "+".join(sorted(families)) if cuda else "reference",
+        "kernel": kernel if cuda else "reference",
         "syncs": sum(e.name in SYNC_CALLS for e in inside if e.device_type == DeviceType.CPU) if cuda else None,
     }
 
@@ -372,14 +352,17 @@ def run_config(args, cp: int, ranks: list[int], packs, device) -> list[dict]:
 
 
 def attempt(args, cp: int, rank: int, packs, device) -> dict:
-    """``measure``, or a row that says it ran out of memory."""
+    """``measure``, or a row that says it ran out of memory; then everything it held is freed."""
     print(f"cp={cp} rank {rank} ...", file=sys.stderr, flush=True)
     try:
         row = measure(args, cp, rank, packs, device)
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or one raised while compiling
+        if "out of memory" not in str(e):
+            raise
         print(f"  out of memory: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         row = {"cp": cp, "rank": rank, "oom": True}
     torch._dynamo.reset()
+    cpcompile.release_grad_buffers()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

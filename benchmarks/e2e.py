@@ -320,26 +320,18 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     profiled = profile_step(step, inputs[0], cuda)
     flops = statistics.mean(pack_flops(cu, params, args) for cu in packs)
-    ms = statistics.median(times)
-    return {
-        "cp": cp,
-        "rank": rank,
-        "ms": ms,
-        "flops": flops,
-        "params": params,
-        "cold": cold,
-        "second": second,
-        "graphs": graphs,
-        "peak": peak,
-        **profiled,
-    }
+    return dict(cp=cp, rank=rank, ms=statistics.median(times), flops=flops, params=params, cold=cold, second=second,
+                graphs=graphs, peak=peak, **profiled)  # fmt: skip
 
 
 def run_config(args, cp: int, ranks: list[int], packs, device) -> list[dict]:
     """Every rank of one CP size: this process's rank on real ranks, else each in turn on the fake group."""
     if cp == 1 or args.real:
         return [attempt(args, cp, dist.get_rank() if args.real and cp > 1 else 0, packs, device)]
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    except ImportError:  # where the fake backend is built in
+        FakeStore = dist.HashStore
 
     rows = []
     for rank in ranks:
@@ -372,21 +364,9 @@ def attempt(args, cp: int, rank: int, packs, device) -> dict:
 
 # --- report ------------------------------------------------------------------------
 
-COLUMNS = [
-    "cp",
-    "rank",
-    "step ms",
-    "tokens/s per GPU",
-    "MFU",
-    "GPU busy",
-    "attention ms",
-    "kernel",
-    "host syncs",
-    "cold s",
-    "2nd pack s",
-    "graphs",
-    "peak GiB",
-]
+COLUMNS = (
+    "cp|rank|step ms|tokens/s per GPU|MFU|GPU busy|attention ms|kernel|host syncs|cold s|2nd pack s|graphs|peak GiB"
+).split("|")
 
 
 def row_cells(row: dict, tokens: int) -> str:
@@ -396,21 +376,10 @@ def row_cells(row: dict, tokens: int) -> str:
     if row.get("oom"):
         return f"| {row['cp']} | {row['rank']} | out of memory |" + " |" * (len(COLUMNS) - 3)
     s, cp = row["ms"] / 1e3, row["cp"]
-    cells = [
-        cp,
-        row["rank"],
-        f"{row['ms']:.1f}",
-        f"{tokens / cp / s:,.0f}",
-        f"{row['flops'] / cp / s / PEAK_FLOPS:.3f}",
-        fmt(row["busy"], ".2f"),
-        fmt(row["attention_ms"], ".1f"),
-        row["kernel"],
-        fmt(row["syncs"], "d"),
-        f"{row['cold']:.1f}",
-        f"{row['second']:.2f}",
-        row["graphs"],
-        fmt(row["peak"], ".1f"),
-    ]
+    mfu = row["flops"] / cp / s / PEAK_FLOPS
+    cells = [cp, row["rank"], f"{row['ms']:.1f}", f"{tokens / cp / s:,.0f}", f"{mfu:.3f}",
+             fmt(row["busy"], ".2f"), fmt(row["attention_ms"], ".1f"), row["kernel"], fmt(row["syncs"], "d"),
+             f"{row['cold']:.1f}", f"{row['second']:.2f}", row["graphs"], fmt(row["peak"], ".1f")]  # fmt: skip
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -435,7 +404,7 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         "",
         "cp=1 runs plain `torch.compile` (no CP pass); cp > 1 "
         + (
-            "runs on real ranks (NCCL): step times include communication."
+            "runs on real ranks: step times include communication."
             if args.real
             else "times each rank on this one device on the fake process group: its collectives cost nothing "
             "and return garbage, so **per-rank step times exclude all communication** (K/V all-gathers, "
@@ -470,8 +439,9 @@ def main() -> None:
         torch.set_flush_denormal(True)
         torch.set_num_threads(1)  # the flag is per thread
     if args.real:
-        dist.init_process_group("nccl")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("gloo" if args.cpu_smoke else "nccl")
+        if not args.cpu_smoke:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     elif not args.cpu_smoke:
         device = torch.device("cuda")
     if device.type == "cuda":

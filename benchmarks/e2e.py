@@ -443,7 +443,7 @@ def main() -> None:
         if not args.cpu_smoke:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     elif not args.cpu_smoke:
-        device = torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     packs = make_packs(args)

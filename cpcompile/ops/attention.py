@@ -72,14 +72,14 @@ def _packed_attention(
     max_seqlen: int | None,
     causal: bool,
     scale: float | None,
-    kernel: str | None = None,
+    kernel_name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    return kernels.select(q, kernel).forward(q, k, v, *pieces, **keywords)
+    return kernels.select(q, kernel_name).forward(q, k, v, *pieces, **keywords)
 
 
 @_packed_attention.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel=None):
+def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None):
     check_fake_qkv(q, k, v)
     check_fake_metadata(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
@@ -99,10 +99,10 @@ def _packed_attention_backward(
     max_seqlen: int | None,
     causal: bool,
     scale: float | None,
-    kernel: str | None = None,
+    kernel_name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    dq, dk, dv = kernels.select(q, kernel).backward(dout, q, k, v, out, lse, *pieces, **keywords)
+    dq, dk, dv = kernels.select(q, kernel_name).backward(dout, q, k, v, out, lse, *pieces, **keywords)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -177,13 +177,13 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange):
+def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
     group = resolve_group(group_name)
-    ex = exchange_plan(gather_index, k_start, k_len, group_name, kv_exchange)
+    ex = exchange_plan(gather_index, k_start, k_len, group_name, kv)  # kv: Config.kv_exchange
     kw = {"causal": causal, "scale": softmax_scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
-    return group, kernels.select(q, kernel), ex, kw
+    return group, kernels.select(q, kernel_name), ex, kw
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
@@ -200,14 +200,14 @@ def _cp_attention(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
-    kernel: str | None,
+    kernel_name: str | None,
     kv_exchange: str,
     kv_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    config = {"kernel": kernel, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
+    config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
     agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, causal, scale, gather_index, config)
     group, kern, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv_exchange
     )
     if ex is not None:
         return exchange.forward(kern, q, k, v, ex, cu_q, k_len, group, **kw)
@@ -244,12 +244,12 @@ def _cp_attention_backward(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
-    kernel: str | None,
+    kernel_name: str | None,
     kv_exchange: str,
     kv_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group, kern, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel, kv_exchange
+        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv_exchange
     )
     pieces = (cu_q, k_start, k_len)
     if ex is not None:

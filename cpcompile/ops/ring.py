@@ -89,11 +89,11 @@ def _ring_attention(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
-    kernel: str | None,
+    kernel_name: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
-    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None, {"kernel": kernel})
-    kern = kernels.select(q, kernel)
+    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None, {"kernel": kernel_name})
+    kern = kernels.select(q, kernel_name)
     lse_dtype = accumulation_dtype(q.dtype)
     out = lse = None
     steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
@@ -104,7 +104,7 @@ def _ring_attention(
 
 
 @_ring_attention.register_fake
-def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel):
+def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
     check_fake_qkv(q, k, v)
     check_fake_metadata(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
     cp = resolve_group(group_name).size()
@@ -130,10 +130,10 @@ def _ring_attention_backward(
     scale: float | None,
     max_seqlen: int | None,
     max_seqlen_q: int | None,
-    kernel: str | None,
+    kernel_name: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
-    kern = kernels.select(q, kernel)
+    kern = kernels.select(q, kernel_name)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
@@ -163,7 +163,7 @@ def _ring_attention_backward(
 
 
 @_ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel):
+def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -388,27 +388,25 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     done = [r for r in rows if not r.get("oom")]
     docs = statistics.mean(cu.shape[0] - 1 for cu in packs)
     source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advise`"
-    params = f"{done[0]['params']:,} matmul parameters, " if done else ""
-    step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "the gradient all-reduce over CP")
+    params = f"{done[0]['params'] / 1e9:.2f}B matmul parameters, " if done else ""
+    step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "gradient all-reduce over CP")
     return [
-        f"`LlamaForCausalLM`, {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads "
-        f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random weights, "
-        f'{"float32 on CPU" if args.cpu_smoke else "bf16"}, {args.inner}); `attn_implementation="cpcompile"`'
-        f"{', HF activation checkpointing' if args.checkpointing else ''}"
-        f"{f', activation memory budget {args.memory_budget}' if args.memory_budget is not None else ''}. "
-        f"{args.packs} packs of {args.tokens} tokens from {source} ({docs:.0f} documents on average), "
-        f"strategy `{spec_name(args.spec)}`. A step: {step}{' (at cp > 1)' if args.fsdp else ''}"
-        f"{', AdamW' if args.optimizer == 'adamw' else ''}; median of {args.steps} steps after {args.warmup} warm-up "
-        "steps and one on every pack. Definitions (MFU against 989 TFLOP/s, busy, attention, syncs): the docstring "
-        "of `benchmarks/e2e.py`.",
+        f"`LlamaForCausalLM`: {args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, heads "
+        f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "
+        f'{"float32, CPU" if args.cpu_smoke else "bf16"} weights, {args.inner}), `attn_implementation="cpcompile"`'
+        f"{', HF checkpointing' if args.checkpointing else ''}"
+        f"{f', memory budget {args.memory_budget}' if args.memory_budget is not None else ''}. "
+        f"{args.packs} packs x {args.tokens} tokens from {source} ({docs:.0f} documents on average), "
+        f"`{spec_name(args.spec)}`. Step: {step}{' (cp > 1)' if args.fsdp else ''}"
+        f"{', AdamW' if args.optimizer == 'adamw' else ''}; median of {args.steps} steps ({args.warmup} warm-up "
+        "and one per pack first). Definitions: `benchmarks/e2e.py`'s docstring.",
         "",
-        "cp=1 runs plain `torch.compile` (no CP pass); cp > 1 "
+        "cp=1: plain `torch.compile`. cp > 1: "
         + (
-            "runs on real ranks: step times include communication."
+            "real ranks; times include communication."
             if args.real
-            else "times each rank on this one device on the fake process group: its collectives cost nothing "
-            "and return garbage, so **per-rank step times exclude all communication** (K/V all-gathers, "
-            "dK/dV reduce-scatters, gradient reduction), and the sparse K/V exchange is off."
+            else "each rank timed alone on this GPU on the fake process group: **no communication in these "
+            "times** (K/V gathers, dK/dV reduce-scatters, gradient reduction); sparse K/V exchange off."
         ),
         "",
     ]

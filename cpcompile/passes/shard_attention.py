@@ -265,14 +265,20 @@ def shard_attention_pass(
     unsupported: str = "raise",
     config: Config | None = None,
 ) -> int:
-    """Shard every recognized packed attention call of ``gm`` over the CP group; returns how many.
+    """Shard every recognized packed attention call of ``gm`` and of the subgraphs its
+    higher-order ops call (checkpointed layers' bodies, each with its own ``cp_plan``) over
+    the CP group; returns how many.
 
     ``unsupported``: ``"raise"`` (:class:`UnsupportedAttentionError` for a call CP cannot
     compute exactly) or ``"single_device"`` (leave it, warn: each rank then attends
     within its own tokens only). ``config``: the kernel and K/V transport the inserted
     ops get as arguments (default :func:`cpcompile.config.default_config`).
     """
-    matches, skipped = find_packed_attention(gm)
+    # The root graph and the bodies its higher-order ops call (activation checkpointing puts
+    # each checkpointed layer in one): a call left in a body would run single-device on a
+    # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
+    found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    skipped = [s for _, _, skips in found for s in skips]
     if skipped and check_unsupported(unsupported) == "raise":
         calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)
         raise UnsupportedAttentionError(
@@ -283,11 +289,17 @@ def shard_attention_pass(
         )
     for s in skipped:
         warnings.warn(f"cpcompile left {s.node.format_node()} as single-device attention: {s.reason}", stacklevel=2)
-    if not matches:
+    count = 0
+    for module, matches, _ in found:
+        if not matches:
+            continue
+        rewrite_packed_attention(
+            module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config
+        )
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
+        count += len(matches)
+    if not count:
         log.info("shard_attention_pass: no packed attention call to shard")
-        return 0
-    rewrite_packed_attention(gm, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return len(matches)
+    return count

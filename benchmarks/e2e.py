@@ -303,9 +303,8 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     cold = wall_s(step, inputs[0], cuda)
     if cp > 1 and backend.unsharded:
         raise SystemExit(
-            f"cp={cp}: {backend.unsharded} packed attention call(s) were left unsharded by cpcompile's pass (with "
-            "--checkpointing they sit inside checkpoint subgraphs, which the pass does not enter): the step "
-            "would not be context-parallel. Run without --checkpointing (--memory-budget recomputes instead)."
+            f"cp={cp}: {backend.unsharded} packed attention call(s) were left unsharded by cpcompile's pass: "
+            "the step would not be context-parallel"
         )
     second = wall_s(step, inputs[1 % len(inputs)], cuda)
     for pack in inputs[2:]:

@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
 from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
-from examples.packed_gpt import VARLEN_GQA
+from cpcompile.testing import VARLEN_GQA
 
 
 def packed_model(q, k, v, cu_seqlens, max_seqlen):

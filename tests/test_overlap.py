@@ -16,8 +16,8 @@ from torch.library import opcheck
 import cpcompile
 from cpcompile.comm import ring as ring_comm
 from tests.dist import run_ranks
+from tests.fixtures import OverlapBackend, sp_mlp
 from tests.reference import relative_error
-from tests.test_overlap_pass import OverlapBackend, sp_mlp
 
 TOLERANCE = 1e-5
 K, N = 8, 6

@@ -114,6 +114,21 @@ def test_num_tokens_avoids_reading_the_total():
             ValueError,
             "strategy must be one of",
         ),
+        (
+            lambda: cpcompile.partition_indices(cu_seqlens([8]), cp_size=2, rank=0, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(cu_seqlens([8]), cp_size=2, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.partition_indices(cu_seqlens([7]), cp_size=2, rank=0, strategy="balanced"),
+            ValueError,
+            "balanced with cp_size=2: the total 7 must be a multiple of 2",
+        ),
     ],
 )
 def test_bad_layout_arguments(call, error, message):

@@ -22,19 +22,16 @@ import sys
 from pathlib import Path
 
 import torch
+from report import add_output_argument, header, publish
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from packed_gpt import VARLEN_GQA, sample_lengths  # noqa: E402
-from report import add_output_argument, header, publish  # noqa: E402
-
-import cpcompile  # noqa: E402
-from cpcompile import kernels  # noqa: E402
-from cpcompile.comm import exchange  # noqa: E402
-from cpcompile.comm.kv_gather import grad_buffers  # noqa: E402
-from cpcompile.kernels import cudnn  # noqa: E402
-from cpcompile.ops import gathered  # noqa: E402
-from cpcompile.plan import max_piece_len  # noqa: E402
+import cpcompile
+from cpcompile import kernels
+from cpcompile.comm import exchange
+from cpcompile.comm.kv_gather import grad_buffers
+from cpcompile.kernels import cudnn
+from cpcompile.ops import gathered
+from cpcompile.plan import max_piece_len
+from cpcompile.testing import VARLEN_GQA, sample_lengths
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
 STRATEGIES = [

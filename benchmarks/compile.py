@@ -14,19 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from report import add_output_argument, header, publish
 from torch._dynamo.utils import counters
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack  # noqa: E402
-from report import add_output_argument, header, publish  # noqa: E402
-
-import cpcompile  # noqa: E402
+import cpcompile
+from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 
 HEADING = "## Compile (benchmarks/compile.py)"
 CP = 2

@@ -25,16 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_gpu import STRATEGIES, timed  # noqa: E402
-from packed_gpt import sample_lengths  # noqa: E402
 from report import add_output_argument, command, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile import kernels  # noqa: E402
 from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
+from cpcompile.testing import sample_lengths  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
 RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with comm="ring"

@@ -1,8 +1,8 @@
 """Train a packed GPT with context parallelism through ``torch.compile``.
 
-The model (``packed_gpt.py``) is written for one device. Every rank compiles it with
-``cpcompile.backend``, takes its shard of each pack (``shard_batch``) and adds
-gradients over the CP group. Rank 0 then trains the same model on one process, on
+The model (``cpcompile/testing/packed_gpt.py``) is written for one device. Every rank
+compiles it with ``cpcompile.backend``, takes its shard of each pack (``shard_batch``)
+and adds gradients over the CP group. Rank 0 then trains the same model on one process, on
 the same packs, and checks that the two loss curves match.
 
     torchrun --nproc-per-node 2 examples/train_packed.py --strategy dual_chunk_swap
@@ -28,13 +28,10 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack  # noqa: E402
-
-import cpcompile  # noqa: E402
-from cpcompile.advise import cut_pack, length_sampler, positive_int  # noqa: E402
-from cpcompile.strategy import COMMS  # noqa: E402
+import cpcompile
+from cpcompile.advise import cut_pack, length_sampler, positive_int
+from cpcompile.strategy import COMMS
+from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 
 # what torchrun sets and init_process_group("env://") reads
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

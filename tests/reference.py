@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpcompile import Strategy, StrategySpec
-
-# every concrete layout, with a stripe size that does not divide typical lengths
-LAYOUT_SPECS = [
-    StrategySpec(Strategy.DUAL_CHUNK_SWAP),
-    StrategySpec(Strategy.NO_LOAD_BALANCE),
-    StrategySpec(Strategy.STRIPED),
-    StrategySpec(Strategy.STRIPED, stripe_size=3),
-    StrategySpec(Strategy.BALANCED),
-]
+from cpcompile.batch import physical_positions
 
 
 def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None) -> torch.Tensor:
@@ -39,6 +30,26 @@ def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None,
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         out[a : a + n] = (s.softmax(-1) @ vd).transpose(0, 1)
     return out
+
+
+def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool) -> list[torch.Tensor]:
+    """:func:`attention_fp64` on the whole padded pack, output and q/k/v gradients, at this rank's rows.
+
+    ``tensors``: the whole pack's ``q``, ``dout`` ``[T, Hq, D]`` and ``k``, ``v`` ``[T, Hkv, D]``
+    (real tokens, as ``shard_batch`` takes them); ``sharded``: this rank's ``ShardedBatch``.
+    Returns ``[out, dq, dk, dv]`` float64, each ``[T_local, H, D]`` (rows ``sharded.indices``).
+    """
+    padded = sharded.cu_seqlens_padded
+    phys = physical_positions(cu_seqlens, padded)
+    n = int(padded[-1])
+
+    def physical(t):  # [T, H, D] -> [n, H, D]: real tokens at their padded positions, zeros between
+        return t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double()
+
+    leaves = [physical(tensors[name]).requires_grad_() for name in "qkv"]
+    out = attention_fp64(*leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded)
+    grads = torch.autograd.grad(out, leaves, physical(tensors["dout"]))
+    return [t[sharded.indices] for t in (out, *grads)]
 
 
 def layout_brute_force(doc_lengths_padded: list[int], cp: int, rank: int, strategy: str, stripe: int = 1) -> list[int]:

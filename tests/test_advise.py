@@ -14,10 +14,7 @@ import torch
 
 import cpcompile
 from cpcompile import advise
-
-
-def cu(*lengths: int) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+from tests.fixtures import cu_seqlens
 
 
 def by_name(advice: advise.Advice) -> dict[str, advise.StrategyReport]:
@@ -26,19 +23,19 @@ def by_name(advice: advise.Advice) -> dict[str, advise.StrategyReport]:
 
 def test_work_and_padding_by_hand():
     # one document of 16 tokens on 2 ranks: causal work of token i is i + 1 keys
-    reports = by_name(advise.advise([cu(16)], cp_size=2))
+    reports = by_name(advise.advise([cu_seqlens([16])], cp_size=2))
     # no_load_balance: rank 0 holds tokens 0-7 (1 + ... + 8 = 36 pairs), rank 1 tokens 8-15 (9 + ... + 16 = 100)
     assert reports["no_load_balance"].work_imbalance() == [pytest.approx(100 / 68)]
     # dual_chunk_swap: chunks 0 and 3 (10 + 58) against chunks 1 and 2 (26 + 42): even
     assert reports["dual_chunk_swap"].work_imbalance() == [pytest.approx(1.0)]
     # documents of 3 and 13 tokens: dual_chunk_swap pads each to a multiple of 2 cp = 4 (4 + 16 = 20 tokens)
-    reports = by_name(advise.advise([cu(3, 13)], cp_size=2))
+    reports = by_name(advise.advise([cu_seqlens([3, 13])], cp_size=2))
     assert int(reports["dual_chunk_swap"].costs[0].tokens.sum()) == 20
     assert int(reports["no_load_balance"].costs[0].tokens.sum()) == 16
 
 
 def test_recommendation_follows_the_cost_model():
-    packs = [cu(4096), cu(100, 3000, 996), cu(*[64] * 64)]
+    packs = [cu_seqlens([4096]), cu_seqlens([100, 3000, 996]), cu_seqlens([64] * 64)]
     advice = advise.advise(packs, cp_size=4)
     # per pack, the pick is what auto itself would choose
     assert advice.auto_picks == [advise.spec_name(cpcompile.choose_strategy(p, cp_size=4)) for p in packs]
@@ -48,7 +45,7 @@ def test_recommendation_follows_the_cost_model():
     saves = per_pack_best < (1 - advise.AUTO_MARGIN) * totals[best_fixed]
     assert advice.recommended == ("auto" if saves else best_fixed)
     # a single long document: no_load_balance leaves the last rank all the work
-    assert advise.advise([cu(4096)], cp_size=4).recommended != "no_load_balance"
+    assert advise.advise([cu_seqlens([4096])], cp_size=4).recommended != "no_load_balance"
     table = advise.format_table(advice)
     assert f"recommended: {advice.recommended}" in table
     assert all(name in table for name in totals)

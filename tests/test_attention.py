@@ -8,19 +8,8 @@ import torch
 from torch.library import opcheck
 
 import cpcompile
+from tests.fixtures import attention_case
 from tests.reference import attention_fp64, relative_error
-
-
-def _case(lengths, hq=4, hkv=2, d=8, padded_lengths=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_p = (
-        None
-        if padded_lengths is None
-        else torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32)
-    )
-    n = sum(padded_lengths or lengths)
-    return cu, cu_p, *(torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv, hq))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -28,7 +17,7 @@ def _case(lengths, hq=4, hkv=2, d=8, padded_lengths=None, seed=0):
 @pytest.mark.parametrize("padded", [False, True])
 def test_packed_attention_matches_fp64(causal, heads, padded):
     lengths = [1, 17, 6, 30]
-    cu, cu_p, q, k, v, dout = _case(lengths, *heads, padded_lengths=[4, 20, 6, 33] if padded else None)
+    cu, cu_p, q, k, v, dout = attention_case(lengths, *heads, padded_lengths=[4, 20, 6, 33] if padded else None)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = cpcompile.packed_attention(*leaves, cu, cu_seqlens_padded=cu_p, causal=causal, scale=0.3)
     grads = torch.autograd.grad(out, leaves, dout)
@@ -45,14 +34,14 @@ def test_packed_attention_matches_fp64(causal, heads, padded):
 
 
 def test_opcheck_packed_attention():
-    cu, cu_p, q, k, v, _ = _case([3, 9, 4], padded_lengths=[4, 10, 6])
+    cu, cu_p, q, k, v, _ = attention_case([3, 9, 4], padded_lengths=[4, 10, 6])
     for causal in (True, False):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu, cu_p, 10, causal, None)
         opcheck(torch.ops.cpcompile.packed_attention.default, args)
 
 
 def test_opcheck_cp_attention(single_rank_group):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     for causal in (True, False):
         args = (
@@ -76,7 +65,7 @@ def test_opcheck_cp_attention(single_rank_group):
 
 
 def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     want = cpcompile.packed_attention(q, k, v, cu)
     got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance")
     assert torch.allclose(got, want, rtol=0, atol=0)
@@ -108,14 +97,14 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
     ],
 )
 def test_packed_attention_rejects_bad_arguments(mutate, error, message):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     args = mutate({"q": q, "k": k, "v": v, "cu_seqlens": cu})
     with pytest.raises(error, match=message):
         cpcompile.packed_attention(args["q"], args["k"], args["v"], args["cu_seqlens"])
 
 
 def test_cp_attention_rejects_bad_arguments(single_rank_group):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     with pytest.raises(ValueError, match="comm must be one of"):
         cpcompile.cp_attention(q, k, v, cu, comm="p2p")
     with pytest.raises(ValueError, match="strategy must be one of"):

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import cpcompile
-from examples.packed_gpt import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
+from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 from tests.dist import assert_matches_summed_over_ranks, run_ranks
 
 TOLERANCE = 1e-4

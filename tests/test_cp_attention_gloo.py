@@ -11,44 +11,12 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.reference import attention_fp64, relative_error
+from tests.fixtures import attention_case, doc_lengths, strategy_specs
+from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
 
 TOLERANCE = 1e-4
-SPECS = [
-    cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
-    cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
-    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED),
-    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=4),
-    cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
-    # shard_batch resolves auto and records the pick; cp_attention resolves it again, alike on every rank
-    cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
-]
-
-
-def _doc_lengths(cp: int, seed: int) -> list[int]:
-    """1-token documents, documents shorter than cp, and one long enough to span every rank."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [1, 5 * cp + 3] + torch.randint(1, 3 * cp, (3,), generator=g).tolist() + [1]
-    return lengths
-
-
-def _global_case(lengths, hq, hkv, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    q, k, v, dout = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv, hq))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    return cu, q, k, v, dout
-
-
-def _fp64_reference(cu, sharded, q, k, v, dout, causal: bool):
-    """float64 attention and its gradients on the padded physical buffer, rows in physical
-    order (the rank's are at ``sharded.indices``)."""
-    phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
-    n = int(sharded.cu_seqlens_padded[-1])
-    full = [t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double() for t in (q, k, v, dout)]
-    leaves = [t.requires_grad_() for t in full[:3]]
-    ref = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
-    return ref, torch.autograd.grad(ref, leaves, full[3])
+# auto included: shard_batch resolves it and records the pick; cp_attention resolves it again, alike on every rank
+SPECS = strategy_specs(stripe_size=4)
 
 
 def _check_rank(rank: int, world: int) -> None:
@@ -57,11 +25,10 @@ def _check_rank(rank: int, world: int) -> None:
     ):
         if hq == hkv and not causal:
             continue  # MHA once per strategy is enough; GQA covers both masks
-        cu, q, k, v, dout = _global_case(_doc_lengths(world, case), hq, hkv, 8, seed=case)
-        sharded = cpcompile.shard_batch(
-            {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec
-        )
-        ref, ref_grads = _fp64_reference(cu, sharded, q, k, v, dout, causal)
+        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, seed=case)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+        ref, *ref_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
         out = cpcompile.cp_attention(
             local["q"],
@@ -74,10 +41,9 @@ def _check_rank(rank: int, world: int) -> None:
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
         label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
-        idx = sharded.indices
-        assert relative_error(out, ref[idx]) < TOLERANCE, f"out {label}"
+        assert relative_error(out, ref) < TOLERANCE, f"out {label}"
         for name, got, want in zip("qkv", grads, ref_grads):
-            assert relative_error(got, want[idx]) < TOLERANCE, f"d{name} {label}"
+            assert relative_error(got, want) < TOLERANCE, f"d{name} {label}"
         # unshard puts every rank's rows back in physical order
         assert torch.equal(cpcompile.unshard(out.detach(), sharded), _gathered_reference(out.detach(), sharded))
 
@@ -146,21 +112,20 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
     cases = [("no_load_balance", [1]), ("no_load_balance", [2]), ("balanced", [1]), ("dual_chunk_swap", [1, 1, 1])]
     for case, (name, lengths) in enumerate(cases):
         spec = cpcompile.StrategySpec(cpcompile.Strategy(name))
-        cu, q, k, v, dout = _global_case(lengths, 4, 2, 8, seed=case)
+        cu, _, q, k, v, dout = attention_case(lengths, 4, 2, 8, seed=case)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
         for causal in (True, False):
-            sharded = cpcompile.shard_batch(
-                {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec
-            )
+            sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
             local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
             out = cpcompile.cp_attention(
                 *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=spec, causal=causal
             )
             grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
-            want, want_grads = _fp64_reference(cu, sharded, q, k, v, dout, causal)
+            want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
             label = f"rank {rank}/{world} {name} {lengths} causal={causal}"
-            assert relative_error(out, want[sharded.indices]) < TOLERANCE, f"out {label}"
+            assert relative_error(out, want) < TOLERANCE, f"out {label}"
             for n, got, w in zip("qkv", grads, want_grads):
-                assert relative_error(got, w[sharded.indices]) < TOLERANCE, f"d{n} {label}"
+                assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"
 
 
 def test_ranks_that_read_nothing(monkeypatch):

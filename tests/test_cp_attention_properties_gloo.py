@@ -5,7 +5,7 @@ ring) x causal/full x GQA/MHA x float32/float64, at cp 2, 3 and 4, on packs draw
 for the shapes users' data has: 1-token documents, a single document, packs whose
 padded size equals cp (one token per rank), zero-length documents, many short
 documents, and mixed lengths. The reference is plain float64 softmax attention one
-document at a time (``tests.reference.attention_fp64``) on the padded physical
+document at a time (``tests.reference.attention_fp64_on_rank``) on the padded physical
 buffer. Cases come from a seeded generator, so every rank draws the same pack: the
 cases are the property test's examples, many per process group so CI stays fast.
 """
@@ -19,16 +19,10 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.reference import attention_fp64, relative_error
+from tests.fixtures import attention_case, strategy_specs
+from tests.reference import attention_fp64_on_rank, relative_error
 
-SPECS = [
-    cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
-    cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
-    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED),
-    cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=3),
-    cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
-    cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
-]
+SPECS = strategy_specs()
 #: (comm, Config.kv_exchange): the all-gather path with the exchange chosen per plan, forced, or off.
 PATHS = [("all_gather", "auto"), ("all_gather", "always"), ("all_gather", "never"), ("ring", "auto")]
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -72,27 +66,10 @@ def cases(cp: int, seed: int):
         yield (*case, random_pack(rng, cp, KINDS[i % len(KINDS)]), rng.randrange(1 << 30))
 
 
-def _reference(cu, sharded, tensors, causal):
-    """float64 output and q/k/v gradients on the padded physical buffer, this rank's rows."""
-    phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
-    n = int(sharded.cu_seqlens_padded[-1])
-
-    def physical(t):
-        return t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double()
-
-    leaves = [physical(tensors[name]).requires_grad_() for name in "qkv"]
-    out = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
-    grads = torch.autograd.grad(out, leaves, physical(tensors["dout"]))
-    return [t[sharded.indices] for t in (out, *grads)]
-
-
 def _check_rank(rank: int, world: int, seed: int) -> None:
     for spec, (comm, exchange), causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
-        g = torch.Generator().manual_seed(case_seed)
-        t = sum(lengths)
-        tensors = {n: torch.randn(t, h, 8, generator=g, dtype=dtype) for n, h in zip("qkvd", (hq, hkv, hkv, hq))}
-        tensors["dout"] = tensors.pop("d")
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case_seed, dtype=dtype)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
         out = cpcompile.cp_attention(
@@ -106,9 +83,10 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
         )
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
         label = f"rank {rank}/{world} {spec} {comm}/{exchange} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
-        for name, g_, want in zip(("out", "dq", "dk", "dv"), got, _reference(cu, sharded, tensors, causal)):
-            assert g_.dtype == dtype, f"{name} dtype {g_.dtype}, {label}"
-            assert relative_error(g_, want) < TOLERANCE[dtype], f"{name}, {label}"
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert a.dtype == dtype, f"{name} dtype {a.dtype}, {label}"
+            assert relative_error(a, b) < TOLERANCE[dtype], f"{name}, {label}"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -20,7 +20,7 @@ from cpcompile.comm import exchange
 from cpcompile.kernels import cudnn, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
-from examples.packed_gpt import VARLEN_GQA
+from cpcompile.testing import VARLEN_GQA
 from tests.reference import attention_fp64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,6 +1,8 @@
-"""ag_gemm and gemm_rs: opcheck and argument errors on one rank (tiers 1-2); real gloo ranks
-(tier 4, tp = 2 and 3) against float64 references built from every rank's inputs with plain
-matmuls, for the ops and for the compiled sequence-parallel block.
+"""Tiers 1-2 and 4: ag_gemm and gemm_rs (``cpcompile.ops.overlap``, on ``cpcompile.comm.ring``'s buffers).
+
+Opcheck and argument errors on one rank (tiers 1-2); real gloo ranks (tier 4, tp = 2 and 3)
+against float64 references built from every rank's inputs with plain matmuls, for the ops
+and for the compiled sequence-parallel block.
 
 One spawn per world size runs every case: process start-up is the expensive part.
 """
@@ -16,8 +18,8 @@ from torch.library import opcheck
 import cpcompile
 from cpcompile.comm import ring as ring_comm
 from tests.dist import run_ranks
+from tests.fixtures import OverlapBackend, sp_mlp
 from tests.reference import relative_error
-from tests.test_overlap_pass import OverlapBackend, sp_mlp
 
 TOLERANCE = 1e-5
 K, N = 8, 6

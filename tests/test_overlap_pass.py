@@ -11,53 +11,11 @@ import logging
 import expecttest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import boxed_nop
-from torch._dynamo.testing import normalize_gm
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
-from cpcompile.passes.overlap_matmul import overlap_matmul_pass
-
-# torch 2.13 renamed the wrappers (same ops underneath); 2.11 and 2.12 only have the old names.
-all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-
-
-def sp_mlp(x, w1, b1, w2, b2, group):
-    """Sequence-parallel MLP block, as Megatron writes it with functional collectives.
-
-    x ``[t, H]`` (this rank's tokens); column-parallel w1 ``[F/tp, H]``, b1 ``[F/tp]``;
-    row-parallel w2 ``[H, F/tp]``; replicated b2 ``[H]``. Returns ``[t, H]``.
-    """
-    h = all_gather(x, 0, group)  # [tp * t, H]
-    h = F.gelu(F.linear(h, w1, b1))  # [tp * t, F/tp]
-    y = reduce_scatter(h @ w2.T, "sum", 0, group)  # [t, H]
-    return y + b2
-
-
-class OverlapBackend:
-    """Test backend: the pass on the Dynamo graph, then AOT autograd running the graphs as they are."""
-
-    def __init__(self, *, capacity_tokens: int | None = None) -> None:
-        self.capacity_tokens = capacity_tokens
-        self.rewrites: list[int] = []  # one entry per compilation
-        self.graphs: list[str] = []  # readable Dynamo graph (after the pass), AOT forward, AOT backward
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.rewrites.append(overlap_matmul_pass(gm, capacity_tokens=self.capacity_tokens))
-        self.graphs.append(readable(gm))
-        return aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)(gm, example_inputs)
-
-    def _keep(self, gm, example_inputs):
-        self.graphs.append(readable(gm))
-        return boxed_nop(gm, example_inputs)
-
-
-def readable(gm: torch.fx.GraphModule) -> str:
-    return normalize_gm(gm.print_readable(print_output=False))
+from tests.fixtures import OverlapBackend, all_gather, reduce_scatter, sp_mlp
 
 
 def setup_module() -> None:

@@ -9,12 +9,9 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from tests.reference import LAYOUT_SPECS as SPECS
+from tests.fixtures import LAYOUT_SPECS as SPECS
+from tests.fixtures import cu_seqlens
 from tests.reference import layout_brute_force
-
-
-def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def test_transformer_engine_example():
@@ -40,7 +37,7 @@ def _pad_brute_force(lengths: list[int], spec: StrategySpec, cp: int) -> list[in
     spec=st.sampled_from(SPECS),
 )
 def test_layouts_match_brute_force(lengths, cp, spec):
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     assert padded.dtype == torch.int32
     want_lengths = _pad_brute_force(lengths, spec, cp)
@@ -56,7 +53,7 @@ def test_layouts_match_brute_force(lengths, cp, spec):
 
 
 def test_num_tokens_avoids_reading_the_total():
-    cu = _cu([5, 3])
+    cu = cu_seqlens([5, 3])
     padded = cpcompile.pad_for_cp(cu, cp_size=2)
     a = cpcompile.partition_indices(padded, cp_size=2, rank=1, num_tokens=12)
     assert torch.equal(a, cpcompile.partition_indices(padded, cp_size=2, rank=1))
@@ -118,6 +115,21 @@ def test_num_tokens_avoids_reading_the_total():
             lambda: cpcompile.pad_for_cp(torch.tensor([0, 4], dtype=torch.int32), cp_size=2, strategy="zigzag"),
             ValueError,
             "strategy must be one of",
+        ),
+        (
+            lambda: cpcompile.partition_indices(cu_seqlens([8]), cp_size=2, rank=0, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.pad_for_cp(cu_seqlens([8]), cp_size=2, strategy="auto"),
+            ValueError,
+            "strategy 'auto' has no layout of its own",
+        ),
+        (
+            lambda: cpcompile.partition_indices(cu_seqlens([7]), cp_size=2, rank=0, strategy="balanced"),
+            ValueError,
+            "balanced with cp_size=2: the total 7 must be a multiple of 2",
         ),
     ],
 )

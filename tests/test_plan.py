@@ -9,12 +9,9 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile.kernels import reference
-from tests.reference import LAYOUT_SPECS as SPECS
+from tests.fixtures import LAYOUT_SPECS as SPECS
+from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
-
-
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def _pieces_brute_force(idx: list[int], real_lengths: list[int], padded: list[int]):
@@ -39,13 +36,10 @@ def _pieces_brute_force(idx: list[int], real_lengths: list[int], padded: list[in
     return out
 
 
-lengths_st = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=6).filter(lambda x: sum(x) > 0)
-
-
 @settings(max_examples=60, deadline=None)
-@given(lengths=lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), spec=st.sampled_from(SPECS))
+@given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), spec=st.sampled_from(SPECS))
 def test_plan_pieces_match_brute_force(lengths, cp, spec):
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
     for rank in range(cp):
@@ -65,21 +59,21 @@ def test_plan_pieces_match_brute_force(lengths, cp, spec):
 
 def test_dual_chunk_swap_piece_slots_are_static():
     # Piece slots depend on shapes only (3 per document for dual_chunk_swap), never on values.
-    cu = _cu([100, 3, 17])
+    cu = cu_seqlens([100, 3, 17])
     plan = cpcompile.make_plan(cu, cp_size=4, rank=1, strategy="dual_chunk_swap")
     assert plan.cu_q.shape == (3 * 3 + 1,)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    lengths=lengths_st,
+    lengths=pack_lengths_st,
     cp=st.sampled_from([2, 3, 4]),
     spec=st.sampled_from(SPECS),
     causal=st.booleans(),
 )
 def test_simulated_ranks_match_single_device(lengths, cp, spec, causal):
     """Each rank: its pieces against K/V in physical order; outputs and dK/dV summed over ranks."""
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     n = int(padded[-1])
     g = torch.Generator().manual_seed(sum(lengths) + cp)
@@ -108,7 +102,7 @@ def test_opcheck_cp_plan():
     """The plan as the compiler inserts it: fake sizes match the real ones for every layout."""
     from torch.library import opcheck
 
-    cu = _cu([5, 1, 30, 7])
+    cu = cu_seqlens([5, 1, 30, 7])
     for spec in SPECS:
         for cp in (2, 3):
             tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])

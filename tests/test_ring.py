@@ -8,11 +8,11 @@ from torch.library import opcheck
 
 import cpcompile
 from cpcompile.ring_plan import make_ring_plan
-from tests.test_attention import _case
+from tests.fixtures import attention_case
 
 
 def test_opcheck_ring_ops(single_rank_group):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     for causal in (True, False):
         opcheck(torch.ops.cpcompile.ring_key_ranges.default, (plan.gather_index, plan.k_start, plan.k_len(causal), 1))
@@ -23,7 +23,7 @@ def test_opcheck_ring_ops(single_rank_group):
 
 
 def test_ring_on_one_rank_is_packed_attention(single_rank_group):
-    cu, _, q, k, v, dout = _case([3, 9, 4])
+    cu, _, q, k, v, dout = attention_case([3, 9, 4])
     for causal in (True, False):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want = cpcompile.packed_attention(*leaves, cu, causal=causal)
@@ -34,7 +34,7 @@ def test_ring_on_one_rank_is_packed_attention(single_rank_group):
 
 
 def test_comm_comes_from_the_strategy_unless_given(single_rank_group):
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     ring = make_ring_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     with cpcompile.strategy("no_load_balance", comm="ring") as spec:
         assert spec == cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE, comm="ring")

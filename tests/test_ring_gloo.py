@@ -15,25 +15,12 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.reference import attention_fp64, relative_error
-from tests.test_cp_attention_gloo import SPECS, _doc_lengths, _global_case
+from tests.fixtures import attention_case, doc_lengths, strategy_specs
+from tests.reference import attention_fp64_on_rank, relative_error
 
 TOLERANCE = 1e-4  # against float64
 SAME = 1e-5  # ring against all-gather: both float32, only the summation order differs
-
-
-def _fp64_reference(sharded, cu, tensors, causal):
-    """Output and q/k/v gradients of float64 attention on the padded physical buffer, this rank's rows."""
-    phys = cpcompile.batch.physical_positions(cu, sharded.cu_seqlens_padded)
-    n = int(sharded.cu_seqlens_padded[-1])
-
-    def physical(t):
-        return t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double()
-
-    full = [physical(tensors[name]).requires_grad_() for name in "qkv"]
-    ref = attention_fp64(*full, cu, causal=causal, cu_seqlens_padded=sharded.cu_seqlens_padded)
-    grads = torch.autograd.grad(ref, full, physical(tensors["dout"]))
-    return [t[sharded.indices] for t in (ref, *grads)]
+SPECS = strategy_specs(stripe_size=4)
 
 
 def _run(sharded, cu, spec, causal, comm):
@@ -47,12 +34,12 @@ def _run(sharded, cu, spec, causal, comm):
 def _check_rank(rank: int, world: int) -> None:
     cases = [(s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2)) if h == (4, 2) or c]
     for case, (spec, causal, (hq, hkv)) in enumerate(cases):
-        cu, q, k, v, dout = _global_case(_doc_lengths(world, case), hq, hkv, 8, seed=case)
+        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         ring = _run(sharded, cu, spec, causal, "ring")
         gathered = _run(sharded, cu, spec, causal, "all_gather")
-        want = _fp64_reference(sharded, cu, tensors, causal)
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
         for name, got, same, ref in zip(("out", "dq", "dk", "dv"), ring, gathered, want):
             assert relative_error(got, ref) < TOLERANCE, f"{name} against float64, {label}"
@@ -75,7 +62,7 @@ def _check_compiled(rank: int, world: int) -> None:
         ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return lookup_backend("aot_eager")(gm, example_inputs)
 
-    cu, q, k, v, dout = _global_case(_doc_lengths(world, 0), 4, 2, 8, seed=0)
+    cu, _, q, k, v, dout = attention_case(doc_lengths(world, 0), 4, 2, 8, seed=0)
     for active, comm in (
         (cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring"), None),  # MaxText's pick for packing
         (cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP), "ring"),

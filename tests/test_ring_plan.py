@@ -11,9 +11,9 @@ import cpcompile
 from cpcompile.kernels import reference
 from cpcompile.ops.ring import merge
 from cpcompile.ring_plan import make_ring_plan
-from tests.reference import LAYOUT_SPECS as SPECS
+from tests.fixtures import LAYOUT_SPECS as SPECS
+from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
-from tests.test_plan import _cu, lengths_st
 
 
 def _visible_brute_force(layout: list[list[int]], rank: int, src: int, starts, real_lengths, causal: bool):
@@ -50,9 +50,9 @@ def _visible_from_plan(plan, src: int, rank: int, causal: bool):
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
+@given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
 def test_ring_plan_key_ranges_match_brute_force(lengths, cp, spec, causal):
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec).tolist()
     starts = padded.tolist()
@@ -92,9 +92,9 @@ def _simulate_ring(q, k, v, dout, cu, padded, spec, cp, causal):
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
+@given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
 def test_simulated_ring_matches_fp64(lengths, cp, spec, causal):
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     g = torch.Generator().manual_seed(sum(lengths))
     t = int(padded[-1])

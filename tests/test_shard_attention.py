@@ -13,13 +13,13 @@ import expecttest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.testing import normalize_gm
 from torch.nn.attention.varlen import varlen_attn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
 from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
-from examples.packed_gpt import VARLEN_GQA
+from cpcompile.testing import VARLEN_GQA
+from tests.fixtures import readable
 
 
 def packed_model(q, k, v, cu_seqlens, max_seqlen):
@@ -45,10 +45,6 @@ def _inputs(strategy=None):
     return q, k, v, cu, 15
 
 
-def _readable(gm: torch.fx.GraphModule) -> str:
-    return normalize_gm(gm.print_readable(print_output=False))
-
-
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
     """The Dynamo graph of ``fn`` (dynamic shapes, one graph), not run: the inputs are one
     rank's, which single-device attention cannot take (and varlen_attn has no CPU kernel)."""
@@ -70,7 +66,7 @@ def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
 
     def capture(name):
         def compiler(gm, example_inputs):
-            graphs[name] = _readable(gm)
+            graphs[name] = readable(gm)
             return gm.forward
 
         return compiler
@@ -101,7 +97,7 @@ class ShardAttentionGraphs(expecttest.TestCase):
     def test_packed_attention_before_and_after(self):
         gm = dynamo_graph(packed_model, *_inputs())
         self.assertExpectedInline(
-            _readable(gm),
+            readable(gm),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
@@ -118,7 +114,7 @@ class GraphModule(torch.nn.Module):
         )
         shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
         self.assertExpectedInline(
-            _readable(gm),
+            readable(gm),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
@@ -151,7 +147,7 @@ class GraphModule(torch.nn.Module):
     def test_varlen_attn_before_and_after(self):
         gm = dynamo_graph(varlen_model, *_inputs())
         self.assertExpectedInline(
-            _readable(gm),
+            readable(gm),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
@@ -168,7 +164,7 @@ class GraphModule(torch.nn.Module):
         )
         shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
         self.assertExpectedInline(
-            _readable(gm),
+            readable(gm),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):
@@ -315,7 +311,7 @@ class GraphModule(torch.nn.Module):
         gm, count = self.shard(two_layers, cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring"))
         self.assertEqual(count, 2)
         self.assertExpectedInline(
-            _readable(gm),
+            readable(gm),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, s85: "Sym(s85)", s34: "Sym(s34)", s0: "Sym(s0)", L_q_: "f32[s85, s34, s0]", s25: "Sym(s25)", L_k_: "f32[s85, s25, s0]", L_v_: "f32[s85, s25, s0]", s40: "Sym(s40)", L_cu_seqlens_: "i32[s40]", L_max_seqlen_: "Sym(s7)"):

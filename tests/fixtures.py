@@ -1,0 +1,106 @@
+"""Builders shared by the test modules: strategy lists, packs, attention cases, the TP block and its backend.
+
+Independent references (float64 attention, brute-force layouts) are in tests/reference.py;
+the gloo process harness is in tests/dist.py; pytest fixtures are in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as fc
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.testing import normalize_gm
+
+from cpcompile import Strategy, StrategySpec
+from cpcompile.passes.overlap_matmul import overlap_matmul_pass
+
+# --- strategies and packs ---------------------------------------------------------------------
+
+
+def strategy_specs(*, stripe_size: int = 3, auto: bool = True) -> list[StrategySpec]:
+    """Every concrete layout (striped with 1 and with ``stripe_size`` tokens a stripe), then ``auto`` if asked."""
+    specs = [
+        StrategySpec(Strategy.DUAL_CHUNK_SWAP),
+        StrategySpec(Strategy.NO_LOAD_BALANCE),
+        StrategySpec(Strategy.STRIPED),
+        StrategySpec(Strategy.STRIPED, stripe_size=stripe_size),
+        StrategySpec(Strategy.BALANCED),
+    ]
+    return [*specs, StrategySpec(Strategy.AUTO)] if auto else specs
+
+
+#: every concrete layout, with a stripe size that does not divide typical lengths
+LAYOUT_SPECS = strategy_specs(auto=False)
+
+#: hypothesis: 1-6 document lengths of 0-30 tokens, not all 0
+pack_lengths_st = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=6).filter(lambda x: sum(x) > 0)
+
+
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    """Document lengths ``[B]`` -> their boundaries ``cu_seqlens [B + 1]`` int32, from 0."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def doc_lengths(cp: int, seed: int) -> list[int]:
+    """6 document lengths: 1-token documents, documents shorter than cp, and one long enough to span every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [1, 5 * cp + 3] + torch.randint(1, 3 * cp, (3,), generator=g).tolist() + [1]
+
+
+def attention_case(lengths, hq=4, hkv=2, d=8, *, padded_lengths=None, seed=0, dtype=torch.float32):
+    """Random inputs of packed attention: ``(cu, cu_padded, q, k, v, dout)``.
+
+    ``cu`` ``[B + 1]`` int32 from ``lengths``; ``cu_padded`` the same from ``padded_lengths``
+    (None without them); q, dout ``[T, hq, d]`` and k, v ``[T, hkv, d]`` of ``dtype``, T the
+    padded total when given, else the real one.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cu_padded = None if padded_lengths is None else cu_seqlens(padded_lengths)
+    n = sum(padded_lengths or lengths)
+    q, k, v, dout = (torch.randn(n, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv, hq))
+    return cu_seqlens(lengths), cu_padded, q, k, v, dout
+
+
+# --- the tensor-parallel block and a backend that records what the overlap pass did ---------
+
+# torch 2.13 renamed the wrappers (same ops underneath); 2.11 and 2.12 only have the old names.
+all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+
+def sp_mlp(x, w1, b1, w2, b2, group):
+    """Sequence-parallel MLP block, as Megatron writes it with functional collectives.
+
+    x ``[t, H]`` (this rank's tokens); column-parallel w1 ``[F/tp, H]``, b1 ``[F/tp]``;
+    row-parallel w2 ``[H, F/tp]``; replicated b2 ``[H]``. Returns ``[t, H]``.
+    """
+    h = all_gather(x, 0, group)  # [tp * t, H]
+    h = F.gelu(F.linear(h, w1, b1))  # [tp * t, F/tp]
+    y = reduce_scatter(h @ w2.T, "sum", 0, group)  # [t, H]
+    return y + b2
+
+
+def readable(gm: torch.fx.GraphModule) -> str:
+    """``gm``'s code as ``print_readable`` writes it, normalized for snapshots."""
+    return normalize_gm(gm.print_readable(print_output=False))
+
+
+class OverlapBackend:
+    """Test backend: the TP overlap pass on the Dynamo graph, then AOT autograd running the graphs as they are."""
+
+    def __init__(self, *, capacity_tokens: int | None = None) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.rewrites: list[int] = []  # one entry per compilation
+        self.graphs: list[str] = []  # readable Dynamo graph (after the pass), AOT forward, AOT backward
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.rewrites.append(overlap_matmul_pass(gm, capacity_tokens=self.capacity_tokens))
+        self.graphs.append(readable(gm))
+        return aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)(gm, example_inputs)
+
+    def _keep(self, gm, example_inputs):
+        self.graphs.append(readable(gm))
+        return boxed_nop(gm, example_inputs)

@@ -1,0 +1,179 @@
+"""Tier 1: the cost model (``cpcompile.cost``) against brute force, auto's rule and how its pick reaches
+plans and batches, and argument errors (the gloo tier runs auto in test_cp_attention_gloo)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cpcompile
+from cpcompile import Strategy, StrategySpec
+from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs
+from cpcompile.plan import max_pieces
+from tests.fixtures import cu_seqlens
+
+BALANCED = StrategySpec(Strategy.BALANCED)
+
+
+def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Tensor, model: CostModel):
+    """Per rank (pairs, tiles, pieces, short cuts, key rows, keys read), walking tokens and kernel blocks
+    one by one."""
+    real_len, bounds = cu.diff().tolist(), padded.tolist()
+    out = []
+    for idx in layout.tolist():
+        pieces = []  # [doc, first position in doc, rows, real]
+        for p in idx:
+            d = max(i for i in range(len(real_len)) if bounds[i] <= p < bounds[i + 1])
+            pos, real = p - bounds[d], p - bounds[d] < real_len[d]
+            last = pieces[-1] if pieces else None
+            if last and last[0] == d and last[3] == real and last[1] + last[2] == pos:
+                last[2] += 1
+            else:
+                pieces.append([d, pos, 1, real])
+        pairs = tiles = short = key_rows = 0
+        read = set()  # (document, key)
+        held = set(idx)  # physical positions this rank holds
+        for d, o, n, real in pieces:
+            if not real:
+                continue
+            keys = [o + i + 1 if model.causal else real_len[d] for i in range(n)]
+            pairs += sum(keys)
+            last_rows = [min(b + model.block_q, n) - 1 for b in range(0, n, model.block_q)]  # one per query block
+            tiles += sum(math.ceil(keys[row] / model.block_k) for row in last_rows)
+            short += n < model.block_q and n < real_len[d]
+            key_rows += keys[-1]  # the piece's key range
+            read |= {(d, key) for key in range(keys[-1])}
+        remote = sum(bounds[d] + key not in held for d, key in read)
+        out.append((pairs, tiles, len(pieces), short, key_rows, len(read), remote))
+    return out
+
+
+SPECS = [
+    StrategySpec(Strategy.DUAL_CHUNK_SWAP),
+    StrategySpec(Strategy.NO_LOAD_BALANCE),
+    StrategySpec(Strategy.STRIPED, stripe_size=3),
+    BALANCED,
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6).filter(lambda x: sum(x) > 0),
+    cp=st.sampled_from([1, 2, 3, 4]),
+    spec=st.sampled_from(SPECS),
+    causal=st.booleans(),
+    blocks=st.sampled_from([(4, 2), (4, 4), (8, 2)]),
+)
+def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks):
+    model = CostModel(block_q=blocks[0], block_k=blocks[1], token_cost=5, key_cost=3, causal=causal)
+    cu = cu_seqlens(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    costs = predict_rank_costs(cu, cp_size=cp, strategy=spec, model=model)
+    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    want = _costs_brute_force(cu, padded, layout, model)
+    assert costs.pairs.tolist() == [w[0] for w in want]
+    assert costs.tiles.tolist() == [w[1] for w in want]
+    assert costs.pieces.tolist() == [w[2] for w in want]
+    assert costs.short_cuts.tolist() == [w[3] for w in want]
+    assert costs.key_rows.tolist() == [w[4] for w in want]
+    assert costs.keys_read.tolist() == [w[5] for w in want]
+    assert costs.keys_remote.tolist() == [w[6] for w in want]
+    assert costs.tokens.tolist() == [layout.shape[1]] * cp
+    assert costs.cost.tolist() == [w[1] * blocks[0] * blocks[1] + 5 * layout.shape[1] + 3 * w[4] for w in want]
+    assert costs.step == max(costs.cost.tolist())
+
+
+def test_auto_takes_the_cheapest_and_the_first_on_ties():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260])
+    steps = {c: predict_rank_costs(cu, cp_size=4, strategy=c).step for c in auto_candidates()}
+    assert choose_strategy(cu, cp_size=4) == min(auto_candidates(), key=steps.__getitem__)
+    # one rank: no_load_balance and balanced hold the same tokens in the same pieces
+    nlb, bal = StrategySpec(Strategy.NO_LOAD_BALANCE), BALANCED
+    assert choose_strategy(cu, cp_size=1, candidates=(nlb, bal)) == nlb
+    assert choose_strategy(cu, cp_size=1, candidates=(bal, nlb)) == bal
+
+
+def test_auto_avoids_the_imbalance_of_one_long_document():
+    # One document: no_load_balance leaves rank 3 seven times rank 0's work; balanced splits it
+    # head-tail without dual_chunk_swap's padding (5 tokens here, against 1).
+    cu = cu_seqlens([4 * 8192 - 5])
+    costs = {c.strategy: predict_rank_costs(cu, cp_size=4, strategy=c) for c in auto_candidates()}
+    assert costs[Strategy.NO_LOAD_BALANCE].pairs.tolist()[3] > 6 * costs[Strategy.NO_LOAD_BALANCE].pairs.tolist()[0]
+    assert choose_strategy(cu, cp_size=4) == BALANCED
+
+
+def test_auto_through_make_plan_and_shard_batch():
+    cu = cu_seqlens([5000, 3, 300, 70, 1200])
+    chosen = choose_strategy(cu, cp_size=3)
+    ids = torch.arange(int(cu[-1]))
+    for rank in range(3):
+        batch = cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank, strategy="auto")
+        assert batch.spec == chosen  # the loader records what attention must use
+        assert torch.equal(
+            batch.indices, cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank, strategy=chosen).indices
+        )
+        auto = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy="auto")
+        plan = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy=chosen)
+        # auto's piece slots cover any strategy it may pick; the live pieces are the chosen one's
+        assert auto.cu_q.shape[0] == max_pieces(StrategySpec(Strategy.AUTO), 5, batch.indices.shape[0]) + 1
+        live = plan.cu_q.shape[0] - 1
+        assert torch.equal(auto.gather_index, plan.gather_index)
+        assert torch.equal(auto.cu_q[: live + 1], plan.cu_q)
+        for name in ("k_start", "k_len_causal", "k_len_full"):
+            assert torch.equal(getattr(auto, name)[:live], getattr(plan, name))
+        assert (auto.k_len_causal[live:] == 0).all()
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "auto"])
+def test_compiled_plan_sizes_match_the_traced_ones(strategy):
+    # The compiler traces cpcompile::cp_plan with its fake and runs the real one per batch:
+    # their sizes must agree whatever auto picks.
+    from cpcompile.ops import cp_plan  # noqa: F401  (registers the op)
+
+    cu, cp = cu_seqlens([5000, 3, 300, 70, 1200]), 3
+    spec = choose_strategy(cu, cp_size=cp) if strategy == "auto" else BALANCED
+    tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+    real = torch.ops.cpcompile.cp_plan(cu, None, tokens, cp, 1, strategy, 1)
+    with FakeTensorMode():
+        fake = torch.ops.cpcompile.cp_plan(torch.empty(6, dtype=torch.int32), None, tokens, cp, 1, strategy, 1)
+    assert [t.shape for t in real] == [t.shape for t in fake]
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda: CostModel(block_q=100, block_k=64),
+            ValueError,
+            r"block_q \(100\) must be a multiple of block_k \(64\)",
+        ),
+        (lambda: CostModel(token_cost=-1), ValueError, "token_cost must be an int >= 0, got -1"),
+        (
+            lambda: choose_strategy(cu_seqlens([8]), cp_size=2, candidates=(StrategySpec(Strategy.AUTO),)),
+            ValueError,
+            "candidates must be a non-empty sequence of concrete StrategySpecs",
+        ),
+    ],
+)
+def test_bad_arguments(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_auto_needs_values_not_tracing():
+    with FakeTensorMode(), pytest.raises(ValueError, match="not available while tracing"):
+        choose_strategy(torch.empty(4, dtype=torch.int32), cp_size=2)
+
+
+def test_auto_keeps_the_requested_comm():
+    """auto picks a layout; how K/V travel (ring or all-gather) stays the caller's choice."""
+    cu = torch.tensor([0, 5, 300, 310, 900], dtype=torch.int32)
+    with cpcompile.strategy("auto", comm="ring"):
+        batch = cpcompile.shard_batch({"x": torch.arange(900)}, cu, cp_size=2, rank=0)
+    assert batch.spec.strategy is not Strategy.AUTO
+    assert batch.spec.comm == "ring"

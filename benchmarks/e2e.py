@@ -53,17 +53,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_gpu import causal_flops  # noqa: E402
-from packed_gpt import synthetic_pack  # noqa: E402
 from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
+from cpcompile.testing import synthetic_pack  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16

@@ -119,7 +119,7 @@ def test_cp_attention_rejects_bad_arguments(single_rank_group):
 def test_packed_attention_compiles_with_inductor():
     """Without CP the op stays in the graph and Inductor lowers it as a fallback kernel, with
     every argument, the configuration's included, by name."""
-    cu, _, q, k, v, _ = _case([3, 9, 4])
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
     torch._dynamo.reset()
     compiled = torch.compile(cpcompile.packed_attention, backend="inductor", dynamic=True)
     torch.testing.assert_close(compiled(q, k, v, cu), cpcompile.packed_attention(q, k, v, cu))

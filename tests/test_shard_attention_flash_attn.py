@@ -246,25 +246,37 @@ return (mul,)
 
     def test_call_inside_an_autograd_function_is_refused(self):
         """flash-attn's ``flash_attn_varlen_func`` is an autograd.Function around the op: CP cannot
-        replace its backward (flash-attn's own kernel on the CP output), so the call is refused."""
+        replace its backward (flash-attn's own kernel on the CP output), so the call is refused, in
+        the forward body Dynamo puts in the graph and in the forward it compiles alone when the
+        Function gets one tensor twice (cu_seqlens for queries and keys: a graph break)."""
 
-        class FlashAttnVarlenFunc(torch.autograd.Function):  # the shape of flash-attn 2's, trimmed
+        class FlashAttnVarlenFunc(torch.autograd.Function):  # the shape of flash-attn's, trimmed
             @staticmethod
-            def forward(ctx, q, k, v, cu, m):
-                out, lse, s_dmask, rng_state = fa2(q, k, v, cu, m, causal=True)
+            def forward(ctx, q, k, v, cu_q, cu_k, m):
+                out, lse, *_ = torch.ops.flash_attn._flash_attn_varlen_forward(
+                    q, k, v, cu_q, cu_k, m, m, 0.0, SCALE, True
+                )
                 ctx.save_for_backward(q, k, v, out, lse)
                 return out
 
             @staticmethod
             def backward(ctx, dout):
                 q, k, v, out, lse = ctx.saved_tensors
-                return dout * lse.t().unsqueeze(-1), k, v, None, None
+                return dout * lse.t().unsqueeze(-1), k, v, None, None, None
 
-        def model(q, k, v, cu, m):
-            return FlashAttnVarlenFunc.apply(q, k, v, cu, m)
+        def forward_body(q, k, v, cu, m):
+            # two tensors (cu and a view): Dynamo keeps the Function in the graph
+            return FlashAttnVarlenFunc.apply(q, k, v, cu, cu[:], m)
 
-        with self.assertRaisesRegex(UnsupportedAttentionError, "_flash_attn_varlen_forward.*inside a torch.autograd"):
-            self.shard(model)
+        def forward_alone(q, k, v, cu, m):
+            return FlashAttnVarlenFunc.apply(q, k, v, cu, cu, m)
+
+        for model in (forward_body, forward_alone):
+            with self.subTest(model.__name__):
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+                with self.assertRaisesRegex(Exception, "_flash_attn_varlen_forward.*inside a torch.autograd"):
+                    compiled(*base._inputs())
 
     def test_unread_outputs_do_not_block_the_rewrite(self):
         """An unpacked output nobody reads (``out, lse, s_dmask, rng_state = ...``; Dynamo drops such

@@ -128,6 +128,17 @@ def _autograd_function_forwards(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return forwards
 
 
+def _without_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` that run with grad mode off (it starts in the mode it is compiled in)."""
+    enabled, off = torch.is_grad_enabled(), set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif not enabled:
+            off.add(node)
+    return off
+
+
 @dataclasses.dataclass(frozen=True)
 class _VarlenSchema:
     """How a varlen attention op names what the pass reads; outputs 0 and 1 are ``(out, lse)``,
@@ -220,30 +231,30 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
     """Packed attention calls of ``gm`` in graph order: the rewritable ones and the rest."""
     matches: list[AttentionMatch] = []
     skipped: list[Unsupported] = []
+    without_grad = _without_grad(gm)
     for node in gm.graph.nodes:
         op = _overload(node.target) if node.op == "call_function" else None
         name = op.name() if op is not None else None
         if name == _PACKED:
             a = _bound_args(node, op)
-            matches.append(
-                AttentionMatch(
-                    node,
-                    a["q"],
-                    a["k"],
-                    a["v"],
-                    a["cu_seqlens"],
-                    a["cu_seqlens_padded"],
-                    a["max_seqlen"],
-                    a["causal"],
-                    a["scale"],
-                )
+            found = AttentionMatch(
+                node,
+                *(a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "causal", "scale")),
             )
+            qkv = ("q", "k", "v")
         elif name in _VARLEN_SCHEMAS:
             a = _bound_args(node, op)
             if a.get("cu_seqlens_q", node) is None:
                 continue  # flash-attn 3 on batched (padded) inputs: not a packed call
-            found = _match_varlen(node, a, _VARLEN_SCHEMAS[name])
-            (matches if isinstance(found, AttentionMatch) else skipped).append(found)
+            schema = _VARLEN_SCHEMAS[name]
+            found, qkv = _match_varlen(node, a, schema), (schema.q, schema.k, schema.v)
+        else:
+            continue
+        # Grad off on inputs that require it: the forward of an autograd.Function that Dynamo
+        # compiles alone (flash_attn_varlen_func given one cu_seqlens tensor twice does so)
+        if node in without_grad and any(getattr(_known(a[n]), "requires_grad", False) for n in qkv):
+            found = Unsupported(node, _IN_AUTOGRAD_FUNCTION)
+        (matches if isinstance(found, AttentionMatch) else skipped).append(found)
     return matches, skipped
 
 
@@ -379,11 +390,12 @@ def shard_attention_pass(
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
-    # A call in an autograd.Function's forward (flash-attn's flash_attn_varlen_func) keeps that
-    # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it.
+    # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
+    # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it
+    # (find_packed_attention refuses a forward that Dynamo compiles as a graph of its own).
     forwards = _autograd_function_forwards(gm)
     found = [
-        (m, [], skips + [Unsupported(x.node, _IN_AUTOGRAD_FUNCTION) for x in matches])
+        (m, [], [Unsupported(x.node, _IN_AUTOGRAD_FUNCTION) for x in matches + skips])
         if any(m is f for f in forwards)
         else (m, matches, skips)
         for m, matches, skips in found

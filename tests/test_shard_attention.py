@@ -78,7 +78,9 @@ def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
     return graphs
 
 
-class ShardAttentionGraphs(expecttest.TestCase):
+class FakeGroupTestCase(expecttest.TestCase):
+    """Rank 1 of a fake two-rank default group (``self.group``) for the class's tests."""
+
     @classmethod
     def setUpClass(cls):
         dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
@@ -88,6 +90,8 @@ class ShardAttentionGraphs(expecttest.TestCase):
     def tearDownClass(cls):
         dist.destroy_process_group()
 
+
+class ShardAttentionGraphs(FakeGroupTestCase):
     def shard(self, fn, spec=None):
         spec = spec or cpcompile.StrategySpec()
         gm = dynamo_graph(fn, *_inputs())

@@ -1,15 +1,18 @@
 """Rewrite packed attention calls in a Dynamo graph into context-parallel attention.
 
-Recognized calls (``find_packed_attention``): ``cpcompile::packed_attention`` and
-``torch_attn::_varlen_attn`` (what ``torch.nn.attention.varlen.varlen_attn`` emits;
-its schema differs between torch 2.11 and 2.13, so arguments are read by name).
+Recognized calls (``find_packed_attention``): ``cpcompile::packed_attention``,
+``torch_attn::_varlen_attn`` (what ``torch.nn.attention.varlen.varlen_attn`` emits),
+and flash-attn's own varlen ops ``flash_attn::_flash_attn_varlen_forward`` (flash-attn 2
+>= 2.7) and ``flash_attn_3::_flash_attn_forward`` with ``cu_seqlens_q`` (flash-attn 3).
+Their schemas differ between versions, so arguments are read by name; flash-attn need
+not be installed (the pass only compares op names).
 Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by one
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
 built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
 and causal flag (the plan's key ranges as rows of every rank's block). A variant the
 CP op cannot compute exactly (sliding windows, different query and key offsets,
-per-sequence key lengths, paged keys, a used RNG state) raises
+per-sequence key lengths, paged keys, dropout, softcap, ALiBi, a used RNG state) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
 would attend within each rank's own tokens only, and the model would train wrong.
 ``unsupported="single_device"`` leaves such calls alone instead, with one warning each,
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _PACKED = "cpcompile::packed_attention"
 _VARLEN = "torch_attn::_varlen_attn"
+_FLASH_ATTN_2 = "flash_attn::_flash_attn_varlen_forward"
+_FLASH_ATTN_3 = "flash_attn_3::_flash_attn_forward"
 
 
 @dataclasses.dataclass
@@ -60,6 +65,11 @@ class Unsupported:
     node: fx.Node
     reason: str
 
+
+_IN_AUTOGRAD_FUNCTION = (
+    "it runs inside a torch.autograd.Function's forward (as in flash_attn_varlen_func), whose own backward "
+    "CP cannot replace; call the op itself, cpcompile.packed_attention or varlen_attn"
+)
 
 #: What the pass does with a recognized call that CP cannot compute exactly.
 UNSUPPORTED = ("raise", "single_device")
@@ -95,56 +105,156 @@ def _bound_args(node: fx.Node, op: torch._ops.OpOverload) -> dict[str, object]:
 
 
 def _used_outputs(node: fx.Node) -> set[int] | None:
-    """Indices of the tuple outputs that are read; None if the tuple escapes whole."""
+    """Indices of the tuple outputs that are read (an unpacked, unread output is not); None if the
+    tuple escapes whole."""
     used = set()
     for user in node.users:
         if user.target is not operator.getitem:
             return None
-        used.add(user.args[1])
+        if user.users:
+            used.add(user.args[1])
     return used
 
 
-def _match_varlen(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
-    window = tuple(a.get("window_size") or (-1, -1))
-    causal = bool(a.get("is_causal", False)) or window == (-1, 0)
+def _autograd_function_forwards(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The forward bodies of the ``torch.autograd.Function`` calls in ``gm`` and its subgraphs."""
+    forwards = []
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply):
+            if node.args[0].op == "get_attr":
+                forwards.append(getattr(module, node.args[0].target))
+    return forwards
+
+
+def _without_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` that run with grad mode off (it starts in the mode it is compiled in)."""
+    enabled, off = torch.is_grad_enabled(), set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif not enabled:
+            off.add(node)
+    return off
+
+
+@dataclasses.dataclass(frozen=True)
+class _VarlenSchema:
+    """How a varlen attention op names what the pass reads; outputs 0 and 1 are ``(out, lse)``,
+    lse as ``[heads, tokens]`` float32 like ``cp_attention``'s."""
+
+    q: str
+    k: str
+    v: str
+    cu_q: str
+    cu_k: str
+    max_q: str
+    scale: str
+    causal: str
+    absent: tuple[str, ...]  # arguments CP cannot honour unless None
+    zero: tuple[str, ...]  # arguments CP cannot honour unless 0
+    extra_outputs: dict[int, str]  # outputs past (out, lse): CP cannot produce them
+
+
+_VARLEN_SCHEMAS = {
+    # torch.nn.attention.varlen.varlen_attn
+    _VARLEN: _VarlenSchema(
+        "query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "scale", "is_causal",
+        absent=("seqused_k", "block_table"), zero=(), extra_outputs={2: "RNG state"},
+    ),
+    # flash-attn 2 (>= 2.7): flash_attn/flash_attn_interface.py
+    _FLASH_ATTN_2: _VarlenSchema(
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "softmax_scale", "causal",
+        absent=("alibi_slopes", "block_table", "leftpad_k", "seqused_k"),
+        zero=("dropout_p", "softcap"),
+        extra_outputs={2: "S_dmask", 3: "RNG state"},
+    ),
+    # flash-attn 3: hopper/flash_attn_interface.py (one op for batched and varlen calls)
+    _FLASH_ATTN_3: _VarlenSchema(
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "softmax_scale", "causal",
+        absent=(
+            "k_new", "v_new", "qv", "out_", "cu_seqlens_k_new", "seqused_q", "seqused_k", "page_table",
+            "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary",
+            "q_descale", "k_descale", "v_descale",
+        ),
+        zero=("attention_chunk", "softcap"),
+        extra_outputs={2: "out_accum", 3: "softmax_lse_accum"},
+    ),
+}  # fmt: skip
+
+
+def _known(value):
+    """A scalar argument's value: a graph input's (Dynamo lifts floats such as ``dropout_p`` under
+    ``dynamic=True``) is its symbolic example value, which guards the graph on what is compared."""
+    if isinstance(value, fx.Node):
+        return value.meta.get("example_value", value)
+    return [_known(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _shown(value) -> str:
+    hint = getattr(getattr(value, "node", None), "hint", None)  # a symbolic value's example
+    return str(value if hint is None else hint)
+
+
+def _window(a: dict) -> tuple:
+    if "window_size" in a:
+        return tuple(_known(a["window_size"]) or (-1, -1))
+    return (_known(a.get("window_size_left", -1)), _known(a.get("window_size_right", -1)))
+
+
+def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | Unsupported:
+    """A varlen call of schema ``s`` (arguments ``a`` by name) as CP attention, or why it cannot be one."""
+    window = _window(a)
+    causal = bool(_known(a.get(s.causal, False))) or window == (-1, 0)
     used = _used_outputs(node)
     if window not in ((-1, -1), (-1, 0)):
-        return Unsupported(node, f"sliding window {window} is not supported under CP")
-    if a["cu_seq_q"] is not a["cu_seq_k"]:
-        return Unsupported(node, "cu_seq_q and cu_seq_k differ (cross attention); CP needs one set of documents")
-    for name in ("seqused_k", "block_table"):
+        shown = ", ".join(map(_shown, window))
+        return Unsupported(node, f"sliding window ({shown}) is not supported under CP")
+    if a[s.cu_q] is not a[s.cu_k]:
+        return Unsupported(node, f"{s.cu_q} and {s.cu_k} differ (cross attention); CP needs one set of documents")
+    for name in s.absent:
         if a.get(name) is not None:
             return Unsupported(node, f"{name} is not supported under CP")
-    if used is None or 2 in used:
-        return Unsupported(node, "its RNG state output is used")
-    return AttentionMatch(node, a["query"], a["key"], a["value"], a["cu_seq_q"], None, a["max_q"], causal, a["scale"])
+    for name in s.zero:
+        if (value := _known(a.get(name, 0))) != 0:
+            return Unsupported(node, f"{name}={_shown(value)} is not supported under CP")
+    if used is None:
+        return Unsupported(node, "its output tuple is used whole; CP attention gives only out and lse")
+    for index, output in s.extra_outputs.items():
+        if index in used:
+            return Unsupported(node, f"its {output} output is used")
+    return AttentionMatch(node, a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale])
 
 
 def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
     """Packed attention calls of ``gm`` in graph order: the rewritable ones and the rest."""
     matches: list[AttentionMatch] = []
     skipped: list[Unsupported] = []
+    without_grad = _without_grad(gm)
     for node in gm.graph.nodes:
         op = _overload(node.target) if node.op == "call_function" else None
         name = op.name() if op is not None else None
         if name == _PACKED:
             a = _bound_args(node, op)
-            matches.append(
-                AttentionMatch(
-                    node,
-                    a["q"],
-                    a["k"],
-                    a["v"],
-                    a["cu_seqlens"],
-                    a["cu_seqlens_padded"],
-                    a["max_seqlen"],
-                    a["causal"],
-                    a["scale"],
-                )
+            found = AttentionMatch(
+                node,
+                *(a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "causal", "scale")),
             )
-        elif name == _VARLEN:
-            found = _match_varlen(node, _bound_args(node, op))
-            (matches if isinstance(found, AttentionMatch) else skipped).append(found)
+            qkv = ("q", "k", "v")
+        elif name in _VARLEN_SCHEMAS:
+            a = _bound_args(node, op)
+            if a.get("cu_seqlens_q", node) is None:
+                continue  # flash-attn 3 on batched (padded) inputs: not a packed call
+            schema = _VARLEN_SCHEMAS[name]
+            found, qkv = _match_varlen(node, a, schema), (schema.q, schema.k, schema.v)
+        else:
+            continue
+        # Grad off on inputs that require it: the forward of an autograd.Function that Dynamo
+        # compiles alone (flash_attn_varlen_func given one cu_seqlens tensor twice does so)
+        if node in without_grad and any(getattr(_known(a[n]), "requires_grad", False) for n in qkv):
+            found = Unsupported(node, _IN_AUTOGRAD_FUNCTION)
+        (matches if isinstance(found, AttentionMatch) else skipped).append(found)
     return matches, skipped
 
 
@@ -251,6 +361,8 @@ def rewrite_packed_attention(
                 name,
                 m.node,
             )
+        for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
+            graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)
 
@@ -278,6 +390,16 @@ def shard_attention_pass(
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
+    # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it
+    # (find_packed_attention refuses a forward that Dynamo compiles as a graph of its own).
+    forwards = _autograd_function_forwards(gm)
+    found = [
+        (m, [], [Unsupported(x.node, _IN_AUTOGRAD_FUNCTION) for x in matches + skips])
+        if any(m is f for f in forwards)
+        else (m, matches, skips)
+        for m, matches, skips in found
+    ]
     skipped = [s for _, _, skips in found for s in skips]
     if skipped and check_unsupported(unsupported) == "raise":
         calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)

@@ -295,6 +295,21 @@ class GraphModule(torch.nn.Module):
         with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(4, 0\)"):
             compiled(*_inputs())
 
+    def test_varlen_attn_out_is_refused(self):
+        """torch 2.13's varlen_attn_out has no CP form yet: refused, not left single-device."""
+        from torch.nn.attention import varlen
+
+        if not hasattr(varlen, "varlen_attn_out"):
+            self.skipTest("this torch has no varlen_attn_out")
+
+        def into_buffer(q, k, v, cu, m):
+            return varlen.varlen_attn_out(torch.empty_like(q), q, k, v, cu, cu, m, m, **VARLEN_GQA)
+
+        gm = dynamo_graph(into_buffer, *_inputs())
+        spec = cpcompile.StrategySpec()
+        with self.assertRaisesRegex(UnsupportedAttentionError, "varlen_attn_out writes into a given output buffer"):
+            shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
+
     def test_strategy_switch_recompiles_and_returns_to_cached_graph(self):
         seen = []
 

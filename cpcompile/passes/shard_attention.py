@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 _PACKED = "cpcompile::packed_attention"
 _VARLEN = "torch_attn::_varlen_attn"
+#: Packed attention ops that are recognized but have no CP form yet: refused, with the reason.
+_REFUSED = {
+    "torch_attn::_varlen_attn_out": "varlen_attn_out writes into a given output buffer; under CP call varlen_attn",
+}
 _FLASH_ATTN_2 = "flash_attn::_flash_attn_varlen_forward"
 _FLASH_ATTN_3 = "flash_attn_3::_flash_attn_forward"
 
@@ -248,6 +252,9 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
                 continue  # flash-attn 3 on batched (padded) inputs: not a packed call
             schema = _VARLEN_SCHEMAS[name]
             found, qkv = _match_varlen(node, a, schema), (schema.q, schema.k, schema.v)
+        elif name in _REFUSED:
+            skipped.append(Unsupported(node, _REFUSED[name]))
+            continue
         else:
             continue
         # Grad off on inputs that require it: the forward of an autograd.Function that Dynamo

@@ -23,7 +23,7 @@ def data_checks_enabled(t: torch.Tensor) -> bool:
 
 
 def agreement_enabled(group, q: object) -> bool:
-    """Whether ranks compare their arguments before an op's collectives (``distributed.agree``).
+    """Whether ranks compare their arguments before an op's collectives (``comm.groups.agree``).
 
     Decided alike on every rank, from the group and the mode, never from one rank's
     arguments (a rank that skipped the comparison would leave the others waiting in it):

@@ -122,14 +122,15 @@ def _check_compiled_block(tp, rank, group, *, capacity, seed):
 
 def _check_errors(tp, rank, group):
     x, w = torch.randn(2 + rank, K), torch.randn(N, K)
-    listed = ", ".join(f"rank {r}: {2 + r}" for r in range(tp))
-    with pytest.raises(ValueError, match=f"disagree on the token count \\({listed}\\)"):
+    listed = "; ".join(f"rank {r}: {2 + r}" for r in range(tp))
+    with pytest.raises(ValueError, match=f"disagree on token count \\(rows per TP rank\\) \\({listed}\\)"):
         cpcompile.ag_gemm(x, w, group=group)
-    with pytest.raises(ValueError, match=f"disagree on the token count \\({listed}\\)"):
+    with pytest.raises(ValueError, match=f"disagree on token count \\(rows per TP rank\\) \\({listed}\\)"):
         cpcompile.gemm_rs(torch.randn(tp * (2 + rank), K), w, group=group)
     # Only the last rank is over capacity: it says so, the others are told, none hangs.
     x = torch.randn(8 + (rank == tp - 1), K)
-    message = "9 tokens per rank exceed capacity_tokens=8" if rank == tp - 1 else "another rank .* rejected"
+    over = "9 tokens per rank exceed capacity_tokens=8"
+    message = over if rank == tp - 1 else f"rank {tp - 1} rejected its arguments .*{over}"
     with pytest.raises(ValueError, match=message):
         cpcompile.ag_gemm(x, w, group=group, capacity_tokens=8)
     with pytest.raises(ValueError, match=f"x.shape\\[0\\] = {tp + 1} must be a multiple of the group size {tp}"):

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..checks import data_checks_enabled
-from .collectives import all_gather_rows
+from ..checks import agreement_enabled
+from .groups import agree
 
 #: How the TP rings move chunks on CUDA (``Config.tp_comm``): symmetric memory or NCCL p2p.
 TRANSPORTS = ("symm_mem", "p2p")
@@ -96,40 +96,18 @@ BUFFERS = CapacityBuffers()
 
 
 def _enter_ring(pg: dist.ProcessGroup, rows: int, capacity: int | None, like: torch.Tensor) -> None:
-    """Raise on every rank, before any p2p, if ``rows`` exceeds capacity or ranks disagree on it.
-
-    The agreement check is one min/max all-reduce; it runs where data checks run (CPU
-    always, CUDA with ``CPCOMPILE_VALIDATE=1``) because on CUDA it costs a host sync.
-    """
+    """Raise on every rank, before any p2p, if ``rows`` exceeds capacity or ranks disagree on it
+    (``groups.agree``, where ``checks.agreement_enabled`` says so: on CUDA it costs a host sync)."""
     error = None
     if capacity is not None and rows > capacity:
         error = ValueError(
             f"{rows} tokens per rank exceed capacity_tokens={capacity}: the buffer is allocated once at "
             "capacity and never grown in the loop; pass capacity_tokens >= the largest token count"
         )
-    if pg.size() > 1 and data_checks_enabled(like):
-        _agree_on_rows(pg, rows, error)
+    if agreement_enabled(pg, like):
+        agree(pg, error, {"token count (rows per TP rank)": rows} if error is None else {})
     elif error is not None:
         raise error
-
-
-def _agree_on_rows(pg: dist.ProcessGroup, rows: int, error: Exception | None) -> None:
-    device = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
-    stats = torch.tensor([int(error is not None), rows, -rows], dtype=torch.int64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pg)  # max(-x) = -min(x)
-    failed, hi, neg_lo = stats.tolist()
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"another rank of TP group {pg.group_name!r} rejected its token count (see its error)")
-    if hi != -neg_lo:
-        # Every rank saw the same min/max, so every rank joins this second collective.
-        counts = all_gather_rows(torch.tensor([rows], device=device), pg).tolist()
-        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-        raise ValueError(
-            f"ranks of TP group {pg.group_name!r} disagree on the token count ({listed}); "
-            "all ranks must pass the same number of tokens"
-        )
 
 
 def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor, transport: str) -> bool:

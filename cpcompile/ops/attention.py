@@ -28,7 +28,7 @@ from ..plan import AttentionPlan, make_plan, max_piece_len
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import exchange, gathered
-from .common import agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
+from .common import agree_in_op, check_fake_qkv, out_and_lse, softmax_scale
 
 
 @per_plan
@@ -81,7 +81,7 @@ def _packed_attention(
 @_packed_attention.register_fake
 def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None):
     check_fake_qkv(q, k, v)
-    check_fake_metadata(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
     return out_and_lse(q)
 
@@ -217,7 +217,7 @@ def _cp_attention(
 @_cp_attention.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
     check_fake_qkv(q, k, v)
-    check_fake_metadata(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
     cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(

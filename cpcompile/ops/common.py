@@ -13,12 +13,6 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def check_fake_metadata(q, **metadata) -> None:
-    for name, t in metadata.items():
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
-
-
 def check_fake_qkv(q, k, v) -> None:
     torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
     torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")

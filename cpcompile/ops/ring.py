@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..checks import check_device
 from ..comm.groups import resolve_group
 from ..comm.ring import rotate, shift
 from ..ring_plan import block_key_ranges
-from .common import accumulation_dtype, agree_in_op, check_fake_metadata, check_fake_qkv, out_and_lse, softmax_scale
+from .common import accumulation_dtype, agree_in_op, check_fake_qkv, out_and_lse, softmax_scale
 
 
 @torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
@@ -106,7 +107,7 @@ def _ring_attention(
 @_ring_attention.register_fake
 def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
     check_fake_qkv(q, k, v)
-    check_fake_metadata(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
     cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import cpcompile
 from tests.dist import run_ranks
@@ -106,3 +107,27 @@ def _configs_differ(rank: int, world: int) -> None:
 
 def test_configs_that_differ_fail_fast():
     run_ranks(_configs_differ, 2, timeout_s=20)
+
+
+def _errors_release_the_group(rank: int, world: int) -> None:
+    """The error a rank raises holds no reference cycle with the frames it passed, so the
+    group dies when destroyed, not at exit (where gloo aborts the process)."""
+    import gc
+    import weakref
+
+    group = dist.new_group(list(range(world)))
+    alive = weakref.ref(group)
+    q = torch.randn(8, 3 if rank else 2, 4)  # rank 1 rejects its q
+    gc.disable()  # only plain reference counting may free it
+    try:
+        with pytest.raises(ValueError, match="rejected its arguments|must be a multiple"):
+            cpcompile.cp_attention(q, torch.randn(8, 2, 4), torch.randn(8, 2, 4), CU, group=group)
+        dist.destroy_process_group(group)
+        del group
+        assert alive() is None, "the process group outlived destroy_process_group"
+    finally:
+        gc.enable()
+
+
+def test_errors_release_the_group():
+    run_ranks(_errors_release_the_group, 2, timeout_s=20)

@@ -68,7 +68,13 @@ def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, o
     entries: list[dict] = [{} for _ in range(group.size())]
     dist.all_gather_object(entries, mine, group=group)
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            # The error's traceback holds this frame (and the caller's): holding the error in
+            # them too would make a reference cycle, which keeps the process group alive past
+            # destroy_process_group() until a gc pass, or until exit, where gloo then aborts.
+            error = None
     name = group.group_name
     failed = [f"rank {r} rejected its arguments ({e['error']})" for r, e in enumerate(entries) if e["error"]]
     if failed:

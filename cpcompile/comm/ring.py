@@ -104,10 +104,13 @@ def _enter_ring(pg: dist.ProcessGroup, rows: int, capacity: int | None, like: to
             f"{rows} tokens per rank exceed capacity_tokens={capacity}: the buffer is allocated once at "
             "capacity and never grown in the loop; pass capacity_tokens >= the largest token count"
         )
-    if agreement_enabled(pg, like):
-        agree(pg, error, {"token count (rows per TP rank)": rows} if error is None else {})
-    elif error is not None:
-        raise error
+    try:
+        if agreement_enabled(pg, like):
+            agree(pg, error, {"token count (rows per TP rank)": rows} if error is None else {})
+        elif error is not None:
+            raise error
+    finally:
+        error = None  # see groups.agree: a raised error must not hold the frame that holds it
 
 
 def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor, transport: str) -> bool:

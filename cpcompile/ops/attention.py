@@ -341,11 +341,14 @@ def cp_attention(
             _check_plan(plan, comm, q.shape[0], cp)
     except (ValueError, TypeError) as e:
         error = e
-    if agreement_enabled(pg, q):
-        record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
-        agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
-    elif error is not None:
-        raise error
+    try:
+        if agreement_enabled(pg, q):
+            record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
+            agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
+        elif error is not None:
+            raise error
+    finally:
+        error = None  # see comm.groups.agree: a raised error must not hold the frame that holds it
     with agreed():  # the op need not compare again what this call just compared
         if comm == "ring":
             args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)

@@ -171,8 +171,8 @@ def model_inputs(cu: torch.Tensor, seed: int, cp: int, rank: int, args, device) 
     pack = synthetic_pack(cu.diff().tolist(), args.vocab, torch.Generator().manual_seed(seed))
     batch = {"input_ids": pack["input_ids"][None], "position_ids": pack["position_ids"][None], "cu_seq_lens_q": cu}
     batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
-    inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=args.spec)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, sharded.spec
+    inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=args.spec, device=device)
+    return inputs, sharded.spec
 
 
 class CountingBackend:

@@ -7,6 +7,7 @@ active strategy as the compiled attention unless one is passed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -15,6 +16,8 @@ from .comm.collectives import all_gather_rows
 from .comm.groups import resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
+from .per_plan import upload
+from .plan import step_plan
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 DEFAULT_PAD_VALUES = {"labels": -100}
@@ -58,13 +61,21 @@ def shard_batch(
     rank: int,
     strategy: StrategyLike = None,
     pad_values: dict[str, float | int] | None = None,
+    device: torch.device | str | None = None,
 ) -> ShardedBatch:
     """Pad each tensor for the strategy and keep rank ``rank``'s rows.
+
+    With ``device``, the batch comes back on it, made ready for a step that reads
+    nothing from the GPU: the inputs (on the host) are copied without waiting for the
+    stream, ``cu_seqlens`` keeps its host copy (:func:`cpcompile.per_plan.upload`), and
+    the attention plan of compiled calls (``cpcompile::cp_plan``) is made here, ahead
+    of the step, on the host (:func:`cpcompile.plan.step_plan`).
 
     Args:
         tensors: name -> ``[T, ...]`` with ``T = cu_seqlens[-1]`` (input_ids, labels, ...).
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
         pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
+        device: where the step runs (default: where the inputs are).
         strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.choose_strategy`)
             and ``ShardedBatch.spec`` holds the strategy it picked.
     """
@@ -94,7 +105,24 @@ def shard_batch(
         full = t.new_full((num_padded, *t.shape[1:]), fills.get(name, 0))
         full[where] = t
         local[name] = full[indices]
-    return ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
+    sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
+    return sharded if device is None else _to_device(sharded, torch.device(device))
+
+
+def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
+    """``sharded`` on ``device`` with host twins, and its step plan made (see :func:`shard_batch`)."""
+    if any(t.device.type != "cpu" for t in (sharded.cu_seqlens, *sharded.tensors.values())):
+        raise ValueError(f"shard_batch(device={device}) takes the batch on the host (the data loader's side)")
+    cu, cu_padded = (upload(t.contiguous(), device) for t in (sharded.cu_seqlens, sharded.cu_seqlens_padded))
+    move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+    pin = torch.Tensor.pin_memory if device.type == "cuda" else lambda t: t
+    tensors = {name: move(pin(t)) for name, t in sharded.tensors.items()}
+    spec, cp = sharded.spec, sharded.cp_size
+    # the plan compiled calls make (cp_plan: cu_seqlens alone), here rather than in the step
+    step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, spec.strategy.value, spec.stripe_size)
+    return dataclasses.replace(
+        sharded, tensors=tensors, cu_seqlens=cu, cu_seqlens_padded=cu_padded, indices=move(pin(sharded.indices))
+    )
 
 
 def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.Tensor:

@@ -14,7 +14,18 @@ sizes cuDNN's backward before it may fall back to flash's. So a tensor is known
 by its memory (address, layout, version), not by its Python object, and an entry
 lives as long as its argument tensors (or the tensors they are views of) do: a
 step's plans stay cached through all its layers, and go, with what was derived
-from them, when the step drops them. ``ENTRIES`` only bounds the cache.
+from them, when the step drops them. ``ENTRIES`` only bounds the cache. The cache is one
+for all threads: on CUDA the autograd engine runs the backward on a thread of its
+own, which must find what the forward derived.
+
+Host twins: some metadata has data-dependent sizes (the backward's scratch rows,
+the keys a rank reads), and reading a size from a GPU tensor waits for the stream.
+The plan is therefore made on the host (``plan.step_plan``) and uploaded with
+:func:`upload`, which keeps each tensor's host copy, its *twin*; :func:`readable`
+hands derivations the twins to read sizes from, and :func:`twinned` runs a small
+derivation on the twins and uploads its results in turn. The data loader can
+upload ``cu_seqlens`` the same way (``shard_batch(..., device=...)``), and then a
+step reads nothing from the GPU at all.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import weakref
 
 import torch
 
-#: Most argument sets kept per function and thread: far more plans than one step uses.
+#: Most argument sets kept per function: far more plans than one step uses.
 ENTRIES = 64
 
 
@@ -50,6 +61,33 @@ def same_plan(known, t: torch.Tensor) -> bool:
     return owner() is not None and key == _key(t)
 
 
+class _Cache:
+    """Entries keyed by their tensors' memory (:func:`_key`); each goes when one of its
+    tensors (or the tensor a view is of) is freed. One lock for all threads."""
+
+    def __init__(self, bound: int | None):
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.bound, self.lock = bound, threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return True, self.entries[key][1]
+        return False, None
+
+    def put(self, key, tensors, value) -> None:
+        def forget(_, key=key):
+            with self.lock:
+                self.entries.pop(key, None)
+
+        owners = {id(t): t for t in (a if a._base is None else a._base for a in tensors)}  # a view's base
+        with self.lock:
+            self.entries[key] = ([weakref.ref(o, forget) for o in owners.values()], value)
+            if self.bound is not None and len(self.entries) > self.bound:
+                self.entries.popitem(last=False)
+
+
 def per_plan(fn=None, *, collective: bool = False):
     """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
 
@@ -68,27 +106,95 @@ def per_plan(fn=None, *, collective: bool = False):
     """
     if fn is None:
         return functools.partial(per_plan, collective=collective)
-    local = threading.local()
+    cache = _Cache(None if collective else ENTRIES)
 
     @functools.wraps(fn)
     def wrapper(*args):
         if any(isinstance(a, torch.Tensor) and a.is_inference() for a in args):
             return fn(*args)
-        cache = local.__dict__.setdefault("cache", collections.OrderedDict())
         key = tuple(_key(a) for a in args)
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key][1]
-        result = fn(*args)
-
-        def forget(_, key=key):
-            cache.pop(key, None)
-
-        tensors = (a for a in args if isinstance(a, torch.Tensor))
-        owners = {id(t): t for t in (a if a._base is None else a._base for a in tensors)}  # a view's base
-        cache[key] = ([weakref.ref(o, forget) for o in owners.values()], result)
-        if len(cache) > ENTRIES and not collective:
-            cache.popitem(last=False)
+        hit, result = cache.get(key)
+        if not hit:
+            result = fn(*args)
+            cache.put(key, [a for a in args if isinstance(a, torch.Tensor)], result)
         return result
+
+    return wrapper
+
+
+# --- host twins -----------------------------------------------------------------------
+
+_TWINS = _Cache(None)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``, remembered with ``host`` as its twin.
+
+    The copy does not wait for the stream (pinned memory, ``non_blocking``); the twin
+    must not change afterwards. On the CPU the tensor is its own twin.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if host.is_inference():  # no version counter to key a twin by: a plain copy
+        return host.to(device)
+    pinned = host.pin_memory() if device.type == "cuda" else host
+    on_device = pinned.to(device, non_blocking=True)
+    _TWINS.put(_key(on_device), [on_device], host)
+    return on_device
+
+
+def twin(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s values on the host without a sync: ``t`` on the CPU, else the copy it was
+    uploaded from (:func:`upload`) while ``t`` is unchanged; ``None`` when there is none."""
+    if t.device.type == "cpu":
+        return t
+    return _TWINS.get(_key(t))[1]
+
+
+def on_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors' values on the host: their twins, and copies of the others, made in one
+    transfer where they share a dtype (one host sync on GPUs, none where all have twins)."""
+    twins = [twin(t) for t in tensors]
+    missing = [t for t, h in zip(tensors, twins) if h is None]
+    if len({t.dtype for t in missing}) == 1 and len(missing) > 1:
+        copies = iter(torch.cat([t.reshape(-1) for t in missing]).cpu().split([t.numel() for t in missing]))
+        missing = [next(copies).view(t.shape) for t in missing]
+    else:
+        missing = [t.cpu() for t in missing]
+    rest = iter(missing)
+    return tuple(next(rest) if h is None else h for h in twins)
+
+
+def readable(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors to read values from on the host: their twins where every one has
+    one, else the tensors themselves (reading those is then a host sync on GPUs)."""
+    twins = tuple(twin(t) for t in tensors)
+    return tensors if any(t is None for t in twins) else twins
+
+
+def twinned(fn):
+    """``fn`` over plan tensors, run on their twins where every tensor argument has one,
+    with its tensor results (alone, or in a tuple or ``NamedTuple``) uploaded back to
+    the arguments' device, twins kept: for small metadata whose sizes are read later.
+    Without twins ``fn`` runs on the arguments as they are."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        twins = [twin(t) for t in tensors]
+        if not tensors or tensors[0].device.type == "cpu" or any(t is None for t in twins):
+            return fn(*args)
+        it = iter(twins)
+        result = fn(*(next(it) if isinstance(a, torch.Tensor) else a for a in args))
+        device = tensors[0].device
+
+        def up(x):
+            return upload(x, device) if isinstance(x, torch.Tensor) else x
+
+        if isinstance(result, tuple):
+            values = [up(x) for x in result]
+            return type(result)(*values) if hasattr(result, "_fields") else tuple(values)
+        return up(result)
 
     return wrapper

@@ -23,6 +23,7 @@ import torch
 from .checks import check_cp, check_padded
 from .cost import auto_candidates, resolve_auto
 from .partition import all_partition_indices, pad_for_cp, piece_marks
+from .per_plan import on_host, per_plan, upload
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -135,6 +136,33 @@ def make_plan(
         k_len_causal=k_len_causal.to(torch.int32),
         k_len_full=k_len_full.to(torch.int32),
     )
+
+
+@per_plan
+def step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+) -> AttentionPlan:
+    """:func:`make_plan` once per step, for every layer: made on the host and uploaded.
+
+    The document lengths are read on the host once (a host sync on GPUs, none where
+    the data loader uploaded ``cu_seqlens`` with its host twin: ``shard_batch(...,
+    device=...)``); the plan is made there (balanced chooses its cuts on the host in
+    any case) and uploaded to ``cu_seqlens``' device with host twins, so that the
+    metadata derived from it later reads its sizes without a sync
+    (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
+    resolved here, alike on every rank).
+    """
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    spec = StrategySpec(Strategy(strategy), stripe_size)
+    plan = make_plan(cu, *padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_tokens)
+    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
 
 
 def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:

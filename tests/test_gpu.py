@@ -326,3 +326,39 @@ def _no_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "dual_chunk_swap"])
+def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy):
+    """``shard_batch(device=...)`` uploads the pack with its host copy and makes the plan, so a
+    compiled CP step (two layers, forward and backward, the kernels' scratch included) makes no
+    host sync. Rank 1 of 4 on the fake group, whose collectives return garbage: no K/V exchange,
+    whose counts travel through them."""
+    import itertools
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cp, rank = 4, 1
+
+    def two_layers(q, k, v, cu):
+        out = cpcompile.packed_attention(q, k, v, cu)
+        return cpcompile.packed_attention(out, k, v, cu)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))
+        compiled = torch.compile(two_layers, backend=backend, dynamic=True)
+        packs = ([3000, 5, 1200, 700], [1500, 1500, 1, 2000, 64], [4100, 7, 900])
+        for i, lengths in enumerate(packs):
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            gen = torch.Generator().manual_seed(i)
+            qkv = {name: torch.randn(int(cu[-1]), h, 128, generator=gen) for name, h in (("q", 8), ("k", 2), ("v", 2))}
+            batch = cpcompile.shard_batch(qkv, cu, cp_size=cp, rank=rank, strategy=strategy, device="cuda")
+            q, k, v = (batch.tensors[n].to(torch.bfloat16).requires_grad_() for n in "qkv")
+            torch.cuda.synchronize()
+            with _no_sync() if i == len(packs) - 1 else contextlib.nullcontext(), cpcompile.strategy(batch.spec):
+                compiled(q, k, v, batch.cu_seqlens).sum().backward()
+            assert all(t.grad is not None for t in (q, k, v))  # the fake group's garbage: no values to compare
+    finally:
+        dist.destroy_process_group()

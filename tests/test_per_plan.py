@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import torch
 
-from cpcompile.per_plan import ENTRIES, per_plan
+from cpcompile.per_plan import ENTRIES, on_host, per_plan, readable, twin, twinned, upload
 
 
 def test_per_plan_builds_once_for_the_same_plan_tensors():
@@ -74,3 +75,54 @@ def test_per_plan_knows_views_by_memory_and_keeps_plans_while_they_live():
     result = weakref.ref(agreed(torch.arange(4)))
     gc.collect()
     assert result() is None  # entries still go with their plans
+
+
+def test_per_plan_is_shared_by_threads():
+    """On CUDA the backward runs on the autograd engine's thread: it must find the forward's entries."""
+    calls = []
+
+    @per_plan
+    def derived(x):
+        calls.append(1)
+        return x + 1
+
+    x = torch.arange(3)
+    derived(x)
+    other = threading.Thread(target=derived, args=(x,))
+    other.start()
+    other.join()
+    assert len(calls) == 1
+
+
+def test_uploaded_tensors_keep_host_twins_while_unchanged():
+    """``upload`` remembers the host copy (here to the ``meta`` device, which has no values to read)."""
+    host = torch.arange(5)
+    dev = upload(host, "meta")
+    assert dev.device.type == "meta" and twin(dev) is host
+    assert readable(dev)[0] is host and on_host(dev)[0] is host
+    alone = torch.empty(7, device="meta")  # never uploaded: no twin, read as it is
+    assert twin(alone) is None and readable(dev, alone) == (dev, alone)
+    assert twin(host) is host  # on the host a tensor is its own twin
+    dev.add_(1)  # changed in place: the twin no longer holds its values
+    assert twin(dev) is None
+    del dev
+    gc.collect()
+
+
+def test_twinned_runs_on_twins_and_uploads_its_results():
+    seen = []
+
+    @twinned
+    def sizes(a, b, n):
+        seen.append((a.device.type, b.device.type))
+        return a + b, (int(a.sum()) if a.device.type == "cpu" else None), n
+
+    # meta tensors have no addresses: only their shapes tell them apart
+    a, b = upload(torch.arange(4), "meta"), upload(torch.ones(1, dtype=torch.int64), "meta")
+    total, count, n = sizes(a, b, 1)
+    assert seen == [("cpu", "cpu")] and (count, n) == (6, 1)
+    assert total.device.type == "meta" and torch.equal(twin(total), torch.tensor([1, 2, 3, 4]))
+    sizes(a, torch.empty(2, 1, dtype=torch.int64, device="meta"), 0)  # one argument without a twin: as it is
+    assert seen[-1] == ("meta", "meta")
+    cpu = torch.arange(3)
+    assert sizes(cpu, cpu, 0)[1] == 3 and seen[-1] == ("cpu", "cpu")

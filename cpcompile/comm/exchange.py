@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..per_plan import per_plan
+from ..per_plan import per_plan, twinned
 from ..plan import keys_read
 from .collectives import all_gather_rows, all_to_all_rows
 from .groups import resolve_group
@@ -102,9 +102,11 @@ class Reads(NamedTuple):
     idle: bool
 
 
+@twinned  # on the host where the plan has twins: R and the counts are read there
 def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp: int) -> Reads:
     """:class:`Reads` of pieces ``k_start``, ``k_len`` ``[P]`` (physical keys) over the layout
-    ``gather_index [T]`` of ``cp`` ranks; finding ``R`` is a host sync."""
+    ``gather_index [T]`` of ``cp`` ranks; finding ``R`` is a host sync where the plan has no
+    host twins."""
     t = gather_index.shape[0]
     read = keys_read(k_start, k_len, t)
     count = int(read.sum())  # the host sync
@@ -130,9 +132,14 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
 
     Collective: every rank of the group calls it with its own plan, once per plan
     (``per_plan``), and all get the same answer to :func:`use_exchange`, or the same
-    error where their ``choice`` is not valid or not the same. Host syncs: finding
-    ``R``, the counts, and the row indices of the requests.
+    error where their ``choice`` is not valid or not the same. One host sync: reading the
+    all-gathered counts (and where the plan has no host twins, finding ``R`` and the counts).
+    ``"never"`` needs no counts: no collective, no sync. Ranks whose choices differ then
+    wait for each other in different collectives; ``Config`` is one of what ranks
+    compare where they check agreement (``checks.agreement_enabled``: always on gloo).
     """
+    if choice == "never":
+        return None
     group = resolve_group(group_name)
     cp, rank = group.size(), group.rank()
     t_local = gather_index.shape[0] // cp

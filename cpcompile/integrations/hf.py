@@ -167,6 +167,7 @@ def shard_flattened_batch(
     cp_size: int,
     rank: int,
     strategy: StrategyLike = None,
+    device: torch.device | str | None = None,
 ) -> tuple[dict, ShardedBatch]:
     """Rank ``rank``'s part of a flattened transformers batch, ready for ``model(**inputs)``.
 
@@ -175,6 +176,8 @@ def shard_flattened_batch(
             document, optionally ``labels`` ``[1, T]`` (unshifted, as DataCollatorWithFlattening
             returns them) and ``cu_seq_lens_q`` ``[B + 1]`` int32 (else found from ``position_ids``).
         strategy: default the active one; ``auto`` is resolved here (see the returned spec).
+        device: where the model runs: the batch (on the host) comes back there, ready for a step
+            that reads nothing from the GPU (``cpcompile.shard_batch``'s ``device``).
     Returns:
         ``(inputs, sharded)``. ``inputs``: ``input_ids``, ``position_ids`` ``[1, T_local]``;
         ``cu_seq_lens_q``/``cu_seq_lens_k`` ``[B + 1]`` int32 and ``max_length_q``/``max_length_k``
@@ -193,11 +196,12 @@ def shard_flattened_batch(
     tensors = {"input_ids": batch["input_ids"][0], "position_ids": batch["position_ids"][0]}
     if batch.get("labels") is not None:
         tensors["labels"] = shift_labels(batch["labels"], cu)[0]  # padded with -100 by shard_batch
-    sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy)
     max_length = int((cu[1:] - cu[:-1]).max())
+    sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy, device=device)
+    cu = sharded.cu_seqlens
     inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}
     inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
     if "labels" in tensors:
         inputs["shift_labels"] = inputs["labels"]  # the loss reads shift_labels; labels only switch it on
-        inputs["num_items_in_batch"] = (tensors["labels"] != IGNORE_INDEX).sum()
+        inputs["num_items_in_batch"] = (tensors["labels"] != IGNORE_INDEX).sum().to(cu.device)
     return inputs, sharded

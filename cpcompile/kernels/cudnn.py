@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..per_plan import per_plan
+from ..per_plan import per_plan, readable
 from .contract import check_options
 from .metadata.chunks import row_chunks
 from .metadata.scratch import add_back, place, scratch_rows
@@ -376,9 +376,9 @@ def _offsets(rows: torch.Tensor, stride: int) -> torch.Tensor:
 
 @per_plan
 def _longest(k_len: torch.Tensor) -> int:
-    """The longest piece of a plan whose pieces read their own rows (``disjoint_keys``); a host
-    sync, once per plan."""
-    return int(k_len.max())
+    """The longest piece of a plan whose pieces read their own rows (``disjoint_keys``); once
+    per plan, read on its host twin (a host sync where it has none)."""
+    return int(readable(k_len)[0].max())
 
 
 def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: bool):

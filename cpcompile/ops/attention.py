@@ -24,7 +24,7 @@ from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import per_plan
-from ..plan import AttentionPlan, make_plan, max_piece_len
+from ..plan import AttentionPlan, make_plan, max_piece_len, step_plan
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import exchange, gathered
@@ -331,10 +331,14 @@ def cp_attention(
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         if plan is None:
-            build = make_ring_plan if comm == "ring" else make_plan
-            plan = build(
-                cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=q.shape[0] * cp
-            )
+            tokens = q.shape[0] * cp
+            if comm == "ring":
+                plan = make_ring_plan(
+                    cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
+                )
+            else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
+                args = (cp, rank, spec.strategy.value, spec.stripe_size)
+                plan = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
         else:

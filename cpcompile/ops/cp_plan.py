@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..partition import padding_multiple
-from ..plan import make_plan, max_pieces
+from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
 
 
@@ -31,17 +31,11 @@ def cp_plan(
     strategy: str,
     stripe_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cpcompile.make_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-    k_len_causal, k_len_full [P])`` for ``T = num_tokens`` padded tokens."""
-    plan = make_plan(
-        cu_seqlens,
-        cu_seqlens_padded,
-        cp_size=cp_size,
-        rank=rank,
-        strategy=_spec(strategy, stripe_size),
-        num_tokens=num_tokens,
-    )
-    return tuple(plan)
+    """:func:`cpcompile.plan.step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+    k_len_causal, k_len_full [P])`` for ``T = num_tokens`` padded tokens, made once per
+    ``cu_seqlens`` (checkpointed layers' recomputations, each with a ``cp_plan`` of its
+    own, share it)."""
+    return tuple(step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size))
 
 
 @cp_plan.register_fake

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...per_plan import per_plan
+from ...per_plan import per_plan, twinned
 
 #: Most query rows per chunk: the fastest of 1024, 2048 and 4096 (docs/attention-kernels.md).
 ROWS = 2048
@@ -39,6 +39,7 @@ MAX_CHUNKS = 4
 
 
 @per_plan
+@twinned  # on the host where the plan has twins: the scratch rows of the chunks are counted there
 def row_chunks(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_rows: int):
     """Causal pieces ``cu_q [P + 1]``, ``k_start``/``k_len [P]`` over ``num_rows`` query rows,
     as row chunks: ``(cu_q [C + 1], k_start [C], k_len [C])``.

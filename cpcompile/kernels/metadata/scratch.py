@@ -12,9 +12,10 @@ key's sum takes at most one row per layer, in float32, in layer order. On CUDA,
 several times faster than gathering every key once per layer or ``index_add_``
 layer by layer (docs/attention-kernels.md). Off CUDA or without Triton, torch gathers.
 
-The scratch holds ``sum(k_len)`` rows; reading that size and the layer count is
-a host sync, made once per plan (``per_plan``: every layer reuses the scratch, and
-``auto`` its size for its choice). The same sync reads which pieces see keys and
+The scratch holds ``sum(k_len)`` rows; that size and the layer count are read on
+the plan's host twins (``per_plan.twinned``; a host sync where it has none), once
+per plan (``per_plan``: every layer reuses the scratch, and ``auto`` its size for
+its choice). The same sync reads which pieces see keys and
 the longest one's rows: exact launch bounds for the backward kernels, whose grids
 are sized by them (a bound of the longest document, where balanced's longest piece
 is shorter, made cuDNN's backward markedly slower: docs/attention-kernels.md).
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...per_plan import per_plan
+from ...per_plan import per_plan, twinned
 from ...plan import keys_read
 from ..triton import sum_rows
 
@@ -71,10 +72,12 @@ def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
 
 
 @per_plan
+@twinned
 def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> Scratch:
     """:class:`Scratch` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of ``num_keys``.
 
-    One host sync, per plan (``per_plan`` keeps the result while the pieces live).
+    Made on the plan's host twins and uploaded (``twinned``), or where it has none,
+    with one host sync; once per plan (``per_plan`` keeps it while the pieces live).
     Key ranges must be disjoint or start at the same key, as every plan's are.
     """
     device = k_start.device

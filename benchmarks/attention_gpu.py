@@ -9,7 +9,9 @@ Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072]
 
 Every GPU kernel backend present is measured: flash always; with the ``gpu`` extra also
-cudnn and auto (cuDNN's forward, the backward chosen per call; the default then).
+cudnn and auto (the default then: FA4 where installed, else cuDNN's forward and the
+backward chosen per call); with the ``fa4`` extra fa4, and FA4's own varlen call on
+whole documents among the single-GPU references (the fastest, where installed).
 It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
 """
 
@@ -28,7 +30,7 @@ import cpcompile
 from cpcompile import kernels
 from cpcompile.comm import exchange
 from cpcompile.comm.kv_gather import grad_buffers
-from cpcompile.kernels import cudnn
+from cpcompile.kernels import cudnn, fa4
 from cpcompile.ops import gathered
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
@@ -123,6 +125,22 @@ def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
     return run
 
 
+def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
+    """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+
+    def run():
+        out, _ = flash_attn_varlen_func(
+            *leaves, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True
+        )
+        if backward:
+            out.backward(out)
+
+    return run
+
+
 def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -159,6 +177,8 @@ def measure(
             codes.add(code)
             measured.append(name)
     singles = {"(torch varlen_attn)": torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)}
+    if fa4.available():
+        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)
     for name in measured:
         singles[f"[{name}]"] = packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward, name)
     single_ms = {what: timed(step) for what, step in singles.items()}
@@ -257,8 +277,9 @@ def intro(tokens: int, source: str, packs: int) -> list[str]:
         "timed again right before each layout's ranks; max/mean = slowest rank over the mean; short = pieces per "
         "rank under 128 query rows; K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads "
         "(exchange); communication not timed. `[flash]` torch's varlen flash kernel, `[cudnn]` cuDNN's fused "
-        "attention on the ragged pieces, `[auto]` cuDNN's forward (listed as `[cudnn]`'s, the same code timed once) "
-        "and the backward chosen per call. Analyses: [docs/attention-kernels.md](docs/attention-kernels.md), "
+        "attention on the ragged pieces, `[fa4]` FlashAttention-4 (`flash-attn-4`), `[auto]` FA4 where installed, "
+        "else cuDNN's forward and the backward chosen per call. "
+        "Analyses: [docs/attention-kernels.md](docs/attention-kernels.md), "
         "[docs/measurement.md](docs/measurement.md).",
         "",
     ]
@@ -270,8 +291,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--cp", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--packs", type=int, default=3, help="packs sampled; medians are reported")
-    default_kernels = ["flash"] + (["cudnn", "auto"] if cudnn.available() else [])
-    parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "auto"])
+    default_kernels = ["flash"] + (["cudnn"] if cudnn.available() else []) + (["fa4"] if fa4.available() else [])
+    default_kernels += ["auto"] if cudnn.available() else []
+    parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "fa4", "auto"])
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())

@@ -242,6 +242,13 @@ def wall_s(step, inputs, cuda: bool) -> float:
     return time.perf_counter() - start
 
 
+def _family(kernel: str) -> str:
+    """Which backend a (lower-cased) attention kernel name belongs to; FA4's CuTe kernels are named after it."""
+    if "flash_attncute" in kernel or "flashattention" in kernel:
+        return "fa4"
+    return "cudnn" if "cudnn" in kernel else "flash" if "flash" in kernel else "other"
+
+
 def profile_step(step, inputs, cuda: bool) -> dict:
     """GPU busy share, attention kernel ms and family, and host syncs of one step (module docstring)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -263,7 +270,7 @@ def profile_step(step, inputs, cuda: bool) -> dict:
     attention = [e for e in device if any(word in e.name.lower() for word in ATTENTION_WORDS)]
     names = sorted({e.name[:80] for e in attention})
     print(f"  attention kernels: {names or 'none'}", file=sys.stderr, flush=True)
-    families = {"cudnn" if "cudnn" in n.lower() else "flash" if "flash" in n.lower() else "other" for n in names}
+    families = {_family(n.lower()) for n in names}
     kernel = "+".join(sorted(families)) or "none"
     return {
         "busy": busy / (max(covered, span.end) - span.start) if cuda else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import platform
 import re
@@ -26,7 +27,7 @@ NEW_FILE = "# Benchmarks\n\n"
 
 
 def machine() -> str:
-    """One line: the GPUs (with cuDNN and its frontend) or the CPU, then torch's and Python's versions."""
+    """One line: the GPUs (with cuDNN, its frontend, FlashAttention-4) or the CPU; torch's and Python's versions."""
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
         major, minor = divmod(torch.backends.cudnn.version() // 100, 100)
@@ -36,6 +37,10 @@ def machine() -> str:
 
             device += f", cudnn-frontend {cudnn.__version__}"
         except (ImportError, OSError):
+            pass
+        try:  # the ``fa4`` extra, without importing it (seconds)
+            device += f", flash-attn-4 {importlib.metadata.version('flash-attn-4')}"
+        except importlib.metadata.PackageNotFoundError:
             pass
     else:
         device = f"{_cpu_name()} x {os.cpu_count()} ({platform.machine()})"

@@ -18,7 +18,7 @@ import dataclasses
 import os
 
 #: Attention kernels (``cpcompile.kernels``); ``None`` picks by what is installed.
-KERNELS = ("reference", "flash", "cudnn", "auto")
+KERNELS = ("reference", "flash", "cudnn", "fa4", "auto")
 #: K/V for the all-gather comm: exchange only the rows read where it pays, always, or never.
 KV_EXCHANGE = ("auto", "always", "never")
 #: How the TP overlap's rings move chunks on CUDA with NCCL (``cpcompile.comm.ring``).
@@ -30,7 +30,8 @@ class Config:
     """How the CP and TP ops run; every field is validated on construction.
 
     - ``kernel``: one of :data:`KERNELS`, or ``None``: on CUDA fp16/bf16 ``auto`` where
-      cudnn-frontend is installed, else ``flash``; the exact ``reference`` elsewhere.
+      cudnn-frontend is installed, else ``fa4`` where FlashAttention-4 is, else ``flash``;
+      the exact ``reference`` elsewhere.
     - ``kv_exchange``: one of :data:`KV_EXCHANGE` (``comm="all_gather"`` only).
     - ``kv_chunks``: K/V head groups whose all-gathers are pipelined with attention
       (lowered to a divisor of the K/V head count; 1: one collective each of K and V).

@@ -15,7 +15,7 @@ def test_defaults_and_validation():
     assert Config() == Config(kernel=None, kv_exchange="auto", kv_chunks=1, tp_comm="symm_mem")
     assert resolve_config(None) is default_config()
     for field, value, message in (
-        ("kernel", "fa9", r"kernel must be one of \(None, 'reference', 'flash', 'cudnn', 'auto'\), got 'fa9'"),
+        ("kernel", "fa9", r"kernel must be one of \(None, 'reference', 'flash', 'cudnn', 'fa4', 'auto'\), got 'fa9'"),
         ("kv_exchange", "sometimes", "kv_exchange must be one of .*got 'sometimes'"),
         ("kv_chunks", 0, "kv_chunks must be an int >= 1, got 0"),
         ("kv_chunks", "2", "kv_chunks must be an int >= 1, got '2'"),

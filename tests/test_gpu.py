@@ -17,7 +17,7 @@ import torch
 import cpcompile
 from cpcompile import kernels
 from cpcompile.comm import exchange
-from cpcompile.kernels import cudnn, flash
+from cpcompile.kernels import cudnn, fa4, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
 from cpcompile.testing import VARLEN_GQA
@@ -25,7 +25,13 @@ from tests.reference import attention_fp64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 _needs_cudnn = pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")
-GPU_KERNELS = ["flash", pytest.param("cudnn", marks=_needs_cudnn), pytest.param("auto", marks=_needs_cudnn)]
+_needs_fa4 = pytest.mark.skipif(not fa4.available(), reason="needs flash-attn-4")
+GPU_KERNELS = [
+    "flash",
+    pytest.param("cudnn", marks=_needs_cudnn),
+    pytest.param("fa4", marks=_needs_fa4),
+    pytest.param("auto", marks=_needs_cudnn),
+]
 
 
 def _case(lengths, hq=8, hkv=2, d=128, seed=0):
@@ -33,6 +39,14 @@ def _case(lengths, hq=8, hkv=2, d=128, seed=0):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     t = sum(lengths)
     return cu, *(torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv, hq))
+
+
+def _same(a, b, kernel: str) -> bool:
+    """Equal where the backend's backward is reproducible; FA4's adds partial gradients with
+    atomics, so its runs differ in rounding: there, within the accumulation error's bound."""
+    if kernel in ("flash", "cudnn") or (kernel == "auto" and not fa4.available()):
+        return torch.equal(a, b)
+    return (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item()
 
 
 def _err(a, b):
@@ -69,7 +83,7 @@ def test_packed_attention_bf16_within_twice_the_kernel_error(causal, kernel):
         assert _err(got, want) / want.abs().max().item() < 2.5e-2
 
 
-# Known defect: both GPU backends return each piece's dK/dV rounded to bf16 (neither
+# Known defect: the GPU backends return each piece's dK/dV rounded to bf16 (no
 # kernel writes float32 gradients), and balanced cuts the 2048-token document of
 # this case into 6 causal pieces, so dV's sum carries ~1 ulp more than one rounding:
 # 0.066 against twice the kernel's own 0.030 on the H200. Only that bound is expected
@@ -82,7 +96,7 @@ LAYOUT_CASES = [(s, c) for s in ("dual_chunk_swap", "no_load_balance", "striped"
 @pytest.mark.parametrize(("strategy", "causal"), LAYOUT_CASES)
 def test_simulated_ranks_bf16(strategy, causal, kernel):
     """Each rank's pieces through the kernel, against K/V gathered by hand."""
-    kernel = kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
+    name, kernel = kernel, kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cp = 4
     lengths = [1, 700, 129, 2048, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -117,13 +131,13 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         _, ok, ov = kernel.backward(
             dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, key_order=order, **bounds
         )
-        assert torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
+        assert _same(ok, gk[order], name) and _same(ov, gv[order], name)
         into = (torch.zeros_like(gk), torch.zeros_like(gv))
         sums = {"key_order": order, "dkv_out": into}
         _, ok, ov = kernel.backward(
             dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **sums, **bounds
         )
-        assert ok is into[0] and torch.equal(ok, gk[order]) and torch.equal(ov, gv[order])
+        assert ok is into[0] and _same(ok, gk[order], name) and _same(ov, gv[order], name)
         # the sparse exchange's call: the same pieces over only the keys they read
         read = exchange.reads(plan.gather_index, plan.k_start, plan.k_len(causal), cp)
         compact = (k[read.rows], v[read.rows], plan.cu_q, read.k_start, plan.k_len(causal))
@@ -132,7 +146,7 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         cq, ck, cv = kernel.backward(
             dout[idx], q[idx], *compact[:2], o, lse, *compact[2:], causal=causal, scale=128**-0.5, pack_keys=n, **bounds
         )
-        assert torch.equal(ck, gk[read.rows]) and torch.equal(cv, gv[read.rows])
+        assert _same(ck, gk[read.rows], name) and _same(cv, gv[read.rows], name)
         unread = torch.ones(n, dtype=torch.bool, device="cuda")
         unread[read.rows] = False
         assert not gk[unread].any() and not gv[unread].any()
@@ -149,7 +163,7 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
             beyond.append(name)
         # the baseline shares the kernel's code (scratch, add-back): TransformerEngine's bound as well
         assert _err(got, want) / want.abs().max().item() < 2.5e-2, name
-    if (strategy, causal) == _BF16_PARTIALS:
+    if (strategy, causal) == _BF16_PARTIALS and (beyond or name in ("flash", "cudnn")):
         assert beyond, "the known bf16 partial dK/dV defect no longer shows: drop _BF16_PARTIALS"
         pytest.xfail(f"bf16 partial dK/dV per piece (see _BF16_PARTIALS): {beyond} past twice the kernel's error")
     assert not beyond, f"{beyond} past twice the whole-pack kernel's error"
@@ -300,7 +314,7 @@ def test_kernels_wait_for_the_gpu_once_per_plan(kernel, one_device, causal):
     work: per layer, that cost 0.6 ms of a 2.4 ms forward and 1.9 ms of an 11 ms
     backward per rank on the H200 at cp=8.
     """
-    kernel = kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
+    name, kernel = kernel, kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cu, q, k, v, dout = _case([300, 5, 3000])
     n = cu[1:] - cu[:-1]
     if one_device:  # documents as pieces (causal: the longest cut into row chunks)
@@ -308,6 +322,8 @@ def test_kernels_wait_for_the_gpu_once_per_plan(kernel, one_device, causal):
     else:  # a fresh plan, with pieces in another order
         args = (cu, cu[:-1].flip(0), n.flip(0))
     kw = {"causal": causal, "scale": 0.1, "max_seqlen_q": 3000, "max_seqlen_k": 3000, "disjoint_keys": one_device}
+    warm = tuple(a.clone() for a in args)  # another plan: kernels that compile on first use do it here
+    kernel.backward(dout, q, k, v, *kernel.forward(q, k, v, *warm, **kw), *warm, **kw)
     torch.cuda.synchronize()
     with _no_sync():
         out, lse = kernel.forward(q, k, v, *args, **kw)
@@ -316,7 +332,7 @@ def test_kernels_wait_for_the_gpu_once_per_plan(kernel, one_device, causal):
         out, lse = kernel.forward(q, k, v, *args, **kw)
         again = kernel.backward(dout, q, k, v, out, lse, *args, **kw)
     for a, b in zip(first[1:], again[1:]):  # reused metadata, same dK/dV
-        assert torch.equal(a, b)
+        assert _same(a, b, name)
 
 
 @contextlib.contextmanager

@@ -95,7 +95,7 @@ def test_bucket_rounds_up_by_less_than_an_eighth():
 def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
     q = torch.zeros(4, 2, 8)
     assert kernels.select(q) is reference and kernels.select(q, "reference") is reference
-    accepted = r"\('reference', 'flash', 'cudnn', 'auto'\)"
+    accepted = r"\('reference', 'flash', 'cudnn', 'fa4', 'auto'\)"
     with pytest.raises(ValueError, match=rf"kernel must be one of {accepted}, got 'fast'"):
         kernels.select(q, "fast")
     with pytest.raises(ValueError, match="kernel 'cudnn' needs CUDA fp16/bf16 tensors, got torch.float32 on cpu"):
@@ -106,6 +106,13 @@ def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="kernel 'cudnn' needs CUDA fp16/bf16 tensors"):
         cpcompile.packed_attention(q, q, q, cu, config=cpcompile.Config(kernel="cudnn"))
+
+
+def test_auto_takes_fa4s_backward_where_pieces_copy_few_keys():
+    t = 131072  # key copies per rank at cp=8 on a ProLong pack (docs/attention-kernels.md, "FlashAttention-4")
+    assert auto.use_fa4_backward(int(0.31 * t), t) and auto.use_fa4_backward(int(0.25 * t), t)  # balanced, no_lb
+    assert not auto.use_fa4_backward(int(1.06 * t), t)  # dual_chunk_swap: cuDNN's backward is faster
+    assert not auto.use_fa4_backward(int(3.92 * t), t)  # stripes of 128
 
 
 def test_auto_takes_cudnns_backward_where_pieces_read_many_keys_per_row_within_memory():

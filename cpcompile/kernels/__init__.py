@@ -1,10 +1,11 @@
 """Attention kernels behind one stated contract (``contract``), and :func:`select`, which picks one.
 
 Backends: ``reference`` (exact, any device), ``flash`` (torch's varlen flash kernel),
-``cudnn`` (cuDNN's fused attention, the ``gpu`` extra) and ``auto`` (cuDNN's forward
-and the backward chosen per call). ``metadata`` holds what the GPU backwards derive
-from a plan, ``triton`` their Triton helpers. The GPU backends import without CUDA
-or cudnn-frontend; they need them only when called.
+``cudnn`` (cuDNN's fused attention, the ``gpu`` extra), ``fa4`` (FlashAttention-4, the
+``fa4`` extra) and ``auto`` (each direction on the fastest one that runs the call).
+``varlen`` is what ``flash`` and ``fa4`` share, ``metadata`` what the GPU backwards
+derive from a plan, ``triton`` their Triton helpers. The GPU backends import without
+CUDA, cudnn-frontend or FA4; they need them only when called.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
 
     ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``Config.kernel``); this function
     reads no environment. ``None`` chooses by what is installed: CUDA fp16/bf16 tensors get
-    ``auto`` where cudnn-frontend imports, else ``flash``; every other tensor ``reference``.
-    A named GPU kernel for other tensors, or ``cudnn``/``auto`` without cudnn-frontend,
-    raises ``ValueError``.
+    ``auto`` where cudnn-frontend imports, else ``fa4`` where FA4 runs ``q``, else ``flash``;
+    every other tensor ``reference``. A named GPU kernel for other tensors, ``cudnn``/``auto``
+    without cudnn-frontend, or ``fa4`` where FA4 cannot run ``q``, raises ``ValueError``.
     """
     if name is not None and name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
@@ -36,14 +37,23 @@ def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
         raise ValueError(f"kernel {name!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if not usable:
         return reference
-    from . import cudnn, flash
+    from . import cudnn, fa4, flash
 
     if name in ("cudnn", "auto") and not cudnn.available():
         raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
+    if name == "fa4" and not fa4.supports(q):
+        raise ValueError(
+            f"kernel 'fa4' needs FlashAttention-4 ({fa4.SUPPORTED}: pip install 'cpcompile[fa4]') on Hopper or "
+            f"Blackwell, with a head dim it supports; got head dim {q.shape[-1]}, installed: {fa4.available()}"
+        )
     if name == "cudnn":
         return cudnn
-    if name == "flash" or not cudnn.available():
+    if name == "fa4":
+        return fa4
+    if name == "flash":
         return flash
+    if not cudnn.available():
+        return fa4 if fa4.supports(q) else flash
     from . import auto
 
     return auto

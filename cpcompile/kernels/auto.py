@@ -1,28 +1,58 @@
 """The default CUDA kernel when cudnn-frontend is present: each direction on its faster backend (``contract``).
 
-cuDNN's forward is the faster one, on one device and on ranks' pieces, so the
-forward is cuDNN's. cuDNN's backward is the faster one too, given exact launch
-bounds, only the pieces that see keys as entries (``metadata.scratch``) and long
-triangular pieces cut into row chunks (``metadata.chunks``): on ranks' pieces, on
-whole causal documents on one device, and in place on documents that are not
-causal (``disjoint_keys``). Its price is memory: it holds float32 dK/dV for every
-query head of its scratch rows (``sum(k_len)`` over its pieces, row chunks
-included), which does not fit for small stripes, so past ``MAX_KEY_ROWS``
-scratch rows per key row flash's backward serves instead. A pack that is one
-causal document of more than ``3 x metadata.chunks.ROWS`` tokens takes 2.5 rows
-per key in its 4 chunks, so it gets flash's backward too. The two forwards' ``lse`` agree,
-so either backward takes cuDNN's forward. The measurements behind each choice:
-docs/attention-kernels.md.
+Where FlashAttention-4 runs the call (``fa4.supports``), the forward is FA4's, the
+fastest on whole documents and on ranks' pieces, and so is the backward of whole
+documents and of pieces whose key copies (``varlen``) number at most ``FA4_KEY_ROWS``
+per key row (balanced, no_load_balance); on many short pieces that read most keys
+(dual_chunk_swap, small stripes) cuDNN's backward is faster (docs/attention-kernels.md,
+"FlashAttention-4"), and where cuDNN's does not fit (below) FA4's serves rather than
+flash's. Otherwise: cuDNN's forward is the faster one, on one device and on ranks'
+pieces, so the forward is cuDNN's. cuDNN's backward is the faster one too, given exact
+launch bounds, only the pieces that see keys as entries (``metadata.scratch``) and long
+triangular pieces cut into row chunks (``metadata.chunks``): on ranks' pieces, on whole
+causal documents on one device, and in place on documents that are not causal
+(``disjoint_keys``). Its price is memory: it holds float32 dK/dV for every query head of
+its scratch rows (``sum(k_len)`` over its pieces, row chunks included), which does not
+fit for small stripes, so past ``MAX_KEY_ROWS`` scratch rows per key row flash's
+backward serves instead. A pack that is one causal document of more than ``3 x
+metadata.chunks.ROWS`` tokens takes 2.5 rows per key in its 4 chunks, so it gets flash's
+backward too. The two forwards' ``lse`` agree, so either backward takes cuDNN's forward.
+The measurements behind each choice: docs/attention-kernels.md.
 """
 
 from __future__ import annotations
 
-from . import cudnn, flash
+from . import cudnn, fa4, flash
 from .contract import check_options
+from .metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
+FA4_KEY_ROWS = 0.5  # key copies per key row up to which FA4's backward is the faster one
 
-forward = cudnn.forward
+
+def forward(
+    q,
+    k,
+    v,
+    cu_q,
+    k_start,
+    k_len,
+    *,
+    causal: bool,
+    scale: float,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    disjoint_keys: bool = False,
+):
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q``, else cuDNN's."""
+    kw = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "disjoint_keys": disjoint_keys}
+    kernel = fa4 if fa4.supports(q) else cudnn
+    return kernel.forward(q, k, v, cu_q, k_start, k_len, causal=causal, scale=scale, **kw)
+
+
+def use_fa4_backward(copies: int, num_keys: int) -> bool:
+    """Whether FA4's backward, whose pieces read ``copies`` key rows of copies, is the faster one."""
+    return copies <= FA4_KEY_ROWS * num_keys
 
 
 def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
@@ -50,7 +80,8 @@ def backward(
     dkv_out=None,
     **options,
 ):
-    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`, from the backend
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`: FA4's where it runs ``q`` and
+    :func:`use_fa4_backward` (or ``disjoint_keys``) says so, else from the backend
     :func:`use_cudnn_backward` picks.
 
     Whole documents that are not causal (``disjoint_keys``): cuDNN's, in place.
@@ -72,8 +103,12 @@ def backward(
         "key_order": key_order,
         "dkv_out": dkv_out,
     }
+    num_keys = options.get("pack_keys") or k.shape[0]
+    has_fa4 = fa4.supports(q)
+    if has_fa4 and (disjoint_keys or use_fa4_backward(scratch_rows(cu_q, k_start, k_len, k.shape[0]).rows, num_keys)):
+        return fa4.backward(*args, **kw)
     if disjoint_keys and not causal:
         return cudnn.backward(*args, **kw)
     _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal)
-    kernel = cudnn if use_cudnn_backward(scratch.rows, options.get("pack_keys") or k.shape[0]) else flash
+    kernel = cudnn if use_cudnn_backward(scratch.rows, num_keys) else fa4 if has_fa4 else flash
     return kernel.backward(*args, **kw)

@@ -15,6 +15,8 @@ may overlap (they are only read). Query head ``h`` reads key and value head
 - A row that sees no key (a padding piece, ``k_len = 0``; in a ring step, a piece
   with no key in the block) outputs 0 with ``lse = -inf`` and gets zero gradient.
 - Softmax and gradients accumulate in float32 (float64 for float64 inputs).
+  Backwards are reproducible run to run, except FA4's, which adds partial
+  gradients with atomics (its runs differ in rounding).
   ``backward`` returns the exact sum of every piece's dK/dV, even where pieces'
   key ranges overlap, and leaves it in that dtype: callers sum it over ranks
   before the one rounding. (The GPU kernels write each piece's part in the input
@@ -150,6 +152,7 @@ class AttentionKernel(Protocol):
         Returns:
             ``dq`` ``[Tq, Hq, D]`` in ``q``'s dtype (0 for rows that see no key); ``dk``,
             ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
-            over all pieces, or the ``dkv_out`` buffers.
+            over all pieces (with ``disjoint_keys``, where there is nothing to add, they
+            may come in ``k``'s dtype), or the ``dkv_out`` buffers.
         """
         ...

@@ -142,12 +142,14 @@ def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None,
 
 
 def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_order=None, out=None) -> torch.Tensor:
-    """A whole ``[Tk, H, D]`` dK or dV, given as :func:`add_back` gives its sums: at least
-    float32, rows in ``key_order``, and with ``out``, written there at the rows of the keys
-    that the pieces (``k_start``, ``k_len`` ``[P]``) read, the others kept."""
+    """A whole ``[Tk, H, D]`` dK or dV of pieces that read disjoint keys, as :func:`add_back`
+    gives its sums: rows in ``key_order``, and with ``out``, written there at the rows of the
+    keys that the pieces (``k_start``, ``k_len`` ``[P]``) read, the others kept. Without
+    ``out`` it stays in ``grad``'s dtype: each key's gradient is one piece's, with nothing to
+    add (a float32 copy cost two passes over dK/dV, a tenth of a single-device backward
+    with 16 K/V heads: docs/attention-kernels.md, "FlashAttention-4")."""
     if out is None:
-        grad = grad if key_order is None else grad[key_order]
-        return grad.to(torch.promote_types(grad.dtype, torch.float32))
+        return grad if key_order is None else grad[key_order]
     rows, src = _placement(k_start, k_len, grad.shape[0], key_order)
     out[rows] = grad[src].to(out.dtype)
     return out

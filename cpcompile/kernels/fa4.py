@@ -1,0 +1,96 @@
+"""FlashAttention-4 (``flash-attn-4``, module ``flash_attn.cute``; the ``fa4`` extra) behind the
+kernel contract (``contract``), arranged as every flash-style varlen kernel is (``varlen``).
+
+FA4 is the fastest attention kernel on Hopper and Blackwell (docs/attention-kernels.md).
+Its forward reads each piece's keys in place (``cu_seqlens_k`` not monotone,
+``seqused_k``); its backward writes dK/dV per entry, which is wrong for pieces whose
+key ranges overlap or decrease, so it gets each piece's own copy of its keys
+(``varlen``). FA4 compiles each kernel variant on first use (seconds), keyed on
+dtypes, head dims, causality and tile sizes, not on token counts: packs of any
+size reuse it. It calls no host sync. Its functions are called inside cpcompile's
+ops, so compiled graphs see only those ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .varlen import VarlenKernel
+
+#: The releases whose low-level functions (``_flash_attn_fwd``, ``_flash_attn_bwd``) this calls.
+SUPPORTED = "flash-attn-4>=4.0.0b36,<4.1"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether FA4 is installed (the ``fa4`` extra), without importing it (that takes seconds)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether FA4 runs ``q`` ``[T, H, D]``: CUDA fp16/bf16 on Hopper (head dim a multiple of 8
+    up to 256) or Blackwell (up to 128), and installed. Another shape: device and dtype only."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and available()):
+        return False
+    major = _major(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if q.dim() != 3:  # no head dim to check (``kernels.select`` is given a dtype and device)
+        return major in (9, 10, 11)
+    d = q.shape[-1]
+    return d % 8 == 0 and (major == 9 and 8 <= d <= 256 or major in (10, 11) and 8 <= d <= 128)
+
+
+@functools.cache
+def _major(device: int) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@functools.cache
+def _interface():
+    from flash_attn.cute import interface
+
+    return interface
+
+
+def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=None):
+    out, lse, *_ = _interface()._flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        seqused_k=seqused_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=causal,
+        return_lse=True,
+    )
+    return out, lse
+
+
+def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    dq, dk, dv, *_ = _interface()._flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=scale,
+        causal=causal,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+    )
+    return dq, dk, dv
+
+
+FA4 = VarlenKernel(_forward_call, _backward_call)
+forward, backward = FA4.forward, FA4.backward

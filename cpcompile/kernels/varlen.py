@@ -1,0 +1,122 @@
+"""Flash-style varlen kernels behind the kernel contract (``contract``): the structure that
+torch's flash kernel (``flash``) and FlashAttention-4 (``fa4``) share.
+
+Forward is one call: ``cu_seqlens_k`` holds each piece's key start (not monotone)
+and ``seqused_k`` its length, so no key is copied. The backward cannot read keys
+that way: torch's flash backward has no ``seqused_k``, and FA4's writes dK/dV per
+entry, so entries whose key ranges overlap overwrite each other's rows (and, with
+GQA, entries whose ranges decrease share accumulator tiles). So it runs one call
+over a key buffer in which each piece gets its own copy of its keys
+(``metadata.scratch``), and the copies' gradients are summed back. That buffer
+holds ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance,
+more for small stripes; its size is read on the host once per plan. When the
+caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
+single-device attention), the backward is one plain call with no copies.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..per_plan import per_plan
+from .contract import check_options
+from .metadata.scratch import add_back, place, scratch_rows
+from .triton import dead_rows
+
+
+class ForwardCall(Protocol):
+    def __call__(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k=None):
+        """q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]``, ``cu_q``/``cu_k`` ``[B + 1]`` int32 (``cu_k``
+        monotone unless ``seqused_k [B]`` gives the lengths) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
+
+
+class BackwardCall(Protocol):
+    def __call__(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+        """The gradients ``(dq, dk, dv)`` of one plain varlen call (``cu_k`` monotone, entries disjoint)."""
+
+
+@per_plan
+def _consecutive_cu_k(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
+    """``[P + 1]`` cumulative key offsets of pieces whose key ranges are consecutive
+    (``disjoint_keys``); built once per plan, shared by forward and backward."""
+    return torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+
+
+def _bounds(q, k, max_seqlen_q, max_seqlen_k):
+    # The grid is sized by these: tight bounds save empty thread blocks. Rows of
+    # padding pieces beyond max_q are skipped by the kernel and zeroed below.
+    max_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
+    max_k = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
+    return max_q, max_k
+
+
+class VarlenKernel:
+    """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
+    forward call and one varlen backward call (module docstring)."""
+
+    def __init__(self, forward_call: ForwardCall, backward_call: BackwardCall):
+        self._forward_call, self._backward_call = forward_call, backward_call
+
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        cu_q,
+        k_start,
+        k_len,
+        *,
+        causal: bool,
+        scale: float,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        disjoint_keys: bool = False,
+    ):
+        """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+        max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
+        if disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
+            return self._forward_call(q, k, v, cu_q, _consecutive_cu_k(k_start, k_len), max_q, max_k, causal, scale)
+        cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
+        out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=k_len)
+        live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
+        # in place: the kernel's fresh outputs
+        return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
+
+    def backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        k_start,
+        k_len,
+        *,
+        causal: bool,
+        scale: float,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        disjoint_keys: bool = False,
+        key_order=None,
+        dkv_out=None,
+        **options,
+    ):
+        """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
+        check_options(options)
+        max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
+        dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
+        call = self._backward_call
+        if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
+            cu_k = _consecutive_cu_k(k_start, k_len)
+            dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+            return dq, place(dk, k_start, k_len, key_order, dk_out), place(dv, k_start, k_len, key_order, dv_out)
+        scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
+        max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
+        src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
+        dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
+        dk, dv = add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)
+        return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv

@@ -30,6 +30,7 @@ import cpcompile
 from cpcompile import kernels
 from cpcompile.comm import exchange
 from cpcompile.comm.kv_gather import grad_buffers
+from cpcompile.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
 from cpcompile.ops import gathered
 from cpcompile.plan import max_piece_len
@@ -67,11 +68,6 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
-
-
-def causal_flops(lengths: list[int], hq: int, d: int) -> float:
-    """Forward FLOPs of causal attention: 2 matmuls x 2 flops x visible pairs."""
-    return 4.0 * d * hq * sum(n * (n + 1) / 2 for n in lengths)
 
 
 def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
@@ -166,7 +162,7 @@ def measure(
     pad_room = 2 * max(cps) * len(lengths)  # enough physical rows for any strategy's padding
     q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    flops = causal_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
+    flops = causal_attention_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
 
     # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)

@@ -55,13 +55,13 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_gpu import causal_flops  # noqa: E402
 from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
+from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import synthetic_pack  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
@@ -162,8 +162,7 @@ def make_packs(args) -> list[torch.Tensor]:
 
 def pack_flops(cu: torch.Tensor, params: int, args) -> float:
     """Model FLOPs of one pack's forward + backward (module docstring)."""
-    attention = causal_flops(cu.diff().tolist(), args.heads, args.hidden // args.heads)
-    return 6.0 * params * int(cu[-1]) + 3.0 * args.layers * attention
+    return training_flops(cu.diff().tolist(), params, args.layers, args.heads, args.hidden // args.heads)
 
 
 def model_inputs(cu: torch.Tensor, seed: int, cp: int, rank: int, args, device) -> tuple[dict, object]:

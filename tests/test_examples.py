@@ -18,6 +18,7 @@ import cpcompile
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_packed.py"
 DEMO = ROOT / "examples" / "cp_attention_demo.py"
+TRAIN_HF = ROOT / "examples" / "train_hf.py"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -74,18 +75,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_rank_env() -> dict[str, str]:
+    """What torchrun sets for a world of one process."""
+    return {**TORCHRUN_2, "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+
+
 def test_progress_is_one_line_per_step_in_a_log(tmp_path):
     # one rank (no torchrun needed), a CDF length file, the eager inner compiler: a few seconds;
     # the default dual_chunk_swap, whose padding one rank must not get (the backend leaves cp=1 alone)
     cdf = tmp_path / "lengths.csv"
     cdf.write_text("upper_bound_tokens,cumulative_percent\n32,50\n256,100\n")
-    env = {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
+    env = one_rank_env()
     args = ["--steps", "3", "--tokens", "256", "--inner", "eager", "--no-check", "--doclens", str(cdf)]
     run = run_example(str(TRAIN), *args, env=env)
     assert run.returncode == 0, run.stderr
@@ -101,3 +101,19 @@ def test_demo_runs_every_strategy():
     rows = [line.split()[0] for line in run.stdout.splitlines()[2:-1]]
     assert rows == [s.value for s in cpcompile.Strategy]
     assert "auto -> " in run.stdout
+
+
+def test_hf_main_job_reports_rates_and_compiles_its_layer_once():
+    # one rank (no torchrun needed), each decoder layer compiled on its own, the eager inner compiler
+    args = ["--steps", "5", "--layers", "3", "--regional", "--inner", "eager"]
+    run = run_example(str(TRAIN_HF), *args, env=one_rank_env())
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/5", "5/5"]
+    assert "compiled" in lines[0] and "tok/s per GPU" in lines[1]
+    assert lines[-1] == "compiled graphs: 1 over 5 packs"
+
+
+def test_hf_main_job_without_torchrun_says_how_to_start_it():
+    run = run_example(str(TRAIN_HF), "--steps", "1")
+    assert run.returncode == 1 and "start it with torchrun --nproc-per-node 2 examples/train_hf.py" in run.stderr

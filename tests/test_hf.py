@@ -70,13 +70,22 @@ def reference_loss_sum(model, batch) -> torch.Tensor:
     return total
 
 
-def _check_cp_training(rank: int, world: int, archs: list[str]) -> None:
+def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool = False) -> None:
+    """``regional``: each decoder layer compiled on its own (one graph for all of them, as
+    torchtitan compiles per block), and the batch given to the model through the loader's
+    ``device`` path (``shard_flattened_batch(..., device=...)``, which makes the plan there)."""
     for arch in archs:
         reference = tiny_model(arch, "eager")
         model = tiny_model(arch, cphf.ATTN_IMPLEMENTATION)
         torch._dynamo.reset()
         counters.clear()
-        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        backend = cpcompile.backend(inner="aot_eager")
+        if regional:
+            for layer in model.model.layers:
+                layer.compile(backend=backend, dynamic=True)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=backend, dynamic=True)
         graphs_after_first = None
         for step, lengths in enumerate(PACKS):
             batch = flattened_batch(lengths, seed=step)
@@ -86,7 +95,8 @@ def _check_cp_training(rank: int, world: int, archs: list[str]) -> None:
             want.backward()
             labelled = sum(n - 1 for n in lengths)
 
-            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank)
+            device = "cpu" if regional else None
+            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank, device=device)
             assert int(inputs["num_items_in_batch"]) == labelled, label
             model.zero_grad()
             with cpcompile.strategy(sharded.spec):
@@ -97,10 +107,16 @@ def _check_cp_training(rank: int, world: int, archs: list[str]) -> None:
                 graphs_after_first = counters["stats"]["unique_graphs"]
         # new lengths and document counts reuse the graphs compiled for the first pack
         assert counters["stats"]["unique_graphs"] == graphs_after_first, f"{arch} recompiled"
+        if regional:  # every layer runs the first layer's graph
+            assert graphs_after_first == 1, graphs_after_first
 
 
 def test_compiled_cp_training_matches_single_device():
     run_ranks(_check_cp_training, 2, ["llama", "qwen2"])
+
+
+def test_regionally_compiled_cp_training_matches_single_device():
+    run_ranks(_check_cp_training, 2, ["llama"], True)
 
 
 def test_single_device_matches_per_document():

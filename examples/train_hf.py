@@ -1,0 +1,175 @@
+"""Train a Hugging Face Llama-architecture model with context parallelism: the GPU main job.
+
+The model is transformers' own ``LlamaForCausalLM`` (random weights from a config),
+with ``attn_implementation="cpcompile"``; every rank compiles it with
+``cpcompile.backend``, takes its share of each pack (``shard_flattened_batch``, which
+also makes the step's attention plan ahead of the step) and adds gradients over the
+CP group. The progress line shows tokens/s per GPU and, on GPUs, MFU.
+
+    torchrun --nproc-per-node 8 examples/train_hf.py --preset llama-8b-layers --layers 8 --tokens 131072
+    torchrun --nproc-per-node 2 examples/train_hf.py                 # a tiny model, CPU or GPUs
+
+--doclens FILE: document lengths as a JSON list of token counts, or a CSV of
+``upper_bound_tokens,cumulative_percent``; without it, the advisor's built-in mix.
+--regional compiles each decoder layer on its own (one compilation, reused by every
+layer) instead of the whole model: compile time then does not grow with depth.
+
+Runs on GPUs with nccl (one per rank, bf16) when CUDA is available, else on CPU with gloo (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+import cpcompile
+import cpcompile.integrations.hf as cphf  # registers attn_implementation="cpcompile"; needs transformers
+from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
+from cpcompile.flops import training_flops
+from cpcompile.testing import synthetic_pack
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: Model shapes: ``tiny`` runs in seconds on CPU; ``llama-8b-layers`` is Llama-3-8B's layer shape.
+PRESETS = {
+    "tiny": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
+    "llama-8b-layers": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
+}
+#: Dense bf16 peak of the GPUs MFU is reported against (by device name), in FLOP/s.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12}
+
+
+def parse_args() -> argparse.Namespace:
+    """The arguments, all checked here: a bad one fails before any process group exists."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default: tiny)")
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens per pack (whole CP group)")
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--strategy", default="balanced", choices=[s.value for s in cpcompile.Strategy])
+    p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths (default: a built-in mix)")
+    p.add_argument("--regional", action="store_true", help="compile each decoder layer, not the whole model")
+    p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
+    p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, ...")
+    p.add_argument("--lr", type=float, default=1e-4)
+    args = p.parse_args()
+    try:
+        args.backend = cpcompile.backend(inner=args.inner)
+        args.draw = length_sampler(args.doclens, torch.Generator().manual_seed(0)) if args.doclens else None
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def check_torchrun_env() -> None:
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise SystemExit(
+            f"train_hf.py: {', '.join(missing)} not set: this example runs one process per CP rank; "
+            "start it with torchrun --nproc-per-node 2 examples/train_hf.py"
+        )
+
+
+def build_model(args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight ``LlamaForCausalLM``, the same on every rank (seeded), made on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = PRESETS[args.preset]
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=args.layers,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max(args.tokens, 8192),
+        use_cache=False,
+        attn_implementation=cphf.ATTN_IMPLEMENTATION,
+    )
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters made in their dtype, on the device: no float32 copy
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model.train()
+
+
+def compile_model(model: torch.nn.Module, args) -> torch.nn.Module:
+    """The whole model compiled, or with ``--regional`` each decoder layer (as torchtitan compiles per block)."""
+    if not args.regional:
+        return torch.compile(model, backend=args.backend, dynamic=True)
+    for layer in model.model.layers:
+        layer.compile(backend=args.backend, dynamic=True)
+    return model
+
+
+def main() -> None:
+    args = parse_args()
+    check_torchrun_env()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    model = build_model(args, device, torch.bfloat16 if cuda else torch.float32)
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    compiled = compile_model(model, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    shape = PRESETS[args.preset]
+    peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
+    draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))
+    spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy))
+
+    start, tokens, flops = time.perf_counter(), 0, 0.0
+    for step in range(args.steps):
+        cu = cut_pack(draw, args.tokens)  # the same pack on every rank: one seeded draw
+        lengths = torch.diff(cu).tolist()
+        pack = synthetic_pack(lengths, shape["vocab"], torch.Generator().manual_seed(step))
+        batch = {k: pack[k][None] for k in ("input_ids", "position_ids")} | {"cu_seq_lens_q": cu}
+        batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
+        inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=spec, device=device)
+        with cpcompile.strategy(sharded.spec):
+            loss = compiled(**inputs).loss  # this rank's share of the pack's mean loss
+        loss.backward()
+        for p in model.parameters():  # the loss is a sum over ranks: so are its gradients
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 0:  # the first step compiles: rates count the steps after it
+            start = time.perf_counter()
+        else:
+            tokens += int(cu[-1])
+            flops += training_flops(lengths, params, args.layers, shape["heads"], shape["hidden"] // shape["heads"])
+        if step == 0 or step == args.steps - 1 or (step + 1) % 5 == 0:
+            dist.all_reduce(loss := loss.detach())  # the pack's mean loss: the ranks' shares added
+            if rank == 0:
+                report(step, args.steps, loss.item(), start, tokens, flops, cp, peak)
+    if rank == 0:  # one per region and dynamic shape, whatever the packs' lengths and document counts
+        print(f"compiled graphs: {counters['stats']['unique_graphs']} over {args.steps} packs", flush=True)
+    dist.barrier()  # all done before teardown: exiting with a live gloo group can abort
+    dist.destroy_process_group()
+
+
+def report(step: int, steps: int, loss: float, start: float, tokens: int, flops: float, cp: int, peak) -> None:
+    """One line per report (logs keep them apart): the loss, tokens/s per GPU and MFU since the first step.
+
+    Reached after reading the loss, which waited for the GPU: only report steps wait for it."""
+    elapsed = time.perf_counter() - start
+    rate = f"{tokens / elapsed / cp:,.0f} tok/s per GPU" if tokens else "compiled"
+    mfu = f", MFU {flops / elapsed / cp / peak:.3f}" if tokens and peak else ""
+    print(f"step {step + 1}/{steps} loss {loss:.4f} {rate}{mfu}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ import expecttest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch.nn.attention.varlen import varlen_attn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -67,7 +68,7 @@ def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
     def capture(name):
         def compiler(gm, example_inputs):
             graphs[name] = readable(gm)
-            return gm.forward
+            return make_boxed_func(gm.forward)  # AOTAutograd calls compiled graphs with boxed arguments
 
         return compiler
 

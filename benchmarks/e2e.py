@@ -63,6 +63,7 @@ from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import synthetic_pack  # noqa: E402
+from cpcompile.testing.hf_llama import LlamaShape, matmul_params, random_llama  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -123,35 +124,10 @@ def parse_args() -> argparse.Namespace:
 
 def build_model(args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A random-weight LlamaForCausalLM with cpcompile's attention, seeded alike on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.tokens, 8192),
-        use_cache=False,
-        attn_implementation=cphf.ATTN_IMPLEMENTATION,
+    shape = LlamaShape(args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+    return random_llama(
+        shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
     )
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters made in their dtype, on the device: no float32 copy
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    if args.checkpointing:  # activation_checkpointing_enable from transformers 5.2x, the old name before
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable({"use_reentrant": False})
-    return model.train()
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def make_packs(args) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from launch import require_torchrun
 from torch._dynamo.utils import counters
 
 import cpcompile
@@ -33,12 +34,12 @@ import cpcompile.integrations.hf as cphf  # registers attn_implementation="cpcom
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.flops import training_flops
 from cpcompile.testing import synthetic_pack
+from cpcompile.testing.hf_llama import LLAMA_8B_LAYERS, LlamaShape, matmul_params, random_llama
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: Model shapes: ``tiny`` runs in seconds on CPU; ``llama-8b-layers`` is Llama-3-8B's layer shape.
 PRESETS = {
-    "tiny": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
-    "llama-8b-layers": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000),
+    "tiny": LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
+    "llama-8b-layers": LLAMA_8B_LAYERS,
 }
 #: Dense bf16 peak of the GPUs MFU is reported against (by device name), in FLOP/s.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12}
@@ -66,44 +67,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def check_torchrun_env() -> None:
-    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
-    if missing:
-        raise SystemExit(
-            f"train_hf.py: {', '.join(missing)} not set: this example runs one process per CP rank; "
-            "start it with torchrun --nproc-per-node 2 examples/train_hf.py"
-        )
-
-
-def build_model(args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-weight ``LlamaForCausalLM``, the same on every rank (seeded), made on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = PRESETS[args.preset]
-    config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=args.layers,
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=max(args.tokens, 8192),
-        use_cache=False,
-        attn_implementation=cphf.ATTN_IMPLEMENTATION,
-    )
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters made in their dtype, on the device: no float32 copy
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    if args.checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    return model.train()
-
-
 def compile_model(model: torch.nn.Module, args) -> torch.nn.Module:
     """The whole model compiled, or with ``--regional`` each decoder layer (as torchtitan compiles per block)."""
     if not args.regional:
@@ -115,18 +78,21 @@ def compile_model(model: torch.nn.Module, args) -> torch.nn.Module:
 
 def main() -> None:
     args = parse_args()
-    check_torchrun_env()
+    require_torchrun("examples/train_hf.py")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = build_model(args, device, torch.bfloat16 if cuda else torch.float32)
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shape = PRESETS[args.preset]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = random_llama(
+        shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
+    )
+    params = matmul_params(model)
     compiled = compile_model(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
-    shape = PRESETS[args.preset]
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
     draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))
     spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy))
@@ -135,7 +101,7 @@ def main() -> None:
     for step in range(args.steps):
         cu = cut_pack(draw, args.tokens)  # the same pack on every rank: one seeded draw
         lengths = torch.diff(cu).tolist()
-        pack = synthetic_pack(lengths, shape["vocab"], torch.Generator().manual_seed(step))
+        pack = synthetic_pack(lengths, shape.vocab, torch.Generator().manual_seed(step))
         batch = {k: pack[k][None] for k in ("input_ids", "position_ids")} | {"cu_seq_lens_q": cu}
         batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
         inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=spec, device=device)
@@ -150,7 +116,7 @@ def main() -> None:
             start = time.perf_counter()
         else:
             tokens += int(cu[-1])
-            flops += training_flops(lengths, params, args.layers, shape["heads"], shape["hidden"] // shape["heads"])
+            flops += training_flops(lengths, params, args.layers, shape.heads, shape.head_dim)
         if step == 0 or step == args.steps - 1 or (step + 1) % 5 == 0:
             dist.all_reduce(loss := loss.detach())  # the pack's mean loss: the ranks' shares added
             if rank == 0:

@@ -26,15 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from launch import require_torchrun
 from torch._dynamo.utils import counters
 
 import cpcompile
 from cpcompile.advise import cut_pack, length_sampler, positive_int
 from cpcompile.strategy import COMMS
 from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
-
-# what torchrun sets and init_process_group("env://") reads
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,16 +73,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def check_torchrun_env() -> None:
-    """Fail with a hint, not init_process_group's bare ``environment variable RANK expected``."""
-    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
-    if missing:
-        raise SystemExit(
-            f"train_packed.py: {', '.join(missing)} not set: this example runs one process per CP rank; "
-            "start it with torchrun --nproc-per-node 2 examples/train_packed.py"
-        )
-
-
 def packs(args, vocab: int):
     """The same sequence of packs on every rank (seeded), with document lengths that vary."""
     g = torch.Generator().manual_seed(1234)
@@ -118,7 +106,7 @@ def train(model, step_fn, data, optimizer, label: str, show: bool) -> list[float
 
 def main() -> None:
     args = parse_args()
-    check_torchrun_env()
+    require_torchrun("examples/train_packed.py")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()

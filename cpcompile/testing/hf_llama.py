@@ -1,0 +1,73 @@
+"""A random-weight Hugging Face ``LlamaForCausalLM`` with cpcompile's attention, for the GPU main
+job and the end-to-end benchmark (needs transformers: the ``hf`` extra)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """Layer shapes: hidden and MLP sizes, query and K/V heads, vocabulary."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+#: Llama-3-8B's layer shapes (vocabulary 32,000, Llama 2's).
+LLAMA_8B_LAYERS = LlamaShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000)
+
+
+def random_llama(
+    shape: LlamaShape,
+    layers: int,
+    *,
+    max_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpointing: bool = False,
+) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of ``layers`` decoder layers in training mode, seeded alike on every rank,
+    made in ``dtype`` on ``device`` (no float32 copy first), ``attn_implementation="cpcompile"``;
+    ``checkpointing``: HF activation checkpointing of every layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..integrations import hf as cphf
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=max(max_tokens, 8192),
+        use_cache=False,
+        attn_implementation=cphf.ATTN_IMPLEMENTATION,
+    )
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    if checkpointing:  # activation_checkpointing_enable from transformers 5.2x, the old name before
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+    return model.train()
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters of the model's linear layers: the ``N`` of ``6 N`` FLOPs per token (:mod:`cpcompile.flops`)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -63,7 +63,7 @@ from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import synthetic_pack  # noqa: E402
-from cpcompile.testing.hf_llama import LlamaShape, matmul_params, random_llama  # noqa: E402
+from cpcompile.testing.hf_llama import LlamaShape, fully_shard_llama, matmul_params, random_llama  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -175,16 +175,6 @@ def make_backend(args, cp: int) -> CountingBackend:
     return CountingBackend(cpcompile.backend(inner=args.inner, config=config))
 
 
-def shard_fsdp(model: torch.nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # before torch 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-
-
 # --- measurements ------------------------------------------------------------------
 
 
@@ -262,7 +252,7 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     model = build_model(args, device, torch.float32 if args.cpu_smoke else torch.bfloat16)
     params = matmul_params(model)
     if args.fsdp and cp > 1:
-        shard_fsdp(model)
+        fully_shard_llama(model)
     backend = make_backend(args, cp)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.optimizer == "adamw" else None

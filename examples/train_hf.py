@@ -34,7 +34,7 @@ import cpcompile.integrations.hf as cphf  # registers attn_implementation="cpcom
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.flops import training_flops
 from cpcompile.testing import synthetic_pack
-from cpcompile.testing.hf_llama import LLAMA_8B_LAYERS, LlamaShape, matmul_params, random_llama
+from cpcompile.testing.hf_llama import LLAMA_8B_LAYERS, LlamaShape, fully_shard_llama, matmul_params, random_llama
 
 #: Model shapes: ``tiny`` runs in seconds on CPU; ``llama-8b-layers`` is Llama-3-8B's layer shape.
 PRESETS = {
@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths (default: a built-in mix)")
     p.add_argument("--regional", action="store_true", help="compile each decoder layer, not the whole model")
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the CP ranks (each decoder layer, then the root)")
     p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, ...")
     p.add_argument("--lr", type=float, default=1e-4)
     args = p.parse_args()
@@ -91,6 +92,8 @@ def main() -> None:
         shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
     )
     params = matmul_params(model)
+    if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed
+        fully_shard_llama(model)
     compiled = compile_model(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
@@ -108,8 +111,9 @@ def main() -> None:
         with cpcompile.strategy(sharded.spec):
             loss = compiled(**inputs).loss  # this rank's share of the pack's mean loss
         loss.backward()
-        for p in model.parameters():  # the loss is a sum over ranks: so are its gradients
-            dist.all_reduce(p.grad)
+        if not args.fsdp:  # (FSDP2 reduce-scatters them itself)
+            for p in model.parameters():  # the loss is a sum over ranks: so are its gradients
+                dist.all_reduce(p.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step == 0:  # the first step compiles: rates count the steps after it

@@ -28,17 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 import cpcompile
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
+from cpcompile.testing.hf_llama import fully_shard_llama
 from cpcompile.testing.packed_gpt import Attention
 from tests.dist import assert_matches_summed_over_ranks, run_ranks
 from tests.reference import attention_fp64, relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
 cphf = pytest.importorskip("cpcompile.integrations.hf")
-
-try:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-except ImportError:  # before torch 2.6
-    from torch.distributed._composable.fsdp import FSDPModule, fully_shard
 
 DTYPE = torch.float64
 TOLERANCE = 1e-10  # float64 on both sides: only summation order differs
@@ -192,18 +188,10 @@ def _fsdp_training(rank: int, world: int, checkpointing: bool) -> None:
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     mesh = init_device_mesh("cpu", (world,))  # the CP ranks are the FSDP mesh (dp = 1)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
     # Each rank's loss is its share of the pack's mean, so the pack's gradient is the SUM of the
-    # ranks' gradients. FSDP2's reduce-scatter divides by the mesh size by default (a data-parallel
-    # mean); the divide factor must be the data-parallel size alone, not dp x cp: here 1. force_sum
-    # keeps the collective a plain SUM in any dtype (for float32 a factor would otherwise become a
-    # PREMUL_SUM reduce-scatter, which gloo does not implement).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    # ranks' gradients: the helper sets FSDP2's divide factor to the data-parallel size (1 here),
+    # not the mesh size (its default mean would leave every gradient 1/cp of the pack's)
+    fully_shard_llama(model, mesh=mesh)
     compiled, recorder = compile_cp(model, group=mesh.get_group())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: steps scale with the gradient
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)

@@ -71,3 +71,26 @@ def random_llama(
 def matmul_params(model: torch.nn.Module) -> int:
     """Parameters of the model's linear layers: the ``N`` of ``6 N`` FLOPs per token (:mod:`cpcompile.flops`)."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> None:
+    """FSDP2 (``fully_shard``) over each decoder layer, then the root, on ``mesh`` (default: every
+    rank), as torchtitan shards over the flattened dp x cp mesh.
+
+    Each CP rank's loss is its share of the pack's mean, so a pack's gradient is the sum of
+    the ranks' gradients: FSDP2's reduce-scatter divides by ``dp_size`` alone (the data-parallel
+    mean), not by the mesh size, and stays a plain sum (a pre-multiplied sum is not on gloo).
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:  # before torch 2.6
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dp_size))
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch 2.8 and later
+                module.set_force_sum_reduction_for_comms(True)

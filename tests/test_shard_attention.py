@@ -13,13 +13,14 @@ import expecttest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.nn.attention.varlen import varlen_attn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
 from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
-from cpcompile.testing import VARLEN_GQA
+from cpcompile.testing import VARLEN_GQA, GPTConfig, PackedGPT, synthetic_pack
 from tests.fixtures import readable
 
 
@@ -429,6 +430,37 @@ class GraphModule(torch.nn.Module):
             with cpcompile.strategy("striped", comm=comm):
                 compiled(*_inputs("striped"))
         self.assertEqual(seen, ["cpcompile::cp_attention", "cpcompile::cp_ring_attention"])
+
+
+class ManyPacks(FakeGroupTestCase):
+    def test_one_graph_for_fifty_packs_of_any_composition(self):
+        """50 packs whose token and document counts vary (1-token documents, single-document packs,
+        hundreds of tokens or a few dozen) train through one compiled graph per strategy: nothing of
+        a pack's composition is specialised on. (Dynamo does specialise sizes and ints of 0 and 1, so
+        every pack here gives a rank 2+ tokens and has a document of 2+ tokens.)"""
+        cfg = GPTConfig(vocab=32, dim=32, heads=2, kv_heads=1, layers=2, max_position=512)
+        model = PackedGPT(cfg)
+        config = cpcompile.Config(kv_exchange="never")  # the fake group's counts would be garbage
+        for strategy in ("balanced", "dual_chunk_swap"):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=True)
+            g = torch.Generator().manual_seed(0)
+            for i in range(50):
+                docs = 1 if i % 7 == 0 else int(torch.randint(2, 12, (1,), generator=g))
+                lengths = torch.randint(1, 60, (docs,), generator=g).tolist()
+                lengths[0] = max(lengths[0], 4)  # a document of 2+ tokens, 2+ tokens per rank
+                if docs > 1 and i % 3 == 0:  # a 1-token document somewhere after the first
+                    lengths[1 + i % (docs - 1)] = 1
+                pack = synthetic_pack(lengths, cfg.vocab, g)
+                names = ("input_ids", "position_ids")
+                batch = cpcompile.shard_batch(
+                    {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1, strategy=strategy
+                )
+                with cpcompile.strategy(batch.spec):
+                    out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, max(lengths))
+                out.sum().backward()
+            self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)
 
 
 def test_backend_is_registered_by_name():

@@ -63,11 +63,12 @@ def same_plan(known, t: torch.Tensor) -> bool:
 
 class _Cache:
     """Entries keyed by their tensors' memory (:func:`_key`); each goes when one of its
-    tensors (or the tensor a view is of) is freed. One lock for all threads."""
+    tensors (or the tensor a view is of) is freed. One lock for all threads, reentrant:
+    an entry replaced or evicted under it may free tensors whose entries then go too."""
 
     def __init__(self, bound: int | None):
         self.entries: collections.OrderedDict = collections.OrderedDict()
-        self.bound, self.lock = bound, threading.Lock()
+        self.bound, self.lock = bound, threading.RLock()
 
     def get(self, key):
         with self.lock:

@@ -126,3 +126,26 @@ def test_twinned_runs_on_twins_and_uploads_its_results():
     assert seen[-1] == ("meta", "meta")
     cpu = torch.arange(3)
     assert sizes(cpu, cpu, 0)[1] == 3 and seen[-1] == ("cpu", "cpu")
+
+
+def test_an_entry_evicted_under_the_lock_may_free_another_entrys_tensor():
+    """Evicting an entry frees its result; when that result is another entry's argument, that entry
+    goes too, from the weakref callback, while the cache's lock is held: a plain lock deadlocked."""
+
+    @per_plan
+    def derived(x):
+        return x + 1
+
+    def scenario():
+        x = torch.arange(3)  # kept alive: its entry goes by eviction, not with it
+        first = derived(x)
+        derived(first)  # an entry whose argument is the first entry's result
+        del first  # now only the first entry's value holds it
+        kept = [torch.full((i + 4,), i) for i in range(ENTRIES + 1)]
+        for t in kept:  # evicts the first entry, freeing its result
+            derived(t)
+
+    worker = threading.Thread(target=scenario, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "per_plan deadlocked evicting an entry"

@@ -116,15 +116,15 @@ def main() -> None:
                 dist.all_reduce(p.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step == 0:  # the first step compiles: rates count the steps after it
-            start = time.perf_counter()
-        else:
+        if step > 0:  # the first step compiles: rates count the steps after it
             tokens += int(cu[-1])
             flops += training_flops(lengths, params, args.layers, shape.heads, shape.head_dim)
         if step == 0 or step == args.steps - 1 or (step + 1) % 5 == 0:
             dist.all_reduce(loss := loss.detach())  # the pack's mean loss: the ranks' shares added
             if rank == 0:
                 report(step, args.steps, loss.item(), start, tokens, flops, cp, peak)
+        if step == 0:  # reading the loss waited for the first step's GPU work: timing starts after it
+            start = time.perf_counter()
     if rank == 0:  # one per region and dynamic shape, whatever the packs' lengths and document counts
         print(f"compiled graphs: {counters['stats']['unique_graphs']} over {args.steps} packs", flush=True)
     dist.barrier()  # all done before teardown: exiting with a live gloo group can abort

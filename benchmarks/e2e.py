@@ -63,7 +63,13 @@ from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import synthetic_pack  # noqa: E402
-from cpcompile.testing.hf_llama import LlamaShape, fully_shard_llama, matmul_params, random_llama  # noqa: E402
+from cpcompile.testing.hf_llama import (  # noqa: E402
+    LlamaShape,
+    compile_llama,
+    fully_shard_llama,
+    matmul_params,
+    random_llama,
+)
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -96,12 +102,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
     p.add_argument("--memory-budget", type=float, help="inductor's activation_memory_budget (recompute below 1)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per decoder layer and the root (cp > 1)")
+    p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU through aot_eager, to check "
                    "this script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))  # fmt: skip
     add_output_argument(p)
     args = p.parse_args()
-    if args.cpu_smoke:
-        vars(args).update(SMOKE)
+    if args.cpu_smoke:  # the smoke sizes, where the command line left the defaults
+        vars(args).update({k: v for k, v in SMOKE.items() if getattr(args, k) == p.get_default(k)})
     elif not torch.cuda.is_available():
         p.error("needs CUDA (or --cpu-smoke, a tiny configuration on CPU)")
     args.inner = "aot_eager" if args.cpu_smoke else "inductor"
@@ -254,7 +261,7 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     if args.fsdp and cp > 1:
         fully_shard_llama(model)
     backend = make_backend(args, cp)
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled = compile_llama(model, backend, regional=args.regional)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.optimizer == "adamw" else None
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
@@ -365,13 +372,14 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "
         f'{"float32, CPU" if args.cpu_smoke else "bf16"} weights, {args.inner}), `attn_implementation="cpcompile"`'
         f"{', HF checkpointing' if args.checkpointing else ''}"
+        f"{', each decoder layer compiled on its own' if args.regional else ''}"
         f"{f', memory budget {args.memory_budget}' if args.memory_budget is not None else ''}. "
         f"{args.packs} packs x {args.tokens} tokens from {source} ({docs:.0f} documents on average), "
         f"`{spec_name(args.spec)}`. Step: {step}{' (cp > 1)' if args.fsdp else ''}"
         f"{', AdamW' if args.optimizer == 'adamw' else ''}; median of {args.steps} steps ({args.warmup} warm-up "
         "and one per pack first). Definitions: `benchmarks/e2e.py`'s docstring.",
         "",
-        "cp=1: plain `torch.compile`. cp > 1: "
+        f"cp=1: plain `torch.compile`{' per layer' if args.regional else ''}. cp > 1: "
         + (
             "real ranks; times include communication."
             if args.real

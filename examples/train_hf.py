@@ -34,7 +34,14 @@ import cpcompile.integrations.hf as cphf  # registers attn_implementation="cpcom
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.flops import training_flops
 from cpcompile.testing import synthetic_pack
-from cpcompile.testing.hf_llama import LLAMA_8B_LAYERS, LlamaShape, fully_shard_llama, matmul_params, random_llama
+from cpcompile.testing.hf_llama import (
+    LLAMA_8B_LAYERS,
+    LlamaShape,
+    compile_llama,
+    fully_shard_llama,
+    matmul_params,
+    random_llama,
+)
 
 #: Model shapes: ``tiny`` runs in seconds on CPU; ``llama-8b-layers`` is Llama-3-8B's layer shape.
 PRESETS = {
@@ -68,15 +75,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def compile_model(model: torch.nn.Module, args) -> torch.nn.Module:
-    """The whole model compiled, or with ``--regional`` each decoder layer (as torchtitan compiles per block)."""
-    if not args.regional:
-        return torch.compile(model, backend=args.backend, dynamic=True)
-    for layer in model.model.layers:
-        layer.compile(backend=args.backend, dynamic=True)
-    return model
-
-
 def main() -> None:
     args = parse_args()
     require_torchrun("examples/train_hf.py")
@@ -94,7 +92,7 @@ def main() -> None:
     params = matmul_params(model)
     if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed
         fully_shard_llama(model)
-    compiled = compile_model(model, args)
+    compiled = compile_llama(model, args.backend, regional=args.regional)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
     draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))

@@ -94,3 +94,14 @@ def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> No
             module.set_gradient_divide_factor(float(dp_size))
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch 2.8 and later
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def compile_llama(model: torch.nn.Module, backend, *, regional: bool = False) -> torch.nn.Module:
+    """``model`` compiled whole, or with ``regional`` each decoder layer on its own, as torchtitan
+    compiles per block: the layers share one code object, so one graph serves every layer and the
+    compile time does not grow with depth. Returns what to call."""
+    if not regional:
+        return torch.compile(model, backend=backend, dynamic=True)
+    for layer in model.model.layers:
+        layer.compile(backend=backend, dynamic=True)
+    return model

@@ -15,7 +15,10 @@ which sends data-dependent sizes, is turned off), or under ``torchrun`` on real 
     python benchmarks/e2e.py --cpu-smoke [--cp 1,2]      # a tiny float32 model on CPU, to check the script
 
 A step is forward, backward, the gradient all-reduce over the CP group (or FSDP2's
-reduce-scatter with ``--fsdp``) and an AdamW step (``--optimizer none``: without it).
+reduce-scatter with ``--fsdp``) and an AdamW step (``--optimizer none``: without it). The loss
+is computed from the hidden states chunk by chunk (``cpcompile.testing.losses``: at 128K
+tokens the model's own ``[T, vocab]`` float32 logits take more memory than several layers),
+except with ``--fsdp`` or ``--loss hf``.
 Definitions of the reported numbers:
 
 - step: median of ``--steps`` steps run back to back over the packs after ``--warmup``,
@@ -65,6 +68,7 @@ from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import synthetic_pack  # noqa: E402
 from cpcompile.testing.hf_llama import (  # noqa: E402
     LlamaShape,
+    causal_lm_loss,
     compile_llama,
     fully_shard_llama,
     matmul_params,
@@ -103,6 +107,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memory-budget", type=float, help="inductor's activation_memory_budget (recompute below 1)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per decoder layer and the root (cp > 1)")
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
+    p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, "
+                   "without whole-pack logits (cpcompile.testing.losses; the default, except with --fsdp); "
+                   "hf: the model's own (logits, then transformers' loss)")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU through aot_eager, to check "
                    "this script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))  # fmt: skip
     add_output_argument(p)
@@ -117,6 +124,9 @@ def parse_args() -> argparse.Namespace:
     args.cp = args.cp or ([world] if args.real else [2] if args.cpu_smoke else [1, 2, 8])
     if min(args.cp) < 1 or (args.real and set(args.cp) - {1, world}) or min(args.ranks or [0]) < 0:
         p.error(f"--cp: sizes >= 1{f', under torchrun 1 or the world size {world}' if args.real else ''}; --ranks >= 0")
+    args.loss = args.loss or ("hf" if args.fsdp else "fused")
+    if args.loss == "fused" and args.fsdp:
+        p.error("--loss fused with --fsdp: the output projection's weight is gathered only inside the model's forward")
     stripe = args.stripe_size if args.strategy == "striped" else 1
     args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe)
     try:
@@ -261,14 +271,14 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     if args.fsdp and cp > 1:
         fully_shard_llama(model)
     backend = make_backend(args, cp)
-    compiled = compile_llama(model, backend, regional=args.regional)
+    compiled = compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.optimizer == "adamw" else None
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
     def step(inputs_and_spec):
         inputs, spec = inputs_and_spec
         with cpcompile.strategy(spec):
-            loss = compiled(**inputs).loss
+            loss = causal_lm_loss(compiled, model, inputs) if args.loss == "fused" else compiled(**inputs).loss
         loss.backward()
         if reduce_grads:
             for work in [dist.all_reduce(p.grad, async_op=True) for p in model.parameters()]:
@@ -373,7 +383,8 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         f'{"float32, CPU" if args.cpu_smoke else "bf16"} weights, {args.inner}), `attn_implementation="cpcompile"`'
         f"{', HF checkpointing' if args.checkpointing else ''}"
         f"{', each decoder layer compiled on its own' if args.regional else ''}"
-        f"{f', memory budget {args.memory_budget}' if args.memory_budget is not None else ''}. "
+        f"{f', memory budget {args.memory_budget}' if args.memory_budget is not None else ''}"
+        f"{', loss from hidden states in 8192-token chunks (no whole-pack logits)' if args.loss == 'fused' else ''}. "
         f"{args.packs} packs x {args.tokens} tokens from {source} ({docs:.0f} documents on average), "
         f"`{spec_name(args.spec)}`. Step: {step}{' (cp > 1)' if args.fsdp else ''}"
         f"{', AdamW' if args.optimizer == 'adamw' else ''}; median of {args.steps} steps ({args.warmup} warm-up "

@@ -96,12 +96,31 @@ def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> No
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def compile_llama(model: torch.nn.Module, backend, *, regional: bool = False) -> torch.nn.Module:
+def compile_llama(model: torch.nn.Module, backend, *, regional: bool = False, base: bool = False) -> torch.nn.Module:
     """``model`` compiled whole, or with ``regional`` each decoder layer on its own, as torchtitan
     compiles per block: the layers share one code object, so one graph serves every layer and the
-    compile time does not grow with depth. Returns what to call."""
+    compile time does not grow with depth. Returns what to call: the ``LlamaForCausalLM``, or with
+    ``base`` its decoder stack ``model.model`` (for :func:`causal_lm_loss`)."""
+    target = model.model if base else model
     if not regional:
-        return torch.compile(model, backend=backend, dynamic=True)
+        return torch.compile(target, backend=backend, dynamic=True)
     for layer in model.model.layers:
         layer.compile(backend=backend, dynamic=True)
-    return model
+    return target
+
+
+#: What :func:`causal_lm_loss` reads itself rather than passing to the decoder stack.
+_LOSS_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+
+
+def causal_lm_loss(decoder, model: torch.nn.Module, inputs: dict, *, chunk: int = 8192) -> torch.Tensor:
+    """This rank's share of the pack's mean next-token loss, as ``model(**inputs).loss`` gives it
+    from ``shard_flattened_batch``'s inputs, without the ``[T, vocab]`` logits: ``decoder`` (what
+    :func:`compile_llama` returns with ``base=True``) gives the hidden states, and
+    :func:`~cpcompile.testing.losses.linear_cross_entropy` takes them through ``model.lm_head``.
+    Not with FSDP2 on ``model``'s root: its ``lm_head`` weight is only gathered inside ``model``'s forward."""
+    from .losses import linear_cross_entropy
+
+    hidden = decoder(**{k: v for k, v in inputs.items() if k not in _LOSS_INPUTS}).last_hidden_state[0]
+    total = linear_cross_entropy(hidden, model.lm_head.weight, inputs["shift_labels"][0], chunk=chunk)
+    return total / inputs["num_items_in_batch"]

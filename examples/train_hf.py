@@ -37,6 +37,7 @@ from cpcompile.testing import synthetic_pack
 from cpcompile.testing.hf_llama import (
     LLAMA_8B_LAYERS,
     LlamaShape,
+    causal_lm_loss,
     compile_llama,
     fully_shard_llama,
     matmul_params,
@@ -64,9 +65,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regional", action="store_true", help="compile each decoder layer, not the whole model")
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over the CP ranks (each decoder layer, then the root)")
+    p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, no "
+                   "[T, vocab] logits (the default, except with --fsdp); hf: the model's own")  # fmt: skip
     p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, ...")
     p.add_argument("--lr", type=float, default=1e-4)
     args = p.parse_args()
+    if args.loss == "fused" and args.fsdp:
+        p.error("--loss fused with --fsdp: the output projection's weight is gathered only inside the model's forward")
     try:
         args.backend = cpcompile.backend(inner=args.inner)
         args.draw = length_sampler(args.doclens, torch.Generator().manual_seed(0)) if args.doclens else None
@@ -92,7 +97,8 @@ def main() -> None:
     params = matmul_params(model)
     if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed
         fully_shard_llama(model)
-    compiled = compile_llama(model, args.backend, regional=args.regional)
+    fused = (args.loss or ("hf" if args.fsdp else "fused")) == "fused"
+    compiled = compile_llama(model, args.backend, regional=args.regional, base=fused)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
     draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))
@@ -107,7 +113,8 @@ def main() -> None:
         batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
         inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=spec, device=device)
         with cpcompile.strategy(sharded.spec):
-            loss = compiled(**inputs).loss  # this rank's share of the pack's mean loss
+            # this rank's share of the pack's mean loss
+            loss = causal_lm_loss(compiled, model, inputs) if fused else compiled(**inputs).loss
         loss.backward()
         if not args.fsdp:  # (FSDP2 reduce-scatters them itself)
             for p in model.parameters():  # the loss is a sum over ranks: so are its gradients

@@ -103,9 +103,10 @@ def test_demo_runs_every_strategy():
     assert "auto -> " in run.stdout
 
 
-def test_hf_main_job_reports_rates_and_compiles_its_layer_once():
+@pytest.mark.parametrize("loss", ["fused", "hf"])
+def test_hf_main_job_reports_rates_and_compiles_its_layer_once(loss):
     # one rank (no torchrun needed), each decoder layer compiled on its own, the eager inner compiler
-    args = ["--steps", "5", "--layers", "3", "--regional", "--inner", "eager"]
+    args = ["--steps", "5", "--layers", "3", "--regional", "--inner", "eager", "--loss", loss]
     run = run_example(str(TRAIN_HF), *args, env=one_rank_env())
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()

@@ -76,26 +76,26 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
     rank reads, dK/dV for those alone; else over all the keys (all-gathered), the backward
     writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     k_len = plan.k_len(causal)
-    scale = q.shape[-1] ** -0.5
-    bounds = {"max_seqlen_q": max_seqlen_q or max_seqlen, "max_seqlen_k": max_seqlen}
+    kw = {"causal": causal, "scale": q.shape[-1] ** -0.5}
+    bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
     if read is not None:
         k, v = k[read.rows], v[read.rows]
-        args = (plan.cu_q, read.k_start, k_len)
+        pieces = kernels.Pieces(plan.cu_q, read.k_start, k_len, **bounds)
 
         def sums():
             return {"pack_keys": plan.gather_index.shape[0]}
     else:
-        args = (plan.cu_q, plan.k_start, k_len)
+        pieces = kernels.Pieces(plan.cu_q, plan.k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)
 
         def sums():
-            dk_sums, dv_sums = grad_buffers(plan.gather_index, args, k, 1)
-            return {"key_order": key_order, "dkv_out": (dk_sums[0], dv_sums[0])}
+            dk_sums, dv_sums = grad_buffers(plan.gather_index, pieces.tensors, k, 1)
+            return {"grads": kernels.KeyGrads(key_order, dk_sums[0], dv_sums[0])}
 
     def run():
-        out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=scale, **bounds)
+        out, lse = kernel.forward(q, k, v, pieces, **kw)
         if backward:
-            kernel.backward(out, q, k, v, out, lse, *args, causal=causal, scale=scale, **sums(), **bounds)
+            kernel.backward(out, q, k, v, out, lse, pieces, **sums(), **kw)
 
     return run
 

@@ -17,7 +17,7 @@ import torch
 import cpcompile
 from cpcompile import kernels
 from cpcompile.comm import exchange
-from cpcompile.kernels import cudnn, fa4, flash
+from cpcompile.kernels import KeyGrads, Pieces, cudnn, fa4, flash
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
 from cpcompile.testing import VARLEN_GQA
@@ -114,38 +114,33 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     # the tight launch bound cp_attention uses: rows beyond it would be silently skipped
-    bounds = {"max_seqlen_q": max_piece_len(resolve_strategy(strategy), cp, max(lengths)), "max_seqlen_k": max(lengths)}
+    bounds = {"max_q": max_piece_len(resolve_strategy(strategy), cp, max(lengths)), "max_k": max(lengths)}
+    kw = {"causal": causal, "scale": 128**-0.5}
     for rank in range(cp):
         plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy)
         plan = cpcompile.AttentionPlan(*(t.cuda() for t in plan))
         idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
-        args = (plan.cu_q, plan.k_start, plan.k_len(causal))
+        pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal), **bounds)
         _poison_allocator()
-        o, lse = kernel.forward(q[idx], k, v, *args, causal=causal, scale=128**-0.5, **bounds)
+        o, lse = kernel.forward(q[idx], k, v, pieces, **kw)
         out[idx] = o
         _poison_allocator()
-        gq, gk, gv = kernel.backward(dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **bounds)
+        gq, gk, gv = kernel.backward(dout[idx], q[idx], k, v, o, lse, pieces, **kw)
         # the same sums, written in another order of keys (the all-gather's, in cp_attention),
         # also into given buffers (0 where no piece reads a key, as cp_attention keeps them)
         order = torch.randperm(n, device="cuda", generator=g)
-        _, ok, ov = kernel.backward(
-            dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, key_order=order, **bounds
-        )
+        _, ok, ov = kernel.backward(dout[idx], q[idx], k, v, o, lse, pieces, grads=KeyGrads(order), **kw)
         assert _same(ok, gk[order], name) and _same(ov, gv[order], name)
-        into = (torch.zeros_like(gk), torch.zeros_like(gv))
-        sums = {"key_order": order, "dkv_out": into}
-        _, ok, ov = kernel.backward(
-            dout[idx], q[idx], k, v, o, lse, *args, causal=causal, scale=128**-0.5, **sums, **bounds
-        )
-        assert ok is into[0] and _same(ok, gk[order], name) and _same(ov, gv[order], name)
+        into = KeyGrads(order, torch.zeros_like(gk), torch.zeros_like(gv))
+        _, ok, ov = kernel.backward(dout[idx], q[idx], k, v, o, lse, pieces, grads=into, **kw)
+        assert ok is into.dk and _same(ok, gk[order], name) and _same(ov, gv[order], name)
         # the sparse exchange's call: the same pieces over only the keys they read
         read = exchange.reads(plan.gather_index, plan.k_start, plan.k_len(causal), cp)
-        compact = (k[read.rows], v[read.rows], plan.cu_q, read.k_start, plan.k_len(causal))
-        oc, lc = kernel.forward(q[idx], *compact[:2], *compact[2:], causal=causal, scale=128**-0.5, **bounds)
+        k_read, v_read = k[read.rows], v[read.rows]
+        compact = Pieces(plan.cu_q, read.k_start, plan.k_len(causal), **bounds)
+        oc, lc = kernel.forward(q[idx], k_read, v_read, compact, **kw)
         assert torch.equal(oc, o) and torch.equal(lc, lse)
-        cq, ck, cv = kernel.backward(
-            dout[idx], q[idx], *compact[:2], o, lse, *compact[2:], causal=causal, scale=128**-0.5, pack_keys=n, **bounds
-        )
+        cq, ck, cv = kernel.backward(dout[idx], q[idx], k_read, v_read, o, lse, compact, pack_keys=n, **kw)
         assert _same(ck, gk[read.rows], name) and _same(cv, gv[read.rows], name)
         unread = torch.ones(n, dtype=torch.bool, device="cuda")
         unread[read.rows] = False
@@ -180,14 +175,15 @@ def test_cudnn_backward_in_row_chunks_within_twice_the_kernel_error(monkeypatch)
     cu, q, k, v, dout = _case([2500, 1000, 40])
     _, ref_grads = _reference(q, k, v, dout, cu, True)
     n = cu[1:] - cu[:-1]
-    kw = {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 2500, "max_seqlen_k": 2500, "disjoint_keys": True}
-    out, lse = cudnn.forward(q, k, v, cu, cu[:-1], n, **kw)
+    bounds, kw = {"max_q": 2500, "max_k": 2500, "disjoint_keys": True}, {"causal": True, "scale": 128**-0.5}
+    pieces = Pieces(cu, cu[:-1], n, **bounds)
+    out, lse = cudnn.forward(q, k, v, pieces, **kw)
     monkeypatch.setattr(chunks, "MAX_CHUNKS", 1)  # whole documents
-    whole = cudnn.backward(dout, q, k, v, out, lse, cu, cu[:-1], n, **kw)
+    whole = cudnn.backward(dout, q, k, v, out, lse, pieces, **kw)
     monkeypatch.setattr(chunks, "MAX_CHUNKS", 8)
     args = (cu.clone(), cu[:-1].clone(), n.clone())  # another plan: its chunks are made anew
     _poison_allocator()
-    chunked = cudnn.backward(dout, q, k, v, out, lse, *args, **kw)
+    chunked = cudnn.backward(dout, q, k, v, out, lse, Pieces(*args, **bounds), **kw)
     _, scratch = cudnn.backward_pieces(*args, q.shape[0], k.shape[0], True)
     assert scratch.live.numel() == 8 + 4 + 1  # the chunks the backward ran
     for got, baseline, want in zip(chunked, whole, ref_grads):
@@ -202,12 +198,12 @@ def test_cudnn_backward_zeroes_dq_rows_no_chunk_writes():
     entry of cuDNN's call; its dQ rows must still come back 0, not as the buffer held them."""
     cu, q, k, v, dout = _case([3000])
     cu_q, k_start, k_len = cu, cu[:1], torch.tensor([600], dtype=torch.int32, device="cuda")
-    kw = {"causal": True, "scale": 128**-0.5, "max_seqlen_q": 3000, "max_seqlen_k": 600}
-    out, lse = cudnn.forward(q, k, v, cu_q, k_start, k_len, **kw)
+    pieces, kw = Pieces(cu_q, k_start, k_len, max_q=3000, max_k=600), {"causal": True, "scale": 128**-0.5}
+    out, lse = cudnn.forward(q, k, v, pieces, **kw)
     (chunk_cu, _, chunk_k_len), _ = cudnn.backward_pieces(cu_q, k_start, k_len, 3000, 3000, True)
     assert chunk_cu[:3].tolist() == [0, 1500, 3000] and chunk_k_len[:2].tolist() == [0, 600]
     _poison_allocator()
-    dq, _, _ = cudnn.backward(dout, q, k, v, out, lse, cu_q, k_start, k_len, **kw)
+    dq, _, _ = cudnn.backward(dout, q, k, v, out, lse, pieces, **kw)
     assert (dq[:1500] == 0).all()
 
 
@@ -224,10 +220,9 @@ def _whole_pack(kernel, q, k, v, dout, cu, causal):
     if kernel is flash:
         return _torch_varlen(q, k, v, dout, cu, causal)
     n = cu[1:] - cu[:-1]
-    args = (cu, cu[:-1], n)
-    bounds = {"max_seqlen_q": int(n.max()), "max_seqlen_k": int(n.max()), "disjoint_keys": True}
-    out, lse = kernel.forward(q, k, v, *args, causal=causal, scale=128**-0.5, **bounds)
-    return out, kernel.backward(dout, q, k, v, out, lse, *args, causal=causal, scale=128**-0.5, **bounds)
+    pieces = Pieces(cu, cu[:-1], n, max_q=int(n.max()), max_k=int(n.max()), disjoint_keys=True)
+    out, lse = kernel.forward(q, k, v, pieces, causal=causal, scale=128**-0.5)
+    return out, kernel.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=128**-0.5)
 
 
 def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
@@ -274,9 +269,9 @@ def test_cudnn_graphs_are_reused_across_pack_sizes():
     for lengths in ([300, 200, 100], [290, 250, 60], [5, 310, 285]):  # 3 pieces, longest in (288, 320]
         cu, q, k, v, _ = _case(lengths)
         n = cu[1:] - cu[:-1]
-        bounds = {"max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
-        out, _ = cudnn.forward(q, k, v, cu, cu[:-1], n, causal=True, scale=0.1, **bounds)
-        want, _ = kernels.reference.forward(q, k, v, cu, cu[:-1], n, causal=True, scale=0.1)
+        pieces = Pieces(cu, cu[:-1], n, max_q=max(lengths), max_k=max(lengths))
+        out, _ = cudnn.forward(q, k, v, pieces, causal=True, scale=0.1)
+        want, _ = kernels.reference.forward(q, k, v, Pieces(cu, cu[:-1], n), causal=True, scale=0.1)
         assert (out.float() - want.float()).abs().max() < 2e-2
     assert cudnn._forward_graph.cache_info().misses - before == 1
 
@@ -289,13 +284,14 @@ def test_cudnn_reads_kv_halves_in_place():
     k_view, v_view = kv.split(k.shape[1], dim=1)
     assert not k_view.is_contiguous()
     n = cu[1:] - cu[:-1]
-    args = (cu, cu[:-1].flip(0), n.flip(0))  # overlapping, out-of-order key ranges: the scratch backward
-    kw = {"causal": True, "scale": 0.1, "max_seqlen_q": 700, "max_seqlen_k": 700}
-    want_out, want_lse = cudnn.forward(q, k, v, *args, **kw)
-    got_out, got_lse = cudnn.forward(q, k_view, v_view, *args, **kw)
+    # overlapping, out-of-order key ranges: the scratch backward
+    pieces = Pieces(cu, cu[:-1].flip(0), n.flip(0), max_q=700, max_k=700)
+    kw = {"causal": True, "scale": 0.1}
+    want_out, want_lse = cudnn.forward(q, k, v, pieces, **kw)
+    got_out, got_lse = cudnn.forward(q, k_view, v_view, pieces, **kw)
     assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
     (dq, dk, dv), (want_dq, want_dk, want_dv) = (
-        cudnn.backward(dout, q, key, value, want_out, want_lse, *args, **kw)
+        cudnn.backward(dout, q, key, value, want_out, want_lse, pieces, **kw)
         for key, value in ((k_view, v_view), (k, v))
     )
     assert torch.equal(dk, want_dk) and torch.equal(dv, want_dv)
@@ -321,16 +317,17 @@ def test_kernels_wait_for_the_gpu_once_per_plan(kernel, one_device, causal):
         args = (cu, cu[:-1].clone(), n)
     else:  # a fresh plan, with pieces in another order
         args = (cu, cu[:-1].flip(0), n.flip(0))
-    kw = {"causal": causal, "scale": 0.1, "max_seqlen_q": 3000, "max_seqlen_k": 3000, "disjoint_keys": one_device}
-    warm = tuple(a.clone() for a in args)  # another plan: kernels that compile on first use do it here
-    kernel.backward(dout, q, k, v, *kernel.forward(q, k, v, *warm, **kw), *warm, **kw)
+    bounds, kw = {"max_q": 3000, "max_k": 3000, "disjoint_keys": one_device}, {"causal": causal, "scale": 0.1}
+    pieces = Pieces(*args, **bounds)
+    warm = Pieces(*(a.clone() for a in args), **bounds)  # another plan: kernels that compile on first use do it here
+    kernel.backward(dout, q, k, v, *kernel.forward(q, k, v, warm, **kw), warm, **kw)
     torch.cuda.synchronize()
     with _no_sync():
-        out, lse = kernel.forward(q, k, v, *args, **kw)
-    first = kernel.backward(dout, q, k, v, out, lse, *args, **kw)  # the plan's sync
+        out, lse = kernel.forward(q, k, v, pieces, **kw)
+    first = kernel.backward(dout, q, k, v, out, lse, pieces, **kw)  # the plan's sync
     with _no_sync():  # the next layer
-        out, lse = kernel.forward(q, k, v, *args, **kw)
-        again = kernel.backward(dout, q, k, v, out, lse, *args, **kw)
+        out, lse = kernel.forward(q, k, v, pieces, **kw)
+        again = kernel.backward(dout, q, k, v, out, lse, pieces, **kw)
     for a, b in zip(first[1:], again[1:]):  # reused metadata, same dK/dV
         assert _same(a, b, name)
 

@@ -132,7 +132,8 @@ def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):
         cu_q = torch.tensor([0, *torch.tensor(q_len).cumsum(0).tolist()], dtype=torch.int32)
         q, k = torch.empty(int(cu_q[-1]), 1, 8), torch.empty(num_keys, 1, 8)
         as_int32 = (torch.tensor(x, dtype=torch.int32) for x in (k_start, k_len))
-        auto.backward(q, q, k, k, q, None, cu_q, *as_int32, causal=causal, scale=1.0, disjoint_keys=disjoint_keys)
+        pieces = kernels.Pieces(cu_q, *as_int32, disjoint_keys=disjoint_keys)
+        auto.backward(q, q, k, k, q, None, pieces, causal=causal, scale=1.0)
         return picked.pop()
 
     assert pick([16384], [0], [16384], 16384, causal=False) == "cudnn"  # in place, no scratch

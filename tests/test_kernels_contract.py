@@ -31,18 +31,42 @@ def test_every_backend_has_the_contracts_signatures(name):
     for function in ("forward", "backward"):
         want = _parameters(getattr(contract.AttentionKernel, function), skip=1)  # less ``self``
         assert _parameters(getattr(backend, function)) == want, (name, function)
+    # the call's pieces and the gradients' destination travel whole: the parameters stay few
+    assert [p[0] for p in _parameters(backend.forward)] == ["q", "k", "v", "pieces", "causal", "scale"]
 
 
 def test_backward_takes_known_options_and_rejects_others():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     q = torch.randn(3, 2, 4, dtype=torch.float64)
-    pieces, kw = (cu, cu[:-1], cu[1:] - cu[:-1]), {"causal": True, "scale": 0.5}
-    out, lse = reference.forward(q, q, q, *pieces, **kw)
-    plain = reference.backward(q, q, q, q, out, lse, *pieces, **kw)
-    with_option = reference.backward(q, q, q, q, out, lse, *pieces, pack_keys=6, **kw)
+    pieces, kw = contract.Pieces(cu, cu[:-1], cu[1:] - cu[:-1]), {"causal": True, "scale": 0.5}
+    out, lse = reference.forward(q, q, q, pieces, **kw)
+    plain = reference.backward(q, q, q, q, out, lse, pieces, **kw)
+    with_option = reference.backward(q, q, q, q, out, lse, pieces, pack_keys=6, **kw)
     assert all(torch.equal(a, b) for a, b in zip(plain, with_option))
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['pack_key'\]; backend options are"):
-        reference.backward(q, q, q, q, out, lse, *pieces, pack_key=6, **kw)
+        reference.backward(q, q, q, q, out, lse, pieces, pack_key=6, **kw)
+
+
+def test_pieces_bound_launches_by_the_buffers_rows():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q, k = torch.empty(5, 1, 4), torch.empty(9, 1, 4)
+    assert contract.Pieces(cu, cu[:-1], cu[1:] - cu[:-1]).bounds(q, k) == (5, 9)
+    assert contract.Pieces(cu, cu[:-1], cu[1:] - cu[:-1], max_q=3, max_k=20).bounds(q, k) == (3, 9)
+
+
+def test_key_grads_take_both_buffers_or_neither():
+    dk = torch.zeros(4, 1, 2)
+    with pytest.raises(ValueError, match="dk and dv together"):
+        contract.KeyGrads(dk=dk)
+    into = contract.KeyGrads(torch.arange(4).flip(0), dk, torch.zeros_like(dk))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q = torch.randn(4, 2, 2)
+    pieces, kw = contract.Pieces(cu, cu[:-1], cu[1:] - cu[:-1]), {"causal": True, "scale": 0.5}
+    out, lse = reference.forward(q, q[:, :1], q[:, :1], pieces, **kw)
+    _, want_dk, want_dv = reference.backward(q, q, q[:, :1], q[:, :1], out, lse, pieces, **kw)
+    _, got_dk, got_dv = reference.backward(q, q, q[:, :1], q[:, :1], out, lse, pieces, grads=into, **kw)
+    assert got_dk is into.dk and got_dv is into.dv
+    assert torch.equal(got_dk, want_dk.flip(0)) and torch.equal(got_dv, want_dv.flip(0))
 
 
 def test_every_plan_reads_disjoint_or_same_start_key_ranges():

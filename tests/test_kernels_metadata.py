@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompile.kernels import reference
+from cpcompile.kernels import Pieces, reference
 from cpcompile.kernels.metadata import chunks, scratch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
@@ -112,14 +112,14 @@ def test_row_chunks_cut_each_piece_into_even_chunks_of_at_most_rows(seed, monkey
 def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
     """Causal attention and its gradients over the chunks equal those over the pieces (float64)."""
     monkeypatch.setattr(chunks, "ROWS", 8)
-    cu_q, k_start, k_len, num_keys, num_rows, pieces = _chunks_case(seed)
+    cu_q, k_start, k_len, num_keys, num_rows, chunked = _chunks_case(seed)
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(num_rows, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(num_keys, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
     kw = {"causal": True, "scale": 0.25}
     results = []
-    for plan in ((cu_q, k_start, k_len), pieces):
-        out, lse = reference.forward(q, k, v, *plan, **kw)
-        results.append((out, *reference.backward(dout, q, k, v, out, lse, *plan, **kw)))
-    for whole, chunked in zip(*results):
-        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    for plan in (Pieces(cu_q, k_start, k_len), Pieces(*chunked)):
+        out, lse = reference.forward(q, k, v, plan, **kw)
+        results.append((out, *reference.backward(dout, q, k, v, out, lse, plan, **kw)))
+    for whole, by_chunks in zip(*results):
+        torch.testing.assert_close(by_chunks, whole, rtol=1e-12, atol=1e-12)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.kernels import reference
+from cpcompile.kernels import Pieces, reference
 from tests.fixtures import LAYOUT_SPECS as SPECS
 from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
@@ -87,10 +87,10 @@ def test_simulated_ranks_match_single_device(lengths, cp, spec, causal):
     for rank in range(cp):
         plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
         idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec)
-        args = (plan.cu_q, plan.k_start, plan.k_len(causal))
-        out, lse = reference.forward(q[idx], k, v, *args, causal=causal, scale=8**-0.5)
+        pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
+        out, lse = reference.forward(q[idx], k, v, pieces, causal=causal, scale=8**-0.5)
         assert relative_error(out, want[idx]) < 1e-5
-        dq, dk, dv = reference.backward(dout[idx], q[idx], k, v, out, lse, *args, causal=causal, scale=8**-0.5)
+        dq, dk, dv = reference.backward(dout[idx], q[idx], k, v, out, lse, pieces, causal=causal, scale=8**-0.5)
         assert relative_error(dq, dq64[idx]) < 1e-5
         dk_sum += dk
         dv_sum += dv

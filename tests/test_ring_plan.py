@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.kernels import reference
+from cpcompile.kernels import Pieces, reference
 from cpcompile.ops.ring import merge
 from cpcompile.ring_plan import make_ring_plan
 from tests.fixtures import LAYOUT_SPECS as SPECS
@@ -72,17 +72,17 @@ def _simulate_ring(q, k, v, dout, cu, padded, spec, cp, causal):
     for rank in range(cp):
         plan = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
         mine = layout[rank]
-        steps = [(src, plan.cu_q, plan.k_start[src], plan.k_len(causal)[src]) for src in range(cp)]
+        steps = [(src, Pieces(plan.cu_q, plan.k_start[src], plan.k_len(causal)[src])) for src in range(cp)]
         o = lse = None
-        for src, *ranges in steps:
+        for src, pieces in steps:
             part = reference.forward(
-                q[mine], k[layout[src]], v[layout[src]], *ranges, causal=causal and src == rank, scale=scale
+                q[mine], k[layout[src]], v[layout[src]], pieces, causal=causal and src == rank, scale=scale
             )
             o, lse = (part[0].float(), part[1]) if o is None else merge(o, lse, *part)
         out[mine] = o
-        for src, *ranges in steps:  # backward with the merged out and lse
+        for src, pieces in steps:  # backward with the merged out and lse
             g = reference.backward(
-                dout[mine], q[mine], k[layout[src]], v[layout[src]], o, lse, *ranges,
+                dout[mine], q[mine], k[layout[src]], v[layout[src]], o, lse, pieces,
                 causal=causal and src == rank, scale=scale,
             )  # fmt: skip
             dq[mine] += g[0]
@@ -114,10 +114,10 @@ def test_merge_is_attention_over_the_union_of_keys():
     cu_q = torch.tensor([0, 4, 6], dtype=torch.int32)  # piece 1 sees no keys at all
     start, none = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
     kw = dict(causal=False, scale=0.5)
-    whole = reference.forward(q, k, v, cu_q, start, torch.tensor([6, 0], dtype=torch.int32), **kw)
-    first = reference.forward(q, k, v, cu_q, start, torch.tensor([2, 0], dtype=torch.int32), **kw)
-    rest = reference.forward(q, k, v, cu_q, start + 2, torch.tensor([4, 0], dtype=torch.int32), **kw)
-    empty = reference.forward(q, k, v, cu_q, start, none, **kw)
+    whole = reference.forward(q, k, v, Pieces(cu_q, start, torch.tensor([6, 0], dtype=torch.int32)), **kw)
+    first = reference.forward(q, k, v, Pieces(cu_q, start, torch.tensor([2, 0], dtype=torch.int32)), **kw)
+    rest = reference.forward(q, k, v, Pieces(cu_q, start + 2, torch.tensor([4, 0], dtype=torch.int32)), **kw)
+    empty = reference.forward(q, k, v, Pieces(cu_q, start, none), **kw)
     out, lse = merge(*merge(empty[0].float(), empty[1], *first), *rest)
     assert relative_error(out, whole[0]) < 1e-6 and relative_error(lse[:, :4], whole[1][:, :4]) < 1e-6
     assert out[4:].abs().max() == 0 and bool((lse[:, 4:] == float("-inf")).all())

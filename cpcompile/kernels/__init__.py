@@ -1,5 +1,8 @@
 """Attention kernels behind one stated contract (``contract``), and :func:`select`, which picks one.
 
+A call's pieces travel as a :class:`Pieces`, and where the backward's dK/dV sums go as
+a :class:`KeyGrads`.
+
 Backends: ``reference`` (exact, any device), ``flash`` (torch's varlen flash kernel),
 ``cudnn`` (cuDNN's fused attention, the ``gpu`` extra), ``fa4`` (FlashAttention-4, the
 ``fa4`` extra) and ``auto`` (each direction on the fastest one that runs the call).
@@ -14,9 +17,9 @@ import torch
 
 from ..config import KERNELS
 from . import reference
-from .contract import AttentionKernel, BackwardOptions
+from .contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 
-__all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "select"]
+__all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "KeyGrads", "Pieces", "select"]
 
 
 def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:

@@ -23,31 +23,17 @@ The measurements behind each choice: docs/attention-kernels.md.
 from __future__ import annotations
 
 from . import cudnn, fa4, flash
-from .contract import check_options
+from .contract import Pieces, check_options
 from .metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
 FA4_KEY_ROWS = 0.5  # key copies per key row up to which FA4's backward is the faster one
 
 
-def forward(
-    q,
-    k,
-    v,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q``, else cuDNN's."""
-    kw = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k, "disjoint_keys": disjoint_keys}
     kernel = fa4 if fa4.supports(q) else cudnn
-    return kernel.forward(q, k, v, cu_q, k_start, k_len, causal=causal, scale=scale, **kw)
+    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale)
 
 
 def use_fa4_backward(copies: int, num_keys: int) -> bool:
@@ -60,26 +46,7 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
     return key_rows <= MAX_KEY_ROWS * num_keys
 
 
-def backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-    key_order=None,
-    dkv_out=None,
-    **options,
-):
+def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`: FA4's where it runs ``q`` and
     :func:`use_fa4_backward` (or ``disjoint_keys``) says so, else from the backend
     :func:`use_cudnn_backward` picks.
@@ -93,22 +60,13 @@ def backward(
     exchange's backward to the slower flash (docs/attention-kernels.md).
     """
     check_options(options)
-    args = (dout, q, k, v, out, lse, cu_q, k_start, k_len)
-    kw = {
-        "causal": causal,
-        "scale": scale,
-        "max_seqlen_q": max_seqlen_q,
-        "max_seqlen_k": max_seqlen_k,
-        "disjoint_keys": disjoint_keys,
-        "key_order": key_order,
-        "dkv_out": dkv_out,
-    }
+    args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "grads": grads}
     num_keys = options.get("pack_keys") or k.shape[0]
     has_fa4 = fa4.supports(q)
-    if has_fa4 and (disjoint_keys or use_fa4_backward(scratch_rows(cu_q, k_start, k_len, k.shape[0]).rows, num_keys)):
+    if has_fa4 and (pieces.disjoint_keys or use_fa4_backward(scratch_rows(*pieces.tensors, k.shape[0]).rows, num_keys)):
         return fa4.backward(*args, **kw)
-    if disjoint_keys and not causal:
+    if pieces.disjoint_keys and not causal:
         return cudnn.backward(*args, **kw)
-    _, scratch = cudnn.backward_pieces(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal)
+    _, scratch = cudnn.backward_pieces(*pieces.tensors, q.shape[0], k.shape[0], causal)
     kernel = cudnn if use_cudnn_backward(scratch.rows, num_keys) else fa4 if has_fa4 else flash
     return kernel.backward(*args, **kw)

@@ -1,8 +1,11 @@
 """The kernel contract: what every attention backend computes, stated once.
 
 A backend is a module with the two functions of :class:`AttentionKernel`
-(``reference``, ``flash``, ``cudnn``, ``auto``); the ops call whichever
+(``reference``, ``flash``, ``cudnn``, ``fa4``, ``auto``); the ops call whichever
 ``select`` returns, so every backend must give the same answer to the same call.
+A call's query pieces and their keys travel as one :class:`Pieces`, and where the
+backward's dK/dV sums go as one :class:`KeyGrads`: their fields are documented there,
+once, and the backends' signatures stay short.
 
 Queries are cut into *pieces* by ``cu_q``: piece ``p`` is query rows
 ``[cu_q[p], cu_q[p + 1])`` and reads keys ``[k_start[p], k_start[p] + k_len[p])``
@@ -28,18 +31,82 @@ may overlap (they are only read). Query head ``h`` reads key and value head
   plan's do): cuDNN leaves the statistics of rows before a piece's first key
   undefined; ``reference`` needs no such promise.
 
+What backends derive from the pieces is memoised per plan (``per_plan``), keyed on
+tensors: they pass ``cu_q``, ``k_start`` and ``k_len`` to such functions, never a
+:class:`Pieces` (a new object every call).
+
 ``tests/test_kernels_contract.py`` checks every backend's signatures against
 :class:`AttentionKernel`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
-import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pieces:
+    """The query pieces of one call and the keys each reads (the piece contract: module docstring).
+
+    ``P`` pieces over ``Tq`` query rows and ``Tk`` key rows:
+
+    - ``cu_q``: ``[P + 1]`` int32, piece ``p``'s query rows ``[cu_q[p], cu_q[p + 1])``;
+      non-decreasing from 0 to ``Tq`` (empty pieces allowed).
+    - ``k_start``: ``[P]`` int32, each piece's first key row in ``k``.
+    - ``k_len``: ``[P]`` int32, each piece's key count (0: it sees no key).
+    - ``max_q``: launch bound, at least the query rows of every piece that sees keys
+      (pieces that see none may be longer); ``None``: ``Tq``. GPU kernels size their
+      grids by it.
+    - ``max_k``: launch bound, at least every ``k_len``; ``None``: ``Tk``.
+    - ``disjoint_keys``: the caller's promise that each piece reads the keys at its own
+      rows (``k_start == cu_q[:-1]``, ``k_len == cu_q[1:] - cu_q[:-1]``: the documents
+      of an unpadded pack); GPU backends then take a plain path.
+    """
+
+    cu_q: Tensor
+    k_start: Tensor
+    k_len: Tensor
+    max_q: int | None = None
+    max_k: int | None = None
+    disjoint_keys: bool = False
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(cu_q, k_start, k_len)``: what ``per_plan`` functions take."""
+        return self.cu_q, self.k_start, self.k_len
+
+    def bounds(self, q: Tensor, k: Tensor) -> tuple[int, int]:
+        """The launch bounds ``(max_q, max_k)``, at most ``q``'s and ``k``'s rows."""
+        max_q = q.shape[0] if self.max_q is None else min(q.shape[0], self.max_q)
+        max_k = k.shape[0] if self.max_k is None else min(k.shape[0], self.max_k)
+        return max_q, max_k
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyGrads:
+    """Where :meth:`AttentionKernel.backward` puts its dK/dV sums (default: new tensors, key order).
+
+    - ``key_order``: ``[Tk]`` int64, a permutation of the key rows: dK/dV row ``i`` is
+      key ``key_order[i]``'s (default: key ``i``'s), so that the sums go to a
+      reduce-scatter in the all-gather's order as they are.
+    - ``dk``, ``dv``: two ``[Tk, Hkv, D]`` buffers, given together (rows in ``key_order``),
+      0 at the rows of keys that no piece reads: the sums are written into the other
+      rows, in the buffers' dtype, and the buffers returned.
+    """
+
+    key_order: Tensor | None = None
+    dk: Tensor | None = None
+    dv: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.dk is None) != (self.dv is None):
+            raise ValueError("KeyGrads takes dk and dv together, or neither")
 
 
 class BackwardOptions(TypedDict, total=False):
@@ -66,44 +133,22 @@ def check_options(options: dict) -> None:
 class AttentionKernel(Protocol):
     """An attention backend: a module with these two functions (the piece contract: module docstring).
 
-    ``Tq`` query rows, ``Tk`` key rows, ``P`` pieces, ``Hq`` query heads, ``Hkv`` key and
-    value heads (``Hq % Hkv == 0``), head dim ``D``. GPU backends take CUDA fp16/bf16
-    tensors; ``reference`` any device and floating dtype.
+    ``Tq`` query rows, ``Tk`` key rows, ``Hq`` query heads, ``Hkv`` key and value heads
+    (``Hq % Hkv == 0``), head dim ``D``. GPU backends take CUDA fp16/bf16 tensors;
+    ``reference`` any device and floating dtype.
     """
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        k_start: torch.Tensor,
-        k_len: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-        disjoint_keys: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
         """Attention of every piece over its keys.
 
         Args:
             q: ``[Tq, Hq, D]``.
             k, v: ``[Tk, Hkv, D]``, ``q``'s dtype: the whole key buffer that pieces index.
-            cu_q: ``[P + 1]`` int32, piece ``p``'s query rows ``[cu_q[p], cu_q[p + 1])``;
-                non-decreasing from 0 to ``Tq`` (empty pieces allowed).
-            k_start: ``[P]`` int32, each piece's first key row in ``k``.
-            k_len: ``[P]`` int32, each piece's key count (0: it sees no key).
+            pieces: the pieces of ``q`` and the keys each reads (:class:`Pieces`).
             causal: the bottom-right causal band within each piece.
             scale: the softmax scale.
-            max_seqlen_q: launch bound, at least the query rows of every piece that sees
-                keys (pieces that see none may be longer); ``None``: ``Tq``. GPU kernels
-                size their grids by it.
-            max_seqlen_k: launch bound, at least every ``k_len``; ``None``: ``Tk``.
-            disjoint_keys: the caller's promise that each piece reads the keys at its own
-                rows (``k_start == cu_q[:-1]``, ``k_len == cu_q[1:] - cu_q[:-1]``: the
-                documents of an unpadded pack); GPU backends then take a plain path.
 
         Returns:
             ``out`` ``[Tq, Hq, D]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
@@ -113,39 +158,17 @@ class AttentionKernel(Protocol):
         ...
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_q: torch.Tensor,
-        k_start: torch.Tensor,
-        k_len: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-        disjoint_keys: bool = False,
-        key_order: torch.Tensor | None = None,
-        dkv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **options: Unpack[BackwardOptions],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pieces: Pieces, *,
+        causal: bool, scale: float, grads: KeyGrads | None = None, **options: Unpack[BackwardOptions],
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of :meth:`forward` with respect to ``q``, ``k`` and ``v``.
 
         Args:
             dout: ``[Tq, Hq, D]``, ``q``'s dtype: the gradient of ``out``.
-            q, k, v, cu_q, k_start, k_len, causal, scale, max_seqlen_q, max_seqlen_k,
-                disjoint_keys: as given to :meth:`forward`.
+            q, k, v, pieces, causal, scale: as given to :meth:`forward`.
             out, lse: what :meth:`forward` returned for them.
-            key_order: ``[Tk]`` int64, a permutation of the key rows: dK/dV row ``i`` is
-                key ``key_order[i]``'s (default: key ``i``'s), so that the sums go to a
-                reduce-scatter in the all-gather's order as they are.
-            dkv_out: ``(dk, dv)``, two ``[Tk, Hkv, D]`` buffers (rows in ``key_order``), 0 at
-                the rows of keys that no piece reads: the sums are written into the other
-                rows, in the buffers' dtype, and the buffers returned.
+            grads: the order and buffers of the dK/dV sums (:class:`KeyGrads`; default:
+                key order, new tensors).
             options: :class:`BackwardOptions`; a backend ignores those it does not use,
                 and an unknown name raises ``TypeError`` (:func:`check_options`).
 
@@ -153,6 +176,6 @@ class AttentionKernel(Protocol):
             ``dq`` ``[Tq, Hq, D]`` in ``q``'s dtype (0 for rows that see no key); ``dk``,
             ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
             over all pieces (with ``disjoint_keys``, where there is nothing to add, they
-            may come in ``k``'s dtype), or the ``dkv_out`` buffers.
+            may come in ``k``'s dtype), or ``grads``' buffers.
         """
         ...

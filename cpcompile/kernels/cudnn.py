@@ -50,9 +50,9 @@ from typing import NamedTuple
 import torch
 
 from ..per_plan import per_plan, readable
-from .contract import check_options
+from .contract import Pieces, check_options
 from .metadata.chunks import row_chunks
-from .metadata.scratch import add_back, place, scratch_rows
+from .metadata.scratch import add_back_grads, place_grads, scratch_rows
 from .triton import dead_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -323,36 +323,21 @@ def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k.contiguous(), v.contiguous()
 
 
-def _shape(q, k, meta: Ragged, causal, scale, max_seqlen_q, max_seqlen_k) -> _Shape:
+def _shape(q, k, meta: Ragged, causal, scale, max_q: int, max_k: int) -> _Shape:
     # bounds: tight ones shrink the grid, bucketing keeps the graph count small
-    s_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
-    s_kv = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
     return _Shape(
-        q.dtype, meta.seq_q.shape[0], q.shape[1], k.shape[1], q.shape[2], bucket(s_q), bucket(s_kv),
+        q.dtype, meta.seq_q.shape[0], q.shape[1], k.shape[1], q.shape[2], bucket(max_q), bucket(max_k),
         causal, float(scale), q.device, (k.stride(0), k.stride(1)),
     )  # fmt: skip
 
 
-def forward(
-    q,
-    k,
-    v,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     _check(q, k)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
-    meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0])
-    shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
+    meta = _plan_ragged(*pieces.tensors, k.shape[0])
+    shape = _shape(q, k, meta, causal, scale, *pieces.bounds(q, k))
     out = torch.empty_like(q)
     stats = torch.empty((tq, hq, 1), device=q.device)  # pieces that see no keys: set by ``finish``
     q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
@@ -365,7 +350,7 @@ def forward(
         },
         q.device,
     )  # fmt: skip
-    return out, dead_rows.finish(out, stats.view(tq, hq), dead_rows.live_rows(cu_q, k_len, tq))
+    return out, dead_rows.finish(out, stats.view(tq, hq), dead_rows.live_rows(pieces.cu_q, pieces.k_len, tq))
 
 
 @per_plan
@@ -389,44 +374,26 @@ def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: 
     return (cu_q, k_start, k_len), scratch_rows(cu_q, k_start, k_len, num_keys)
 
 
-def backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-    key_order=None,
-    dkv_out=None,
-    **options,
-):
+def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
     tq, hq, d = q.shape
-    in_place = disjoint_keys and not causal  # each key read by one whole piece: dK/dV at its row
+    cu_q, k_start, k_len = pieces.tensors
+    in_place = pieces.disjoint_keys and not causal  # each key read by one whole piece: dK/dV at its row
     if in_place:
         meta, rows = _plan_ragged(cu_q, k_start, k_len, k.shape[0]), k.shape[0]
-        max_seqlen_q = max_seqlen_k = _longest(k_len)  # exact, as below: the padded lse is [B, Hq, S_q]
+        max_q = max_k = _longest(k_len)  # exact, as below: the padded lse is [B, Hq, S_q]
     else:
         (cu_q, k_start, k_len), scratch = backward_pieces(cu_q, k_start, k_len, tq, k.shape[0], causal)
         meta = _plan_ragged(cu_q, k_start, k_len, k.shape[0], scratch.cu, scratch.rows, scratch.live)
         rows = scratch.rows + 1  # and the spare row ``add_back`` takes
-        max_seqlen_q, max_seqlen_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
+        max_q, max_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
     # rows that no entry writes: the chunks', as a causal piece's first rows may see no key
-    live = None if disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)
-    shape = _shape(q, k, meta, causal, scale, max_seqlen_q, max_seqlen_k)
+    live = None if pieces.disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)
+    shape = _shape(q, k, meta, causal, scale, min(tq, max_q), min(k.shape[0], max_k))
     dq = torch.empty_like(q)
     # In place, keys no piece reads keep 0. A scratch's rows are each an entry's (``scratch_rows``) and
     # cuDNN writes every key row of an entry, so only the spare row is zeroed: zeroing all of them was
@@ -452,7 +419,6 @@ def backward(
     )  # fmt: skip
     if live is not None:  # as the forward's ``out``
         dead_rows.zero(dq, live)
-    dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
     if in_place:
-        return dq, place(dkc, k_start, k_len, key_order, dk_out), place(dvc, k_start, k_len, key_order, dv_out)
-    return dq, add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)
+        return dq, *place_grads(dkc, dvc, k_start, k_len, grads)
+    return dq, *add_back_grads(dkc, dvc, scratch, grads)

@@ -2,16 +2,16 @@
 
 Rows are processed in blocks against the key window they need, with a dense mask:
 simple and exact, meant for CPU tests and small runs, not for speed. It needs
-none of the GPU backends' hints (launch bounds, ``disjoint_keys``, the backward's
-options) and accepts them.
+none of the GPU backends' hints (the pieces' launch bounds and ``disjoint_keys``, the
+backward's options) and accepts them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .contract import check_options
-from .metadata.scratch import place
+from .contract import Pieces, check_options
+from .metadata.scratch import place_grads
 
 _ROW_BLOCK = 256
 
@@ -56,26 +56,13 @@ def _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc):
     return s.masked_fill(~mask, float("-inf")), mask
 
 
-def forward(
-    q,
-    k,
-    v,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
-    lo, hi = _row_bounds(cu_q, k_start, k_len, causal, tq)
+    lo, hi = _row_bounds(*pieces.tensors, causal, tq)
     for r0, r1, k0, k1 in _blocks(lo, hi):
         s, mask = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
         m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(acc).min)  # rows with no key stay finite
@@ -87,26 +74,7 @@ def forward(
     return out.to(q.dtype), lse
 
 
-def backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    k_start,
-    k_len,
-    *,
-    causal: bool,
-    scale: float,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    disjoint_keys: bool = False,
-    key_order=None,
-    dkv_out=None,
-    **options,
-):
+def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
     acc = _acc_dtype(q.dtype)
@@ -115,7 +83,7 @@ def backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    lo, hi = _row_bounds(cu_q, k_start, k_len, causal, tq)
+    lo, hi = _row_bounds(*pieces.tensors, causal, tq)
     # delta_i = sum_d dO_i O_i: the softmax Jacobian's row term, [Hkv, G, Tq, 1]
     delta = (dout.to(acc) * out.to(acc)).sum(-1).t().unflatten(0, (hkv, -1)).unsqueeze(-1)
     # Rows without keys have lse = -inf; any finite stand-in keeps exp(-inf - lse) = 0.
@@ -129,5 +97,4 @@ def backward(
         ds = p * (dp - delta[:, :, r0:r1]) * scale
         dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
-    dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
-    return dq.to(q.dtype), place(dk, k_start, k_len, key_order, dk_out), place(dv, k_start, k_len, key_order, dv_out)
+    return dq.to(q.dtype), *place_grads(dk, dv, pieces.k_start, pieces.k_len, grads)

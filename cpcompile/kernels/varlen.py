@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 
 from ..per_plan import per_plan
-from .contract import check_options
-from .metadata.scratch import add_back, place, scratch_rows
+from .contract import Pieces, check_options
+from .metadata.scratch import add_back_grads, place_grads, scratch_rows
 from .triton import dead_rows
 
 
@@ -44,14 +44,6 @@ def _consecutive_cu_k(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tenso
     return torch.cat([k_start, k_start[-1:] + k_len[-1:]])
 
 
-def _bounds(q, k, max_seqlen_q, max_seqlen_k):
-    # The grid is sized by these: tight bounds save empty thread blocks. Rows of
-    # padding pieces beyond max_q are skipped by the kernel and zeroed below.
-    max_q = q.shape[0] if max_seqlen_q is None else min(q.shape[0], max_seqlen_q)
-    max_k = k.shape[0] if max_seqlen_k is None else min(k.shape[0], max_seqlen_k)
-    return max_q, max_k
-
-
 class VarlenKernel:
     """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
     forward call and one varlen backward call (module docstring)."""
@@ -59,24 +51,13 @@ class VarlenKernel:
     def __init__(self, forward_call: ForwardCall, backward_call: BackwardCall):
         self._forward_call, self._backward_call = forward_call, backward_call
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        cu_q,
-        k_start,
-        k_len,
-        *,
-        causal: bool,
-        scale: float,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        disjoint_keys: bool = False,
-    ):
+    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
-        max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
-        if disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
+        # The grid is sized by the bounds: tight ones save empty thread blocks. Rows of
+        # padding pieces beyond max_q are skipped by the kernel and zeroed below.
+        max_q, max_k = pieces.bounds(q, k)
+        cu_q, k_start, k_len = pieces.tensors
+        if pieces.disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
             return self._forward_call(q, k, v, cu_q, _consecutive_cu_k(k_start, k_len), max_q, max_k, causal, scale)
         cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
         out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=k_len)
@@ -84,39 +65,19 @@ class VarlenKernel:
         # in place: the kernel's fresh outputs
         return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
 
-    def backward(
-        self,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_q,
-        k_start,
-        k_len,
-        *,
-        causal: bool,
-        scale: float,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        disjoint_keys: bool = False,
-        key_order=None,
-        dkv_out=None,
-        **options,
-    ):
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
         check_options(options)
-        max_q, max_k = _bounds(q, k, max_seqlen_q, max_seqlen_k)
-        dk_out, dv_out = (None, None) if dkv_out is None else dkv_out
+        max_q, max_k = pieces.bounds(q, k)
+        cu_q, k_start, k_len = pieces.tensors
         call = self._backward_call
-        if disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
+        if pieces.disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
             cu_k = _consecutive_cu_k(k_start, k_len)
             dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
-            return dq, place(dk, k_start, k_len, key_order, dk_out), place(dv, k_start, k_len, key_order, dv_out)
+            return dq, *place_grads(dk, dv, k_start, k_len, grads)
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
         src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
         dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
-        dk, dv = add_back(dkc, scratch, key_order, dk_out), add_back(dvc, scratch, key_order, dv_out)
+        dk, dv = add_back_grads(dkc, dvc, scratch, grads)
         return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv

@@ -46,17 +46,11 @@ def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> Atten
     )
 
 
-def _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale) -> tuple[tuple, dict]:
-    """A kernel's piece arguments and keywords for single-device attention."""
+def _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal) -> kernels.Pieces:
+    """The kernel's pieces for single-device attention: the documents, or the padded plan's."""
     plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
-    keywords = {
-        "causal": causal,
-        "scale": softmax_scale(q, scale),
-        "max_seqlen_q": max_seqlen,
-        "max_seqlen_k": max_seqlen,
-        "disjoint_keys": cu_seqlens_padded is None,
-    }
-    return (plan.cu_q, plan.k_start, plan.k_len(causal)), keywords
+    bounds = {"max_q": max_seqlen, "max_k": max_seqlen, "disjoint_keys": cu_seqlens_padded is None}
+    return kernels.Pieces(plan.cu_q, plan.k_start, plan.k_len(causal), **bounds)
 
 
 # --- packed_attention --------------------------------------------------------------
@@ -74,8 +68,8 @@ def _packed_attention(
     scale: float | None,
     kernel_name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    return kernels.select(q, kernel_name).forward(q, k, v, *pieces, **keywords)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal)
+    return kernels.select(q, kernel_name).forward(q, k, v, pieces, causal=causal, scale=softmax_scale(q, scale))
 
 
 @_packed_attention.register_fake
@@ -101,8 +95,9 @@ def _packed_attention_backward(
     scale: float | None,
     kernel_name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pieces, keywords = _single_device_call(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale)
-    dq, dk, dv = kernels.select(q, kernel_name).backward(dout, q, k, v, out, lse, *pieces, **keywords)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal)
+    kernel = kernels.select(q, kernel_name)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=softmax_scale(q, scale))
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -177,13 +172,12 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv):
+def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
     group = resolve_group(group_name)
     ex = exchange_plan(gather_index, k_start, k_len, group_name, kv)  # kv: Config.kv_exchange
-    kw = {"causal": causal, "scale": softmax_scale(q, scale), "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen}
-    return group, kernels.select(q, kernel_name), ex, kw
+    return group, kernels.select(q, kernel_name), ex, {"causal": causal, "scale": softmax_scale(q, scale)}
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
@@ -206,12 +200,11 @@ def _cp_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
     agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, causal, scale, gather_index, config)
-    group, kern, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv_exchange
-    )
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv_exchange)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen)
     if ex is not None:
-        return exchange.forward(kern, q, k, v, ex, cu_q, k_len, group, **kw)
-    return gathered.forward(kern, q, k, v, gather_index, (cu_q, k_start, k_len), group, kv_chunks, **kw)
+        return exchange.forward(kern, q, k, v, ex, pieces, group, **kw)
+    return gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw)
 
 
 @_cp_attention.register_fake
@@ -248,12 +241,10 @@ def _cp_attention_backward(
     kv_exchange: str,
     kv_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group, kern, ex, kw = _cp_call(
-        q, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, kv_exchange
-    )
-    pieces = (cu_q, k_start, k_len)
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv_exchange)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen)
     if ex is not None:
-        return exchange.backward(kern, dout, q, k, v, out, lse, ex, cu_q, k_len, group, **kw)
+        return exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw)
     return gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw)
 
 

@@ -10,19 +10,28 @@ order (deterministic), rounding once to the input dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..comm.exchange import Exchange, fetch_keys, return_grads
+from ..kernels import KeyGrads, Pieces
 from ..kernels.metadata.scratch import sum_layers
 
 
-def forward(kernel, q, k, v, ex: Exchange, cu_q, k_len, group, **kw):
-    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+def _compact(pieces: Pieces, ex: Exchange) -> Pieces:
+    """``pieces`` over the compact keys that :func:`~cpcompile.comm.exchange.fetch_keys` brings."""
+    return dataclasses.replace(pieces, k_start=ex.k_start)
+
+
+def forward(kernel, q, k, v, ex: Exchange, pieces: Pieces, group, **kw):
+    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
+    ``pieces`` over all the pack's keys, ``kw`` the kernel's keywords (``causal``, ``scale``)."""
     k_read, v_read = fetch_keys(k, v, ex, group)
-    return kernel.forward(q, k_read, v_read, cu_q, ex.k_start, k_len, **kw)
+    return kernel.forward(q, k_read, v_read, _compact(pieces, ex), **kw)
 
 
-def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, **kw):
+def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, group, **kw):
     """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]``, summed over ranks."""
     k_read, v_read = fetch_keys(k, v, ex, group)  # re-fetched, not saved by the forward
     # per tensor one buffer: the compact keys' sums (the kernel's), the sums other ranks return
@@ -35,8 +44,8 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, cu_q, k_len, group, 
             s[:r].zero_()
     pack_keys = k.shape[0] * group.size()  # what the kernel's scratch is budgeted against
     dq, _, _ = kernel.backward(
-        *(dout, q, k_read, v_read, out, lse, cu_q, ex.k_start, k_len),
-        dkv_out=(sums[0][:r], sums[1][:r]),
+        *(dout, q, k_read, v_read, out, lse, _compact(pieces, ex)),
+        grads=KeyGrads(dk=sums[0][:r], dv=sums[1][:r]),
         pack_keys=pack_keys,
         **kw,
     )

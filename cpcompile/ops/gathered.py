@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.kv_gather import grad_buffers, kv_chunks, start_gathers, start_reduce_scatters, wait_physical
+from ..kernels import KeyGrads, Pieces
 from ..per_plan import per_plan
 
 
@@ -31,15 +32,16 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
-def forward(kernel, q, k, v, gather_index, pieces, group, chunks: int = 1, **kw):
-    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+def forward(kernel, q, k, v, gather_index, pieces: Pieces, group, chunks: int = 1, **kw):
+    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
+    ``pieces`` over the gathered keys, ``kw`` the kernel's keywords (``causal``, ``scale``)."""
     chunks = kv_chunks(chunks, k.shape[1])
     pending = start_gathers(k, v, group, chunks)
     qh = q.shape[1] // chunks
     outs, lses = [], []
     for i in range(chunks):
         k_all, v_all = wait_physical(pending[i], gather_index)
-        out, lse = kernel.forward(q[:, i * qh : (i + 1) * qh], k_all, v_all, *pieces, **kw)
+        out, lse = kernel.forward(q[:, i * qh : (i + 1) * qh], k_all, v_all, pieces, **kw)
         outs.append(out)
         lses.append(lse)
     if chunks == 1:
@@ -47,22 +49,20 @@ def forward(kernel, q, k, v, gather_index, pieces, group, chunks: int = 1, **kw)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=0)
 
 
-def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces, group, chunks: int = 1, **kw):
+def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces: Pieces, group, chunks: int = 1, **kw):
     """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered."""
     chunks = kv_chunks(chunks, k.shape[1])
     pending = start_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
     key_order = gathered_order(gather_index)
-    dk_sums, dv_sums = grad_buffers(gather_index, pieces, k, chunks)
+    dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, chunks)
     qh = q.shape[1] // chunks
     dqs, scatters = [], []
     for i in range(chunks):
         heads = slice(i * qh, (i + 1) * qh)
         k_all, v_all = wait_physical(pending[i], gather_index)
+        sums = KeyGrads(key_order, dk_sums[i], dv_sums[i])  # in gather order, into the kept buffers
         dq, dk_all, dv_all = kernel.backward(
-            *(dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], *pieces),
-            key_order=key_order,
-            dkv_out=(dk_sums[i], dv_sums[i]),
-            **kw,
+            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], pieces, grads=sums, **kw
         )
         dqs.append(dq)
         # this group's float32 partial dK/dV of every key, already in gather order, summed

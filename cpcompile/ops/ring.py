@@ -66,15 +66,13 @@ def merge(
     return out * w_old + block_out.to(out.dtype) * w_new, merged
 
 
-def _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q):
-    """Per ring step, for the block in hand: ``(k_src, v_src, (cu_q, k_start, k_len), kernel keywords)``."""
+def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q):
+    """Per ring step, for the block in hand: ``(k_src, v_src, pieces, causal)``."""
     for src, kv in rotate(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
         k_src, v_src = kv.split(k.shape[1], dim=1)
         own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full
-        kw = dict(
-            causal=causal and own, scale=softmax_scale(q, scale), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen
-        )
-        yield k_src, v_src, (cu_q, k_start[src], k_len[src]), kw
+        pieces = kernels.Pieces(cu_q, k_start[src], k_len[src], max_q=max_seqlen_q, max_k=max_seqlen)
+        yield k_src, v_src, pieces, causal and own
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention", mutates_args=())
@@ -97,9 +95,10 @@ def _ring_attention(
     kern = kernels.select(q, kernel_name)
     lse_dtype = accumulation_dtype(q.dtype)
     out = lse = None
-    steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
-    for k_src, v_src, ranges, kw in steps:
-        block = kern.forward(q, k_src, v_src, *ranges, **kw)
+    scale = softmax_scale(q, scale)
+    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q)
+    for k_src, v_src, pieces, step_causal in steps:
+        block = kern.forward(q, k_src, v_src, pieces, causal=step_causal, scale=scale)
         out, lse = (block[0].to(lse_dtype), block[1]) if out is None else merge(out, lse, *block)
     return out.to(q.dtype), lse
 
@@ -139,9 +138,10 @@ def _ring_attention_backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
     works = []
-    steps = _steps(q, k, v, cu_q, k_start, k_len, group, causal, scale, max_seqlen, max_seqlen_q)
-    for step, (k_src, v_src, ranges, kw) in enumerate(steps):
-        dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, *ranges, **kw)
+    scale = softmax_scale(q, scale)
+    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q)
+    for step, (k_src, v_src, pieces, step_causal) in enumerate(steps):
+        dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, pieces, causal=step_causal, scale=scale)
         dq += dq_step
         dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
         if step > 0:

@@ -23,13 +23,16 @@ is shorter, made cuDNN's backward markedly slower: docs/attention-kernels.md).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ...per_plan import per_plan, twinned
 from ...plan import keys_read
 from ..triton import sum_rows
+
+if TYPE_CHECKING:
+    from ..contract import KeyGrads
 
 
 class Scratch(NamedTuple):
@@ -119,6 +122,14 @@ def add_back(
     return sum_layers(partial, index, scratch.rows, out, rows)
 
 
+def add_back_grads(
+    dk: torch.Tensor, dv: torch.Tensor, scratch: Scratch, grads: KeyGrads | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_back` of per-scratch-row dK and dV, in the order and buffers ``grads`` asks for."""
+    order, dk_out, dv_out = _destination(grads)
+    return add_back(dk, scratch, order, dk_out), add_back(dv, scratch, order, dv_out)
+
+
 def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None) -> torch.Tensor:
     """``out[k] = sum over l of partial[index[l, k]]``: ``partial [n, H, D]``, ``index [L, Tk]``
     int64 (``spare``, a row of ``partial``: none), summed in at least float32.
@@ -153,6 +164,19 @@ def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_or
     rows, src = _placement(k_start, k_len, grad.shape[0], key_order)
     out[rows] = grad[src].to(out.dtype)
     return out
+
+
+def place_grads(
+    dk: torch.Tensor, dv: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, grads: KeyGrads | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`place` of whole dK and dV, in the order and buffers ``grads`` asks for."""
+    order, dk_out, dv_out = _destination(grads)
+    return place(dk, k_start, k_len, order, dk_out), place(dv, k_start, k_len, order, dv_out)
+
+
+def _destination(grads: KeyGrads | None) -> tuple:
+    """``(key_order, dk, dv)`` of ``grads``, each ``None`` where not given."""
+    return (None, None, None) if grads is None else (grads.key_order, grads.dk, grads.dv)
 
 
 @per_plan

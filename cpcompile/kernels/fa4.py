@@ -57,38 +57,21 @@ def _interface():
     return interface
 
 
+def _keywords(cu_q, cu_k, max_q, max_k, causal, scale) -> dict:
+    """What FA4's varlen forward and backward both take by name: the entries, their bounds and the mask."""
+    entries = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
+    return entries | {"softmax_scale": scale, "causal": causal}
+
+
 def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=None):
-    out, lse, *_ = _interface()._flash_attn_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        seqused_k=seqused_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        softmax_scale=scale,
-        causal=causal,
-        return_lse=True,
-    )
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale)
+    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, seqused_k=seqused_k, return_lse=True, **kw)
     return out, lse
 
 
 def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    dq, dk, dv, *_ = _interface()._flash_attn_bwd(
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        softmax_scale=scale,
-        causal=causal,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-    )
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale)
+    dq, dk, dv, *_ = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, **kw)
     return dq, dk, dv
 
 

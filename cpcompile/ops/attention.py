@@ -28,7 +28,7 @@ from ..plan import AttentionPlan, make_plan, max_piece_len, step_plan
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
 from . import exchange, gathered
-from .common import agree_in_op, check_fake_qkv, out_and_lse, softmax_scale
+from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
 
 
 @per_plan
@@ -106,23 +106,8 @@ def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _packed_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, cu_seqlens_padded, *args = inputs  # args: max_seqlen, causal, scale, kernel
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_padded)
-    ctx.args = tuple(args)
-    ctx.mark_non_differentiable(lse)
-
-
-def _packed_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens, cu_seqlens_padded = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cpcompile.packed_attention_backward(
-        dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, *ctx.args
-    )
-    return dq, dk, dv, *(None,) * (2 + len(ctx.args))
-
-
-_packed_attention.register_autograd(_packed_backward, setup_context=_packed_setup)
+# plan: cu_seqlens, cu_seqlens_padded
+register_attention_autograd(_packed_attention, torch.ops.cpcompile.packed_attention_backward, num_plan=2)
 
 
 def packed_attention(
@@ -253,20 +238,8 @@ def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, c
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _cp_setup(ctx, inputs, output):
-    q, k, v, gather_index, cu_q, k_start, k_len, *args = inputs  # args: group_name ... kv_chunks
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, gather_index, cu_q, k_start, k_len)
-    ctx.args = tuple(args)
-    ctx.mark_non_differentiable(lse)
-
-
-def _cp_backward(ctx, dout, _dlse):
-    dq, dk, dv = torch.ops.cpcompile.cp_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, *(None,) * (4 + len(ctx.args))
-
-
-_cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
+# plan: gather_index, cu_q, k_start, k_len
+register_attention_autograd(_cp_attention, torch.ops.cpcompile.cp_attention_backward, num_plan=4)
 
 
 def cp_attention(

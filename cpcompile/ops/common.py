@@ -1,5 +1,6 @@
 """What the attention ops share: fake-tensor checks, output allocation, the softmax
-scale, the accumulation dtype, and the agreement an op runs where no wrapper ran one."""
+scale, the accumulation dtype, the agreement an op runs where no wrapper ran one, and
+the autograd that ties each op to its backward op."""
 
 from __future__ import annotations
 
@@ -50,3 +51,26 @@ def agree_in_op(op: str, group, q, k, causal: bool, scale, layout: torch.Tensor 
     """An op's own agreement, where no wrapper ran one for this call."""
     if not already_agreed() and agreement_enabled(group, q):
         agree(group, None, op_record(op, q, k, causal, scale, layout, config))
+
+
+def register_attention_autograd(op, backward_op, num_plan: int) -> None:
+    """Autograd for an attention op ``op(q, k, v, *plan, *args) -> (out, lse)`` whose backward is
+    the op ``backward_op(dout, q, k, v, out, lse, *plan, *args) -> (dq, dk, dv)``.
+
+    ``plan``: the ``num_plan`` tensor inputs after ``q, k, v`` (``None`` allowed), saved with
+    them and ``out, lse``; ``args``: the other inputs, kept as they are. ``lse`` is not
+    differentiable, and nothing but ``q, k, v`` gets a gradient.
+    """
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, *rest[:num_plan])
+        ctx.args = tuple(rest[num_plan:])
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, *(None,) * (num_plan + len(ctx.args))
+
+    op.register_autograd(backward, setup_context=setup_context)

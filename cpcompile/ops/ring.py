@@ -27,7 +27,14 @@ from ..checks import check_device
 from ..comm.groups import resolve_group
 from ..comm.ring import rotate, shift
 from ..ring_plan import block_key_ranges
-from .common import accumulation_dtype, agree_in_op, check_fake_qkv, out_and_lse, softmax_scale
+from .common import (
+    accumulation_dtype,
+    agree_in_op,
+    check_fake_qkv,
+    out_and_lse,
+    register_attention_autograd,
+    softmax_scale,
+)
 
 
 @torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
@@ -168,17 +175,5 @@ def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, 
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _ring_setup(ctx, inputs, output):
-    q, k, v, cu_q, k_start, k_len, *args = inputs  # args: group_name ... kernel
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, k_start, k_len)
-    ctx.args = tuple(args)
-    ctx.mark_non_differentiable(lse)
-
-
-def _ring_backward(ctx, dout, _dlse):
-    dq, dk, dv = torch.ops.cpcompile.cp_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, *(None,) * (3 + len(ctx.args))
-
-
-_ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+# plan: cu_q, k_start, k_len
+register_attention_autograd(_ring_attention, torch.ops.cpcompile.cp_ring_attention_backward, num_plan=3)

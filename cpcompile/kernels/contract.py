@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: == of tensor fields has no single truth value
 class Pieces:
     """The query pieces of one call and the keys each reads (the piece contract: module docstring).
 

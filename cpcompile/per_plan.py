@@ -26,6 +26,12 @@ hands derivations the twins to read sizes from, and :func:`twinned` runs a small
 derivation on the twins and uploads its results in turn. The data loader can
 upload ``cu_seqlens`` the same way (``shard_batch(..., device=...)``), and then a
 step reads nothing from the GPU at all.
+
+What a plan was made from: some derivations need more than a plan tensor's values.
+The sparse exchange needs every rank's reads, which follow from the whole pack's
+layout (which every rank holds) but not from one rank's plan. :func:`attach` remembers
+such a value with the tensor, and :func:`attached` finds it again, also through an
+uploaded tensor's twin.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import threading
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 #: Most argument sets kept per function: far more plans than one step uses.
 ENTRIES = 64
@@ -150,6 +157,8 @@ def twin(t: torch.Tensor) -> torch.Tensor | None:
     uploaded from (:func:`upload`) while ``t`` is unchanged; ``None`` when there is none."""
     if t.device.type == "cpu":
         return t
+    if t.is_inference():  # uploaded as a plain copy (no version to key a twin by)
+        return None
     return _TWINS.get(_key(t))[1]
 
 
@@ -199,3 +208,39 @@ def twinned(fn):
         return up(result)
 
     return wrapper
+
+
+# --- what a plan tensor was made from ---------------------------------------------------
+
+_ATTACHED = _Cache(None)
+
+
+def _memory_key(t: torch.Tensor):
+    # Inference tensors have no version counter: known by their memory alone, which holds
+    # as long as nothing writes a plan tensor in place (nothing does).
+    if t.is_inference():
+        return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
+    return _key(t)
+
+
+def attach(t: torch.Tensor, value) -> None:
+    """Remember ``value`` with ``t`` while ``t`` lives, unchanged: what a plan tensor was made
+    from, for derivations that need more than its values (:func:`attached`). ``value`` must
+    not hold ``t`` (the entry would keep it alive). Nothing is remembered of fake and meta
+    tensors, or while tracing: they have no memory to know them by."""
+    if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta":
+        return
+    _ATTACHED.put(_memory_key(t), [t], value)
+
+
+def attached(t: torch.Tensor):
+    """The value :func:`attach` gave ``t``, or else its twin (a plan made on the host and
+    uploaded carries what it was made from); ``None`` when there is none."""
+    if torch.compiler.is_compiling() or is_fake(t):
+        return None
+    for x in (t, twin(t)):
+        if x is not None and x.device.type != "meta":
+            hit, value = _ATTACHED.get(_memory_key(x))
+            if hit:
+                return value
+    return None

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from cpcompile.per_plan import ENTRIES, on_host, per_plan, readable, twin, twinned, upload
+from cpcompile.per_plan import ENTRIES, attach, attached, on_host, per_plan, readable, twin, twinned, upload
 
 
 def test_per_plan_builds_once_for_the_same_plan_tensors():
@@ -149,3 +149,31 @@ def test_an_entry_evicted_under_the_lock_may_free_another_entrys_tensor():
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive(), "per_plan deadlocked evicting an entry"
+
+
+def test_attached_values_go_with_their_tensor_and_its_uploads():
+    """What a plan tensor was made from: found through the tensor and the copies uploaded from it,
+    lost with a change or a plain copy, gone with the tensor."""
+
+    class Made:  # a value that can be weakly referenced
+        pass
+
+    plan, made = torch.arange(4), Made()
+    attach(plan, made)
+    assert attached(plan) is made and attached(plan[:]) is made  # a view of the same memory
+    dev = upload(plan, "meta")  # meta stands for a device here: the value is found through the twin
+    assert attached(dev) is made
+    assert attached(plan.clone()) is None
+    gone = weakref.ref(made)
+    del made, dev
+    plan.add_(1)  # changed in place: no longer what it was made from
+    assert attached(plan) is None
+    del plan
+    gc.collect()
+    assert gone() is None  # the entry went with its tensor
+    with torch.inference_mode():
+        frozen = torch.arange(3)
+        frozen_dev = upload(frozen, "meta")  # a plain copy: no twin
+    attach(frozen, "inference tensors are known by their memory")
+    assert attached(frozen) == "inference tensors are known by their memory"
+    assert twin(frozen_dev) is None and attached(frozen_dev) is None

@@ -11,6 +11,11 @@ The plan depends only on ``(cu_seqlens, cu_seqlens_padded, cp_size, rank, strate
 build it once per step and share it across layers. Sizes are static given the
 shapes (unused piece slots are empty), so nothing is read on the host, except by
 balanced (its cuts are chosen on the host) and auto (resolved from ``cu_seqlens``).
+
+A plan also knows the pack it was made from (:func:`origin`): the layout of every
+rank, which every rank computes alike. From it any rank derives which keys every
+other rank reads (:func:`read_lengths`), without asking it: the sparse K/V exchange's
+plan needs that, and so needs no communication.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from .checks import check_cp, check_padded
 from .cost import auto_candidates, resolve_auto
 from .partition import all_partition_indices, pad_for_cp, piece_marks
-from .per_plan import on_host, per_plan, upload
+from .per_plan import attach, attached, on_host, per_plan, upload
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -45,6 +50,41 @@ class AttentionPlan(NamedTuple):
 
     def k_len(self, causal: bool) -> torch.Tensor:
         return self.k_len_causal if causal else self.k_len_full
+
+
+class Pack(NamedTuple):
+    """The whole pack that every rank's plan is made from (``cp`` ranks, ``B`` documents).
+
+    - ``layout``: ``[cp, T_local]`` int64, every rank's physical positions (:func:`all_partition_indices`).
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32.
+    """
+
+    layout: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+
+
+class Origin(NamedTuple):
+    """What a plan's ``k_len_causal`` or ``k_len_full`` was made from: rank ``rank``'s pieces
+    of ``pack``, causal or not (:func:`origin`)."""
+
+    pack: Pack
+    rank: int
+    causal: bool
+
+
+def origin(k_len: torch.Tensor) -> Origin | None:
+    """The :class:`Origin` of a plan's ``k_len_causal`` or ``k_len_full`` as :func:`make_plan` or
+    :func:`step_plan` made it (uploaded with :func:`cpcompile.per_plan.upload` too); ``None``
+    for other tensors: copies, changed or hand-made plans, plans made while tracing."""
+    found = attached(k_len)
+    return found if isinstance(found, Origin) else None
+
+
+def _attach_origin(plan: AttentionPlan, pack: Pack, rank: int) -> None:
+    # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan)
+    attach(plan.k_len_causal, Origin(pack, rank, True))
+    attach(plan.k_len_full, Origin(pack, rank, False))
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -129,13 +169,16 @@ def make_plan(
     live = (q_len > 0) & real[first]
     k_len_causal = torch.where(live, pos[first] + q_len, 0)
     k_len_full = torch.where(live, real_len[doc[first]], 0)
-    return AttentionPlan(
+    plan = AttentionPlan(
         gather_index=gather_index,
         cu_q=cu_q.to(torch.int32),
         k_start=cu_p[doc[first]].to(torch.int32),
         k_len_causal=k_len_causal.to(torch.int32),
         k_len_full=k_len_full.to(torch.int32),
     )
+    # copies of the offsets: the caller's, held here, would outlive the plans cached by them
+    _attach_origin(plan, Pack(layout, cu_seqlens.clone(), cu_seqlens_padded.clone()), rank)
+    return plan
 
 
 @per_plan
@@ -162,7 +205,30 @@ def step_plan(
     cu, *padded = on_host(cu_seqlens, *padded)
     spec = StrategySpec(Strategy(strategy), stripe_size)
     plan = make_plan(cu, *padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_tokens)
-    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    uploaded = AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    made = origin(plan.k_len_causal)
+    if made is not None:  # inference tensors travel without twins to find it through
+        _attach_origin(uploaded, made.pack, rank)
+    return uploaded
+
+
+def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:
+    """``[cp, B]`` int64: how many keys of document ``d`` rank ``r``'s pieces read, a prefix of it
+    (from ``cu_seqlens_padded[d]``): every rank's :func:`keys_read` at once, from the pack alone.
+
+    A piece reads its document's keys up to its own last token when causal, and all its real
+    tokens when not; so of each document a rank reads the keys up to the last real token it
+    holds there, or all the real ones if it holds any. Every layout stores a rank's positions
+    in ascending order, so that token is found by bisection: nothing of size ``T`` is made.
+    """
+    layout = pack.layout  # [cp, T_local]
+    start = pack.cu_seqlens_padded[:-1].long()  # [B]
+    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
+    ends = (start + real_len).expand(layout.shape[0], -1).contiguous()  # [cp, B] where each document's padding starts
+    last = torch.searchsorted(layout, ends) - 1  # [cp, B] each rank's last position before it
+    position = layout.gather(1, last.clamp(min=0))
+    reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
+    return reach if causal else torch.where(reach > 0, real_len, 0)
 
 
 def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -3,12 +3,16 @@ computation (K/V gathered by hand) against the single-device float64 result."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile.kernels import Pieces, reference
+from cpcompile.plan import keys_read, origin, read_lengths, step_plan
 from tests.fixtures import LAYOUT_SPECS as SPECS
 from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
@@ -111,3 +115,39 @@ def test_opcheck_cp_plan():
             plan = torch.ops.cpcompile.cp_plan.default(*args)
             want = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
             assert all(torch.equal(a, b) for a, b in zip(plan, want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), spec=st.sampled_from(SPECS))
+def test_every_ranks_reads_follow_from_the_pack(lengths, cp, spec):
+    """The keys each rank's pieces read, from the pack alone (``read_lengths``), are those its own
+    plan's pieces read; every plan knows the pack it was made from."""
+    cu = cu_seqlens(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
+    total = plans[0].gather_index.shape[0]
+    for causal in (True, False):
+        made = [origin(p.k_len(causal)) for p in plans]
+        assert [(m.rank, m.causal) for m in made] == [(r, causal) for r in range(cp)]
+        read_len = read_lengths(made[0].pack, causal)  # [cp, B]
+        for rank, plan in enumerate(plans):
+            want = keys_read(plan.k_start, plan.k_len(causal), total)
+            got = torch.zeros(total, dtype=torch.bool)
+            for d, n in enumerate(read_len[rank].tolist()):
+                got[int(padded[d]) : int(padded[d]) + n] = True
+            assert torch.equal(got, want), f"rank {rank} causal={causal}"
+
+
+def test_a_step_plan_knows_its_pack_without_keeping_the_step_alive():
+    """The pack a step's plan was made from holds copies of the offsets: the step's ``cu_seqlens``,
+    when dropped, still frees its plan (the plan cache keys on it)."""
+    cu = cu_seqlens([5, 1, 30, 7])
+    plan = step_plan(cu, None, 44, 4, 2, "balanced", 1)
+    made = origin(plan.k_len_full)
+    assert (made.rank, made.causal, made.pack.layout.shape) == (2, False, (4, 11))
+    assert origin(plan.k_len_full.clone()) is None  # a copy: not known
+    freed = weakref.ref(cu)
+    plan_freed = weakref.ref(plan.k_len_causal)
+    del cu, plan, made
+    gc.collect()
+    assert freed() is None and plan_freed() is None

@@ -33,6 +33,7 @@ from report import add_output_argument, command, header, publish  # noqa: E402
 import cpcompile  # noqa: E402
 from cpcompile import kernels  # noqa: E402
 from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
+from cpcompile.per_plan import upload  # noqa: E402
 from cpcompile.testing import sample_lengths  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
@@ -44,7 +45,8 @@ def rank_plan(cu, padded, spec, comm: str, local_tokens: int, device):
     build = cpcompile.ring_plan.make_ring_plan if comm == "ring" else cpcompile.make_plan
     cp, rank = dist.get_world_size(), dist.get_rank()
     plan = build(cu.cpu(), padded.cpu(), cp_size=cp, rank=rank, strategy=spec, num_tokens=local_tokens * cp)
-    return type(plan)(*(t.to(device) for t in plan))
+    # uploaded with host twins: the sparse exchange finds the pack the plan was made from through them
+    return type(plan)(*(upload(t, device) for t in plan))
 
 
 def step(q, k, v, cu, padded, spec, max_len, backward: bool, comm: str, plan, config):

@@ -1,12 +1,22 @@
-"""Tier 1-2: the sparse exchange's rule and layout of returned sums (``cpcompile.comm.exchange``)."""
+"""Tier 1-2: the sparse exchange's plan, rule and layout of returned sums (``cpcompile.comm.exchange``)."""
 
 from __future__ import annotations
 
+import contextlib
+import types
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.comm.exchange import EXCHANGE_AT, _sum_layers, use_exchange
+from cpcompile.comm import collectives, exchange
+from cpcompile.comm.exchange import EXCHANGE_AT, Exchange, _sum_layers, exchange_plan, reads, use_exchange
+from cpcompile.plan import step_plan
+from tests.fixtures import LAYOUT_SPECS, cu_seqlens, pack_lengths_st
 
 
 def test_exchange_rule():
@@ -48,3 +58,103 @@ def test_each_setting_runs(single_rank_group, kv_exchange):
     out = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", config=config)
     want = cpcompile.packed_attention(q, k, v, cu)
     torch.testing.assert_close(out, want)
+
+
+# --- the plan, made without communication -------------------------------------------------
+
+
+def _as_ranks_told_each_other(plans, causal: bool, choice: str) -> list[Exchange | None]:
+    """Every rank's :class:`Exchange` as the ranks used to build it, telling each other what
+    they read (an all-gather of counts, an all-to-all of row indices), played here by hand:
+    each rank's reads from its own plan alone."""
+    cp = len(plans)
+    t_local = plans[0].gather_index.shape[0] // cp
+    mine = [reads(p.gather_index, p.k_start, p.k_len(causal), cp) for p in plans]
+    matrix = [m.counts.tolist() for m in mine]  # the all-gather
+    if not use_exchange(matrix, t_local, choice):
+        return [None] * cp
+    out = []
+    for rank, m in enumerate(mine):
+        own = m.owner == rank
+        by_owner = torch.argsort(torch.where(own, -1, m.owner), stable=True)[int(own.sum()) :]
+        # the all-to-all: from each other rank in rank order, the rows of this one it reads, in its order
+        send_rows = torch.cat([mine[r].local_row[mine[r].owner == rank] for r in range(cp) if r != rank])
+        send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
+        gather = m.local_row.clone()
+        gather[by_owner] = t_local + torch.arange(by_owner.shape[0])
+        own_compact = own.nonzero().squeeze(1)
+        sums = _sum_layers(m.local_row[own_compact], own_compact, send_rows, send_counts, gather.shape[0], t_local)
+        recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
+        out.append(Exchange(m.k_start, gather, send_rows, by_owner, sums, recv_counts, send_counts, m.idle))
+    return out
+
+
+def _assert_same(got: Exchange | None, want: Exchange | None, label: str) -> None:
+    assert (got is None) == (want is None), label
+    if got is None:
+        return
+    for name, a, b in zip(Exchange._fields, got, want):
+        same = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        assert same, f"{label}: {name} {a} != {b}"
+
+
+@contextlib.contextmanager
+def _rank_that_cannot_communicate(cp: int, rank: int):
+    """This process as rank ``rank`` of a group of ``cp`` whose every collective raises."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the exchange plan communicated")
+
+    group = types.SimpleNamespace(size=lambda: cp, rank=lambda: rank)
+    names = ("all_gather", "all_gather_object", "all_to_all", "all_to_all_single", "all_reduce", "broadcast")
+    names += ("barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(exchange, "resolve_group", lambda name: group))
+        stack.enter_context(mock.patch.object(exchange, "all_to_all_rows", forbidden))
+        for module, name in [(collectives, "_all_gather"), (collectives, "_reduce_scatter")] + [
+            (dist, n) for n in names
+        ]:
+            stack.enter_context(mock.patch.object(module, name, forbidden))
+        yield
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=pack_lengths_st,
+    cp=st.sampled_from([2, 3, 4]),
+    spec=st.sampled_from(LAYOUT_SPECS),
+    causal=st.booleans(),
+    choice=st.sampled_from(["always", "auto"]),
+)
+@example(lengths=[1], cp=4, spec=LAYOUT_SPECS[0], causal=True, choice="always")  # ranks that read nothing
+@example(lengths=[0, 7, 0, 1, 0], cp=3, spec=LAYOUT_SPECS[4], causal=False, choice="always")
+@example(lengths=[30], cp=2, spec=LAYOUT_SPECS[1], causal=True, choice="auto")  # one document
+def test_the_plan_is_the_one_ranks_agreed_by_collectives(lengths, cp, spec, causal, choice):
+    """Every rank's exchange, derived from the pack alone, without a collective: the same counts,
+    rows to send (in the same order), destinations and sums as when each rank told the others
+    what it read. Packs of 1-token, empty and single documents; ranks that read nothing."""
+    cu = cu_seqlens(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    tokens = int(padded[-1])
+    plans = [step_plan(cu, padded, tokens, cp, r, spec.strategy.value, spec.stripe_size) for r in range(cp)]
+    want = _as_ranks_told_each_other(plans, causal, choice)
+    for rank, plan in enumerate(plans):
+        with _rank_that_cannot_communicate(cp, rank):
+            got = exchange_plan(plan.gather_index, plan.k_start, plan.k_len(causal), "group", choice)
+        _assert_same(got, want[rank], f"rank {rank} of {cp}, {spec}, causal={causal}, {choice}, docs {lengths}")
+
+
+def test_a_plan_of_unknown_origin_gathers_or_is_refused():
+    """A plan copied by hand no longer knows the pack it was made from, which the exchange needs:
+    ``auto`` uses the all-gather, ``always`` says what to do."""
+    cu = cu_seqlens([5, 11])
+    plan = cpcompile.make_plan(cu, cp_size=2, rank=1, strategy="no_load_balance")
+    copied = [t.clone() for t in (plan.gather_index, plan.k_start, plan.k_len_causal)]
+    with _rank_that_cannot_communicate(2, 1):
+        assert exchange_plan(plan.gather_index, plan.k_start, plan.k_len_causal, "group", "always") is not None
+        assert exchange_plan(*copied, "group", "auto") is None
+        with pytest.raises(ValueError, match="kv_exchange='always' needs the plan as cpcompile.make_plan made it"):
+            exchange_plan(*copied, "group", "always")
+        with pytest.raises(ValueError, match=r"the plan is rank 1's of cp_size 2, this is rank 0 of 2"):
+            with _rank_that_cannot_communicate(2, 0):
+                exchange_plan(plan.gather_index, plan.k_start, plan.k_len_full, "group", "always")

@@ -2,9 +2,10 @@
 
 A rank's pieces read document prefixes, which under balanced and no_load_balance
 lie mostly on the rank itself (docs/communication.md: a small fraction of what an
-all-gather brings; under dual_chunk_swap all of it). So,
-per plan, every rank tells every other which of its rows it reads (one all-gather
-of counts, one all-to-all of row indices, a few host syncs), and each layer then:
+all-gather brings; under dual_chunk_swap all of it). So, per plan, each rank works out
+which rows every rank reads, from the pack every plan is made from, which all ranks hold
+alike (:func:`exchange_plan`: no communication, and no host sync where the plan was made
+on the host, as ``plan.step_plan`` makes it), and each layer then:
 
 - forward: one all-to-all each of K and V carries the rows that are read into a buffer
   behind a copy of the rank's own rows (made while they travel), and one gather takes
@@ -26,8 +27,8 @@ Why the exchange pays, and by how much against the all-gather, is measured in
 docs/communication.md; :data:`EXCHANGE_AT` keeps a margin for cp > 2, where the
 all-to-all spans more GPUs (not yet measured).
 
-This module moves the bytes (the plan's collectives, :func:`fetch_keys`,
-:func:`return_grads`); ``ops/exchange.py`` runs the kernel between them.
+This module plans which rows travel (:func:`exchange_plan`) and moves them
+(:func:`fetch_keys`, :func:`return_grads`); ``ops/exchange.py`` runs the kernel between them.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..per_plan import per_plan, twinned
-from ..plan import keys_read
-from .collectives import all_gather_rows, all_to_all_rows
+from ..per_plan import on_host, per_plan, twinned, upload
+from ..plan import Pack, keys_read, origin, read_lengths
+from .collectives import all_to_all_rows
 from .groups import resolve_group
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
@@ -124,55 +125,112 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
     )
 
 
-@per_plan(collective=True)
+@per_plan
 def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, group_name: str, choice: str):
     """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical
     keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used;
     ``choice``: one of :data:`SETTINGS` (``Config.kv_exchange``).
 
-    Collective: every rank of the group calls it with its own plan, once per plan
-    (``per_plan``), and all get the same answer to :func:`use_exchange`, or the same
-    error where their ``choice`` is not valid or not the same. One host sync: reading the
-    all-gathered counts (and where the plan has no host twins, finding ``R`` and the counts).
-    ``"never"`` needs no counts: no collective, no sync. Ranks whose choices differ then
-    wait for each other in different collectives; ``Config`` is one of what ranks
-    compare where they check agreement (``checks.agreement_enabled``: always on gloo).
+    No communication: the plan knows the pack it was made from (:func:`cpcompile.plan.origin`),
+    which every rank holds, so each rank derives every rank's reads itself
+    (:func:`make_exchange`), and all reach the same answer to :func:`use_exchange`. Made once
+    per plan (``per_plan``) on the host, from the plan's host twins where it has them
+    (:func:`cpcompile.plan.step_plan`), else from a copy (one host sync), and uploaded with
+    twins. Ranks must agree on ``choice``: ``Config`` is one of what ranks compare where they
+    check agreement (``checks.agreement_enabled``: always on gloo).
+
+    A plan whose origin is unknown (a copy, a plan changed or made by hand) uses the
+    all-gather for ``"auto"``, and is an error for ``"always"``.
     """
+    if choice not in SETTINGS:
+        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {choice!r}")
     if choice == "never":
         return None
+    made = origin(k_len)
+    if made is None:
+        if choice == "always":
+            raise ValueError(
+                "kv_exchange='always' needs the plan as cpcompile.make_plan made it (moved with "
+                "cpcompile.per_plan.upload, not copied): every rank's reads follow from the pack it knows"
+            )
+        return None
     group = resolve_group(group_name)
-    cp, rank = group.size(), group.rank()
-    t_local = gather_index.shape[0] // cp
-    mine = reads(gather_index, k_start, k_len, cp)
-    code = SETTINGS.index(choice) if choice in SETTINGS else -1
-    shared = all_gather_rows(torch.cat([mine.counts, mine.counts.new_full((1,), code)]), group)
-    table = shared.view(cp, cp + 1).tolist()  # row r: rank r's counts, then its choice
-    matrix, codes = [row[:cp] for row in table], [row[cp] for row in table]  # matrix[r][s]: r reads from s
-    if min(codes) < 0 or max(codes) != min(codes):
-        seen = sorted({SETTINGS[c] if c >= 0 else "(not one of them)" for c in codes})
-        raise ValueError(f"kv_exchange must be one of {SETTINGS} and the same on every rank, got {seen}")
+    cp, rank = made.pack.layout.shape[0], made.rank
+    if (cp, rank) != (group.size(), group.rank()):
+        raise ValueError(f"the plan is rank {rank}'s of cp_size {cp}, this is rank {group.rank()} of {group.size()}")
+    pack = Pack(*on_host(*made.pack))
+    ex = make_exchange(*on_host(k_start, k_len), pack, read_lengths(pack, made.causal), rank, choice)
+    if ex is None:
+        return None
+    return ex._replace(
+        **{f: upload(getattr(ex, f), k_len.device) for f in ("k_start", "gather", "send_rows", "recv_dst", "sums")}
+    )
+
+
+def make_exchange(
+    k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, read_len: torch.Tensor, rank: int, choice: str
+) -> Exchange | None:
+    """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
+    ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``read_len`` ``[cp, B]``
+    (:func:`cpcompile.plan.read_lengths`): the same count matrix on every rank, and the rows
+    other ranks read from this one, as each would have requested them.
+
+    Note [reads as runs]: rank ``r`` reads of document ``d`` the physical keys
+    ``[start_d, start_d + read_len[r, d])``. Every layout stores a rank's positions in
+    ascending order, so rank ``s`` holds of that range a run of its rows, found by
+    bisection; every list here (the compact keys by owner, the rows to send by reader) is
+    such runs in order, made without anything of size ``T``.
+    """
+    layout = pack.layout  # [cp, T_local], each row ascending
+    cp, t_local = layout.shape
+    start = pack.cu_seqlens_padded[:-1].long()  # [B]
+    read_len = read_len.clone()
+    idle = read_len.sum(1) == 0  # [cp]
+    # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys),
+    # in the first document that is not empty
+    read_len[idle, int(torch.searchsorted(start, 0, right=True)) - 1] = 1
+    reader, doc = read_len.nonzero(as_tuple=True)  # [M] the (rank, document) pairs that read, in order
+    first = torch.searchsorted(layout, start.expand(cp, -1).contiguous())[:, doc]  # [cp, M] rank s's first row there
+    ends = (start[doc] + read_len[reader, doc]).expand(cp, -1).contiguous()
+    n = torch.searchsorted(layout, ends) - first  # [cp, M]: how many of rank s's rows the pair reads
+    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
     if not use_exchange(matrix, t_local, choice):
         return None
-    own = mine.owner == rank
-    own_compact = torch.nonzero_static(own, size=matrix[rank][rank]).squeeze(1)  # its size known: no sync
-    by_owner = torch.argsort(torch.where(own, -1, mine.owner), stable=True)[matrix[rank][rank] :]  # others', by owner
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
-    # the requests: this rank's row indices go out as it will receive the rows (recv_counts), and
-    # come in as it will send them (send_counts)
-    send_rows = all_to_all_rows(mine.local_row[by_owner], send_counts, recv_counts, group)
-    gather = mine.local_row.clone()
-    gather[by_owner] = t_local + torch.arange(by_owner.shape[0], device=gather.device)  # past the own rows
+    # the compact keys, by owner in rank order, each owner's in physical order (its storage order)
+    mine = reader == rank  # [M]
+    offset = read_len[rank].cumsum(0) - read_len[rank]  # [B] compact row of each document's first key read
+    runs = n[:, mine].reshape(-1)  # [cp * M_mine] owner-major
+    held = _runs((first[:, mine] + torch.arange(cp)[:, None] * t_local).reshape(-1), runs)  # all-gathered rows
+    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - start)[doc[mine]].repeat(cp), runs)  # [R]
+    before = sum(matrix[rank][:rank])
+    own = slice(before, before + matrix[rank][rank])
+    own_compact, own_rows = compact[own], held[own] - rank * t_local
+    by_owner = torch.cat([compact[: own.start], compact[own.stop :]])  # others', by owner
+    gather = torch.empty_like(compact)
+    gather[own_compact] = own_rows
+    gather[by_owner] = t_local + torch.arange(by_owner.shape[0])  # past the own rows
+    # what each other rank requests, in rank order: its runs of this rank's rows
+    send_rows = _runs(first[rank, ~mine], n[rank, ~mine])
+    piece_doc = torch.searchsorted(start, k_start.long(), right=True) - 1  # [P] right: empty documents are skipped
     return Exchange(
-        k_start=mine.k_start,
+        k_start=torch.where(k_len > 0, offset[piece_doc], 0).to(torch.int32),
         gather=gather,
         send_rows=send_rows,
         recv_dst=by_owner,
-        sums=_sum_layers(mine.local_row[own_compact], own_compact, send_rows, send_counts, gather.shape[0], t_local),
+        sums=_sum_layers(own_rows, own_compact, send_rows, send_counts, gather.shape[0], t_local),
         recv_counts=recv_counts,
         send_counts=send_counts,
-        idle=mine.idle,
+        idle=bool(idle[rank]),
     )
+
+
+def _runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[sum(lengths)]`` int64: ``starts[i], starts[i] + 1, ...``, ``lengths[i]`` of them, run after run."""
+    total = int(lengths.sum())
+    first = lengths.cumsum(0) - lengths  # each run's first index in the result
+    return torch.repeat_interleave(starts - first, lengths, output_size=total) + torch.arange(total)
 
 
 def _sum_layers(own_rows, own_compact, send_rows, send_counts: list[int], r: int, t_local: int) -> torch.Tensor:

@@ -96,25 +96,18 @@ class _Cache:
                 self.entries.popitem(last=False)
 
 
-def per_plan(fn=None, *, collective: bool = False):
+def per_plan(fn):
     """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
 
     An entry goes when an argument tensor (or the tensor it is a view of) is freed,
     so its memory is not reused while the entry exists. A tensor is assumed to
     change only through itself or its views (which bump its version), not through
     another alias of its memory (``torch.from_numpy``, say). Inference tensors have
-    no version counter: calls with them are not cached.
-
-    ``collective``: ``fn`` runs collectives, so every rank must miss where the others
-    miss. Then entries go only with their tensors, never to bound the cache: which
-    entry a bound evicts depends on how many others are alive, which differs between
-    ranks that free tensors at other times (garbage collection), and a rank that hits
-    while another misses leaves that one waiting in a collective. Whether a live,
-    unchanged plan was seen before is the same on every rank running the same program.
+    no version counter: calls with them are not cached. ``fn`` must not communicate:
+    which entries a rank keeps depends on when it frees tensors, so ranks would not
+    miss alike.
     """
-    if fn is None:
-        return functools.partial(per_plan, collective=collective)
-    cache = _Cache(None if collective else ENTRIES)
+    cache = _Cache(ENTRIES)
 
     @functools.wraps(fn)
     def wrapper(*args):

@@ -60,22 +60,6 @@ def test_per_plan_knows_views_by_memory_and_keeps_plans_while_they_live():
     gc.collect()
     assert result() is None  # the plan is gone, and with it what was derived from it
 
-    @per_plan(collective=True)
-    def agreed(x):  # runs collectives: no rank may evict an entry another keeps
-        calls.append(1)
-        return x * 2
-
-    kept = torch.arange(3)
-    agreed(kept)
-    for x in newer:
-        agreed(x)
-    before = len(calls)
-    agreed(kept)  # still there, past ENTRIES newer plans
-    assert len(calls) == before
-    result = weakref.ref(agreed(torch.arange(4)))
-    gc.collect()
-    assert result() is None  # entries still go with their plans
-
 
 def test_per_plan_is_shared_by_threads():
     """On CUDA the backward runs on the autograd engine's thread: it must find the forward's entries."""

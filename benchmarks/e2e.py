@@ -183,7 +183,8 @@ class CountingBackend:
 
 def make_backend(args, cp: int) -> CountingBackend:
     """cp=1: the inner compiler alone; else cpcompile's backend over the default group, on the fake group without
-    the sparse K/V exchange (its per-plan agreement would send data-dependent sizes through the collectives)."""
+    the sparse K/V exchange (the fake group fills an all-to-all's output with its input, and fails where a rank
+    receives rows but sends none)."""
     if cp == 1:
         from torch._dynamo.backends.registry import lookup_backend
 

@@ -96,13 +96,24 @@ def test_every_rank_fails_fast(check):
 
 
 def _configs_differ(rank: int, world: int) -> None:
-    """Ranks configured for different K/V paths: every rank is told, before either path."""
+    """Ranks configured for different K/V paths: every rank is told, before either path, through
+    ``cp_attention`` and through a compiled graph's op. Nothing else catches it: each rank plans
+    the exchange alone, and the ranks would wait in different collectives."""
     q = torch.randn(8, 2, 4)
-    config = cpcompile.Config(kv_exchange="always" if rank else "never")
-    with pytest.raises(ValueError, match=r"disagree on kv_exchange \(rank 0: 'never'; rank 1: 'always'\)"):
-        cpcompile.cp_attention(
-            q, q, q, torch.tensor([0, 16], dtype=torch.int32), strategy="no_load_balance", config=config
-        )
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    for mine, other in (("never", "always"), ("auto", "always")):
+        config = cpcompile.Config(kv_exchange=other if rank else mine)
+        with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
+            cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance", config=config)
+
+        def model(q, k, v, cu):
+            return cpcompile.packed_attention(q, k, v, cu)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=True)
+        with cpcompile.strategy("no_load_balance"):
+            with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
+                compiled(q, q, q, cu)
 
 
 def test_configs_that_differ_fail_fast():

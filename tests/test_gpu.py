@@ -341,12 +341,14 @@ def _no_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.parametrize("kv_exchange", ["never", "always"])
 @pytest.mark.parametrize("strategy", ["balanced", "dual_chunk_swap"])
-def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy):
+def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv_exchange):
     """``shard_batch(device=...)`` uploads the pack with its host copy and makes the plan, so a
-    compiled CP step (two layers, forward and backward, the kernels' scratch included) makes no
-    host sync. Rank 1 of 4 on the fake group, whose collectives return garbage: no K/V exchange,
-    whose counts travel through them."""
+    compiled CP step (two layers, forward and backward, the kernels' scratch and the sparse
+    exchange's plan included) makes no host sync. Rank 1 of 4 on the fake group, whose
+    collectives return garbage (it fills an all-to-all's output with its input: these packs
+    give rank 1 rows to send and to receive)."""
     import itertools
 
     import torch.distributed as dist
@@ -360,7 +362,7 @@ def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy):
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
     try:
-        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))
+        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange=kv_exchange))
         compiled = torch.compile(two_layers, backend=backend, dynamic=True)
         packs = ([3000, 5, 1200, 700], [1500, 1500, 1, 2000, 64], [4100, 7, 900])
         for i, lengths in enumerate(packs):

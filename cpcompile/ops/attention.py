@@ -274,7 +274,9 @@ def cp_attention(
             unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         plan: a prebuilt :func:`cpcompile.make_plan` (all_gather) or
-            :func:`cpcompile.ring_plan.make_ring_plan` (ring) for this rank, to share across layers.
+            :func:`cpcompile.ring_plan.make_ring_plan` (ring) for this rank, to share across layers;
+            moved to the GPU with :func:`cpcompile.per_plan.upload`, not copied, for the sparse
+            exchange (``comm.exchange.exchange_plan``: it needs the pack the plan was made from).
         config: kernel and K/V transport (:class:`cpcompile.Config`; default
             :func:`cpcompile.config.default_config`).
     Returns:

@@ -21,21 +21,21 @@ def _spec(strategy: str, stripe_size: int) -> StrategySpec:
     return StrategySpec(Strategy(strategy), stripe_size)
 
 
-@torch.library.custom_op("cpcompile::cp_plan", mutates_args=())
-def cp_plan(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor | None,
-    num_tokens: int,
-    cp_size: int,
-    rank: int,
-    strategy: str,
-    stripe_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cpcompile.plan.step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-    k_len_causal, k_len_full [P])`` for ``T = num_tokens`` padded tokens, made once per
-    ``cu_seqlens`` (checkpointed layers' recomputations, each with a ``cp_plan`` of its
-    own, share it)."""
-    return tuple(step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size))
+def _plan(*args) -> tuple[torch.Tensor, ...]:
+    return tuple(step_plan(*args))
+
+
+#: :func:`cpcompile.plan.step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start, k_len_causal,
+#: k_len_full [P])`` for ``T = num_tokens`` padded tokens, made once per ``cu_seqlens`` (checkpointed
+#: layers' recomputations, each with a ``cp_plan`` of its own, share it). The schema is given as a
+#: string, so that ``step_plan`` itself is the op's function rather than a wrapper restating its parameters.
+cp_plan = torch.library.custom_op(
+    "cpcompile::cp_plan",
+    _plan,
+    mutates_args=(),
+    schema="(Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt rank, "
+    "str strategy, SymInt stripe_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
 
 
 @cp_plan.register_fake

@@ -65,15 +65,7 @@ import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
-from cpcompile.testing import synthetic_pack  # noqa: E402
-from cpcompile.testing.hf_llama import (  # noqa: E402
-    LlamaShape,
-    causal_lm_loss,
-    compile_llama,
-    fully_shard_llama,
-    matmul_params,
-    random_llama,
-)
+from cpcompile.testing import hf_llama, synthetic_pack  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -141,8 +133,8 @@ def parse_args() -> argparse.Namespace:
 
 def build_model(args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A random-weight LlamaForCausalLM with cpcompile's attention, seeded alike on every rank."""
-    shape = LlamaShape(args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
-    return random_llama(
+    shape = hf_llama.LlamaShape(args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+    return hf_llama.random_llama(
         shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
     )
 
@@ -268,18 +260,18 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     cuda = device.type == "cuda"
     torch._dynamo.reset()
     model = build_model(args, device, torch.float32 if args.cpu_smoke else torch.bfloat16)
-    params = matmul_params(model)
+    params = hf_llama.matmul_params(model)
     if args.fsdp and cp > 1:
-        fully_shard_llama(model)
+        hf_llama.fully_shard_llama(model)
     backend = make_backend(args, cp)
-    compiled = compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
+    compiled = hf_llama.compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.optimizer == "adamw" else None
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
     def step(inputs_and_spec):
         inputs, spec = inputs_and_spec
         with cpcompile.strategy(spec):
-            loss = causal_lm_loss(compiled, model, inputs) if args.loss == "fused" else compiled(**inputs).loss
+            loss = hf_llama.causal_lm_loss(compiled, model, inputs) if args.loss == "fused" else compiled(**inputs).loss
         loss.backward()
         if reduce_grads:
             for work in [dist.all_reduce(p.grad, async_op=True) for p in model.parameters()]:

@@ -44,6 +44,7 @@ Definitions of the reported numbers:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -63,6 +64,7 @@ from report import add_output_argument, header, publish  # noqa: E402
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
+from cpcompile.comm import collectives  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
 from cpcompile.testing import hf_llama, synthetic_pack  # noqa: E402
@@ -317,10 +319,41 @@ def run_config(args, cp: int, ranks: list[int], packs, device) -> list[dict]:
     for rank in ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
         try:
-            rows.append(attempt(args, cp, rank, packs, device))
+            with filled_collectives():
+                rows.append(attempt(args, cp, rank, packs, device))
         finally:
             dist.destroy_process_group()
     return rows
+
+
+@contextlib.contextmanager
+def filled_collectives():
+    """cpcompile's all-gathers and reduce-scatters, on the fake group, fill their outputs with this
+    rank's own rows: the fake group leaves them as allocated (uninitialised memory, often zeros).
+
+    A GPU's power draw depends on the values its matmuls multiply, and under the H200's power cap
+    so does its clock: with the gathered keys left as memory happened to hold, the ranks' matmuls
+    ran at different clocks for the same shapes (docs/end-to-end.md, "Fake data, real power").
+    With every value a real one, a rank's step draws the power it would on real ranks. The fill is
+    one copy per collective, of the size the real collective writes.
+    """
+    gather, scatter = collectives._all_gather, collectives._reduce_scatter
+
+    def all_gather(out, x, group=None, async_op=False):
+        work = gather(out, x, group=group, async_op=async_op)
+        out.view(-1, *x.shape).copy_(x.unsqueeze(0).expand(out.shape[0] // max(x.shape[0], 1), *x.shape))
+        return work
+
+    def reduce_scatter(out, x, group=None, async_op=False):
+        work = scatter(out, x, group=group, async_op=async_op)
+        out.copy_(x[: out.shape[0]])  # one rank's partial sums: values of the sum's kind
+        return work
+
+    collectives._all_gather, collectives._reduce_scatter = all_gather, reduce_scatter
+    try:
+        yield
+    finally:
+        collectives._all_gather, collectives._reduce_scatter = gather, scatter
 
 
 def attempt(args, cp: int, rank: int, packs, device) -> dict:

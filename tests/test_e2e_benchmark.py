@@ -47,3 +47,33 @@ def test_cpu_smoke_prints_and_writes_its_section(tmp_path):
 def test_without_cuda_it_asks_for_cuda_or_the_smoke_run():
     run = run_script()
     assert run.returncode == 2 and "needs CUDA (or --cpu-smoke" in run.stderr
+
+
+def test_fake_group_collectives_carry_real_values():
+    # The fake group leaves a collective's output as allocated; the benchmark fills it with the rank's
+    # own rows, so that a rank's matmuls multiply values of the kinds real ranks would (power, clocks).
+    import importlib.util
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cpcompile.comm import collectives
+
+    spec = importlib.util.spec_from_file_location("e2e_script", ROOT / "benchmarks" / "e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(e2e)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    x = torch.arange(12.0).view(3, 4)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        with e2e.filled_collectives():
+            gathered, work = collectives.all_gather_rows(x, dist.group.WORLD, async_op=True)
+            work.wait()
+            scattered = collectives.reduce_scatter_rows(gathered, dist.group.WORLD)
+        assert torch.equal(gathered, x.repeat(4, 1)) and torch.equal(scattered, x)
+        assert collectives._all_gather in (dist.all_gather_into_tensor, getattr(dist, "all_gather_single", None))
+    finally:
+        dist.destroy_process_group()

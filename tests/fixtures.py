@@ -38,6 +38,14 @@ LAYOUT_SPECS = strategy_specs(auto=False)
 #: hypothesis: 1-6 document lengths of 0-30 tokens, not all 0
 pack_lengths_st = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=6).filter(lambda x: sum(x) > 0)
 
+#: hypothesis keyword strategies for ``@given(**LAYOUT_CASE)``: a pack, a CP size of 2-4, a layout, causal or not
+LAYOUT_CASE = {
+    "lengths": pack_lengths_st,
+    "cp": st.sampled_from([2, 3, 4]),
+    "spec": st.sampled_from(LAYOUT_SPECS),
+    "causal": st.booleans(),
+}
+
 
 def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     """Document lengths ``[B]`` -> their boundaries ``cu_seqlens [B + 1]`` int32, from 0."""

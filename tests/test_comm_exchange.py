@@ -16,7 +16,7 @@ import cpcompile
 from cpcompile.comm import collectives, exchange
 from cpcompile.comm.exchange import EXCHANGE_AT, Exchange, _sum_layers, exchange_plan, reads, use_exchange
 from cpcompile.plan import step_plan
-from tests.fixtures import LAYOUT_SPECS, cu_seqlens, pack_lengths_st
+from tests.fixtures import LAYOUT_CASE, LAYOUT_SPECS, cu_seqlens
 
 
 def test_exchange_rule():
@@ -119,13 +119,7 @@ def _rank_that_cannot_communicate(cp: int, rank: int):
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    lengths=pack_lengths_st,
-    cp=st.sampled_from([2, 3, 4]),
-    spec=st.sampled_from(LAYOUT_SPECS),
-    causal=st.booleans(),
-    choice=st.sampled_from(["always", "auto"]),
-)
+@given(**LAYOUT_CASE, choice=st.sampled_from(["always", "auto"]))
 @example(lengths=[1], cp=4, spec=LAYOUT_SPECS[0], causal=True, choice="always")  # ranks that read nothing
 @example(lengths=[0, 7, 0, 1, 0], cp=3, spec=LAYOUT_SPECS[4], causal=False, choice="always")
 @example(lengths=[30], cp=2, spec=LAYOUT_SPECS[1], causal=True, choice="auto")  # one document

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import cpcompile
 from cpcompile.kernels import Pieces, reference
 from cpcompile.plan import keys_read, origin, read_lengths, step_plan
+from tests.fixtures import LAYOUT_CASE, cu_seqlens, pack_lengths_st
 from tests.fixtures import LAYOUT_SPECS as SPECS
-from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
 
 
@@ -69,12 +69,7 @@ def test_dual_chunk_swap_piece_slots_are_static():
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    lengths=pack_lengths_st,
-    cp=st.sampled_from([2, 3, 4]),
-    spec=st.sampled_from(SPECS),
-    causal=st.booleans(),
-)
+@given(**LAYOUT_CASE)
 def test_simulated_ranks_match_single_device(lengths, cp, spec, causal):
     """Each rank: its pieces against K/V in physical order; outputs and dK/dV summed over ranks."""
     cu = cu_seqlens(lengths)

@@ -108,46 +108,46 @@ def rank_reads(plans: list, cp: int) -> list | None:
     return read if exchange.use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
 
 
-def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
-    """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
+def single_step(attention, q, k, v, backward: bool):
+    """A step of ``attention(q, k, v) -> out`` on leaves of ``q``, ``k``, ``v``: forward, and with
+    ``backward`` the backward of ``out`` (its own values as the gradient)."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-    config = cpcompile.Config(kernel=kernel)
 
     def run():
-        out = cpcompile.packed_attention(*leaves, cu, max_seqlen=max_seqlen, config=config)
+        out = attention(*leaves)
         if backward:
             out.backward(out)
 
     return run
+
+
+def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
+    """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
+    config = cpcompile.Config(kernel=kernel)
+    return single_step(
+        lambda *qkv: cpcompile.packed_attention(*qkv, cu, max_seqlen=max_seqlen, config=config), q, k, v, backward
+    )
 
 
 def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
     """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-
-    def run():
-        out, _ = flash_attn_varlen_func(
-            *leaves, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True
-        )
-        if backward:
-            out.backward(out)
-
-    return run
+    bounds = {"max_seqlen_q": max_seqlen, "max_seqlen_k": max_seqlen}
+    return single_step(
+        lambda *qkv: flash_attn_varlen_func(*qkv, cu_seqlens_q=cu, cu_seqlens_k=cu, **bounds, causal=True)[0],
+        q, k, v, backward,
+    )  # fmt: skip
 
 
 def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
+    """torch's ``varlen_attn`` (FlashAttention-2) on whole documents."""
     from torch.nn.attention.varlen import varlen_attn
 
-    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-
-    def run():
-        out = varlen_attn(*leaves, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA)
-        if backward:
-            out.backward(out)
-
-    return run
+    return single_step(
+        lambda *qkv: varlen_attn(*qkv, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA),
+        q, k, v, backward,
+    )  # fmt: skip
 
 
 def measure(

@@ -279,17 +279,23 @@ def timing_lines(timing: list[tuple[int, float, float]]) -> list[str]:
 def reading(results: list[dict]) -> list[str]:
     """A few lines drawn from the results: balanced on the real mixes, the others' worst, auto's picks."""
     real = [r for r in results if r["mix"] in ("prolong", "magi") and r["tokens"] >= 131072]
-    worst = {name: {key: max(r["worst"][name][key] for r in real) for key in ("work", "short_cuts")} for name in SHORT}
-    tiles = max(r["worst"]["balanced"]["tiles"] for r in real if r["cp"] <= 8)
     under_cp = all(r["worst"]["balanced"]["padding"] < r["cp"] for r in results)
     padding = "padding < cp tokens on every pack" if under_cp else "padding >= cp tokens on some pack"
     picks = Counter(r["auto"] for r in results)
-    bal, dcs = worst["balanced"], worst["dual_chunk_swap"]
+    if real:
+        worst = {n: {key: max(r["worst"][n][key] for r in real) for key in ("work", "short_cuts")} for n in SHORT}
+        tiles = max(r["worst"]["balanced"]["tiles"] for r in real if r["cp"] <= 8)
+        bal, dcs = worst["balanced"], worst["dual_chunk_swap"]
+        mixes = [
+            f"- balanced, real mixes at 128K-512K: work max/mean <= {bal['work']:.3f} (tiles at cp 2-8 <= "
+            f"{tiles:.3f}), short cuts/rank <= {bal['short_cuts']:.2f}; {padding}.",
+            f"- dual_chunk_swap there: work <= {dcs['work']:.3f}, up to {dcs['short_cuts']:.0f} short cuts/rank;"
+            f" no_load_balance: work up to {worst['no_load_balance']['work']:.2f}.",
+        ]
+    else:  # a clone without the length files: the synthetic mixes only
+        mixes = [f"- no real mix (prolong.json, magi_cdf.csv) under --doclens: synthetic mixes only; {padding}."]
     return [
-        f"- balanced, real mixes at 128K-512K: work max/mean <= {bal['work']:.3f} (tiles at cp 2-8 <= {tiles:.3f}),"
-        f" short cuts/rank <= {bal['short_cuts']:.2f}; {padding}.",
-        f"- dual_chunk_swap there: work <= {dcs['work']:.3f}, up to {dcs['short_cuts']:.0f} short cuts/rank;"
-        f" no_load_balance: work up to {worst['no_load_balance']['work']:.2f}.",
+        *mixes,
         f"- `auto` picks, over the {len(results)} rows: "
         + ", ".join(f"{'/'.join(SHORT[p] for p in label.split('/'))} {n}" for label, n in picks.items())
         + ".",

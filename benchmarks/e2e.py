@@ -421,7 +421,9 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
             "real ranks; times include communication."
             if args.real
             else "each rank timed alone on this GPU on the fake process group: **no communication in these "
-            "times** (K/V gathers, dK/dV reduce-scatters, gradient reduction); sparse K/V exchange off."
+            "times** (K/V gathers, dK/dV reduce-scatters, gradient reduction); sparse K/V exchange off; "
+            "gathered and reduce-scattered rows hold copies of the rank's own (real values: the GPU's power, "
+            "and so its clock, depends on them)."
         ),
         "",
     ]

@@ -22,6 +22,7 @@ Two transports, same numbers:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,9 +96,22 @@ class CapacityBuffers:
 BUFFERS = CapacityBuffers()
 
 
-def _enter_ring(pg: dist.ProcessGroup, rows: int, capacity: int | None, like: torch.Tensor) -> None:
-    """Raise on every rank, before any p2p, if ``rows`` exceeds capacity or ranks disagree on it
+class TpRing(NamedTuple):
+    """A TP group's ring for :func:`gather_ring` and :func:`reduce_scatter_ring`: the group, the
+    rows per rank its buffers hold (``None``: each call's own), and the transport
+    (``Config.tp_comm``: ``"symm_mem"`` where it runs, else p2p)."""
+
+    group: dist.ProcessGroup
+    capacity: int | None
+    transport: str = "symm_mem"
+
+
+def _enter_ring(ring: TpRing, x: torch.Tensor) -> dict:
+    """The ring's buffer shape for ``x [rows, F]`` (``BUFFERS.prefix``'s keywords), after raising on
+    every rank, before any p2p, if ``rows`` exceeds the capacity or ranks disagree on it
     (``groups.agree``, where ``checks.agreement_enabled`` says so: on CUDA it costs a host sync)."""
+    pg, capacity, _ = ring
+    rows = x.shape[0]
     error = None
     if capacity is not None and rows > capacity:
         error = ValueError(
@@ -105,12 +119,13 @@ def _enter_ring(pg: dist.ProcessGroup, rows: int, capacity: int | None, like: to
             "capacity and never grown in the loop; pass capacity_tokens >= the largest token count"
         )
     try:
-        if agreement_enabled(pg, like):
+        if agreement_enabled(pg, x):
             agree(pg, error, {"token count (rows per TP rank)": rows} if error is None else {})
         elif error is not None:
             raise error
     finally:
         error = None  # see groups.agree: a raised error must not hold the frame that holds it
+    return dict(rows=rows, features=x.shape[1], capacity=capacity)
 
 
 def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor, transport: str) -> bool:
@@ -146,22 +161,14 @@ def rotate(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, tor
     yield (rank + 1) % cp, current
 
 
-def gather_ring(
-    x: torch.Tensor,
-    pg: dist.ProcessGroup,
-    capacity: int | None,
-    consume: Callable[[int, torch.Tensor], None],
-    *,
-    transport: str = "symm_mem",
-) -> None:
+def gather_ring(x: torch.Tensor, ring: TpRing, consume: Callable[[int, torch.Tensor], None]) -> None:
     """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile."""
-    tp, rank = pg.size(), pg.rank()
-    _enter_ring(pg, x.shape[0], capacity, x)
+    pg = ring.group
+    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, x)
     if tp == 1:
         return consume(rank, x)
-    shape = dict(rows=x.shape[0], features=x.shape[1], capacity=capacity)
     buf, _ = BUFFERS.prefix("gather", pg.group_name, x, slots=tp, **shape)  # [tp, rows, F]
-    if _copy_engine(pg, x, transport):
+    if _copy_engine(pg, x, ring.transport):
         return _gather_copy_engine(x, pg, buf, shape, consume)
     chunk = x
     for i in range(tp):
@@ -194,25 +201,17 @@ def _gather_copy_engine(x, pg, buf, shape, consume) -> None:
         consume(src, buf[src])
 
 
-def reduce_scatter_ring(
-    out: torch.Tensor,
-    pg: dist.ProcessGroup,
-    capacity: int | None,
-    produce: Callable[[int, torch.Tensor], None],
-    *,
-    transport: str = "symm_mem",
-) -> None:
+def reduce_scatter_ring(out: torch.Tensor, ring: TpRing, produce: Callable[[int, torch.Tensor], None]) -> None:
     """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank.
 
     The partial sum for rank d starts at d + 1 and travels the ring, each rank adding
     its own partial while the previous sum is in flight; it ends at d after tp - 1 hops.
     """
-    tp, rank = pg.size(), pg.rank()
-    _enter_ring(pg, out.shape[0], capacity, out)
+    pg = ring.group
+    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, out)
     if tp == 1:
         return produce(rank, out)
-    shape = dict(rows=out.shape[0], features=out.shape[1], capacity=capacity)
-    if _copy_engine(pg, out, transport):
+    if _copy_engine(pg, out, ring.transport):
         return _reduce_scatter_copy_engine(out, pg, shape, produce)
     # [3, rows, F]: two partial sums alternating, one receive slot
     buf, _ = BUFFERS.prefix("reduce_scatter", pg.group_name, out, slots=3, **shape)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..comm.groups import group_name as _group_name
 from ..comm.groups import resolve_group
-from ..comm.ring import gather_ring, reduce_scatter_ring
+from ..comm.ring import TpRing, gather_ring, reduce_scatter_ring
 from ..config import Config, resolve_config
 
 
@@ -54,7 +54,7 @@ def _ag_gemm(
         else:
             torch.addmm(bias, chunk, w.t(), out=dest)
 
-    gather_ring(x2, pg, capacity_tokens, consume, transport=transport)
+    gather_ring(x2, TpRing(pg, capacity_tokens, transport), consume)
     return out.view(pg.size() * x.shape[0], *x.shape[1:-1], w.shape[0])
 
 
@@ -83,7 +83,7 @@ def _ag_gemm_backward(
     def consume(src: int, chunk: torch.Tensor) -> None:
         dw.add_(dy2[src * rows : (src + 1) * rows].t() @ chunk)
 
-    gather_ring(_rows(x), pg, capacity_tokens, consume, transport=transport)
+    gather_ring(_rows(x), TpRing(pg, capacity_tokens, transport), consume)
     return dx, dw.to(w.dtype)
 
 
@@ -122,7 +122,7 @@ def _gemm_rs_impl(
     def produce(dest_rank: int, dest: torch.Tensor) -> None:
         torch.mm(x2[dest_rank * rows : (dest_rank + 1) * rows], w.t(), out=dest)
 
-    reduce_scatter_ring(out, pg, capacity_tokens, produce, transport=transport)
+    reduce_scatter_ring(out, TpRing(pg, capacity_tokens, transport), produce)
     return out.view(x.shape[0] // pg.size(), *x.shape[1:-1], w.shape[0])
 
 
@@ -155,7 +155,7 @@ def _gemm_rs_backward(
         torch.mm(chunk, w, out=dx[src * rows : (src + 1) * rows])
         dw.add_(chunk.t() @ x2[src * rows : (src + 1) * rows])
 
-    gather_ring(dy2, pg, capacity_tokens, consume, transport=transport)
+    gather_ring(dy2, TpRing(pg, capacity_tokens, transport), consume)
     return dx.view(x.shape), dw.to(w.dtype)
 
 

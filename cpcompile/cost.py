@@ -220,7 +220,9 @@ def resolve_auto(
     spec: StrategySpec, cu_seqlens: torch.Tensor, *, cp_size: int, model: CostModel | None = None
 ) -> StrategySpec:
     """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks,
-    keeping the requested ``comm`` (the layout choice does not change how K/V travel)."""
+    keeping the requested ``comm`` and ``head_parallel`` (the layout choice does not change how
+    K/V travel)."""
     if spec.strategy is not Strategy.AUTO:
         return spec
-    return dataclasses.replace(choose_strategy(cu_seqlens, cp_size=cp_size, model=model), comm=spec.comm)
+    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model)
+    return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel)

@@ -237,3 +237,45 @@ def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torc
     steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
     reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
     return reads.cumsum(0)[:num_keys] > 0
+
+
+def make_head_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """The plan of head-parallel attention (``head_parallel == cp_size``), the same on every rank.
+
+    After the head all-to-all a rank holds every token of its heads in the all-gather's
+    order, so the plan is the layout's ``gather_index`` (physical position -> gathered row)
+    and, over the physical buffer, the pieces of single-device attention: whole documents,
+    and their padding, which sees no key.
+    """
+    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    layout = make_plan(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=0, strategy=spec, num_tokens=num_tokens)
+    whole = make_plan(
+        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
+    )
+    return AttentionPlan(layout.gather_index, *whole[1:])
+
+
+@per_plan
+def head_step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    strategy: str,
+    stripe_size: int,
+) -> AttentionPlan:
+    """:func:`make_head_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    spec = StrategySpec(Strategy(strategy), stripe_size)
+    plan = make_head_plan(cu, *padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))

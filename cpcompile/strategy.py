@@ -63,11 +63,19 @@ class StrategySpec:
     rank's block per step. It
     does not change the layout; it is part of the spec so that compiled graphs are
     guarded on it like on the strategy.
+
+    ``head_parallel`` (``u``, default 1) splits attention heads instead of tokens over groups
+    of ``u`` ranks (DeepSpeed-Ulysses): all-to-alls give each rank every token of ``Hq / u``
+    query heads, attention runs on whole documents, and an all-to-all returns the output
+    (``cpcompile.ops.heads``). ``u`` must divide the CP size and ``Hq`` (checked where they
+    are known: :func:`check_head_parallel`); only ``u == cp`` (pure head parallelism, any
+    token layout, ``comm`` unused) is implemented, not yet ``1 < u < cp``.
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
     stripe_size: int = 1
     comm: str = "all_gather"
+    head_parallel: int = 1
 
     def __post_init__(self) -> None:
         # A plain string is accepted as its enum member; anything else is rejected here, so no
@@ -80,6 +88,27 @@ class StrategySpec:
             raise ValueError(
                 f"stripe_size={self.stripe_size} only applies to strategy 'striped', not {self.strategy.value!r}"
             )
+        u = self.head_parallel
+        if not isinstance(u, int) or isinstance(u, bool) or u < 1:
+            raise ValueError(f"head_parallel must be a positive int (1: no head parallelism), got {u!r}")
+
+
+def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``head_parallel`` ranks can split ``q_heads`` query heads over
+    a CP group of ``cp_size``: ``head_parallel`` must be 1 or ``cp_size`` (the hybrid
+    ``1 < u < cp`` is not implemented) and divide ``q_heads`` (``None``: not known yet)."""
+    if head_parallel != 1 and cp_size % head_parallel:
+        raise ValueError(f"head_parallel={head_parallel} must divide the CP size {cp_size} (accepted: a divisor of it)")
+    if head_parallel not in (1, cp_size):
+        raise ValueError(
+            f"head_parallel={head_parallel} with CP size {cp_size}: only head_parallel=1 or head_parallel="
+            f"{cp_size} (pure head parallelism) is implemented, not the hybrid 1 < head_parallel < CP size"
+        )
+    if q_heads is not None and q_heads % head_parallel:
+        raise ValueError(
+            f"head_parallel={head_parallel} must divide the number of query heads {q_heads} "
+            f"(accepted: a divisor of {q_heads} that divides the CP size {cp_size})"
+        )
 
 
 StrategyLike = Strategy | str | StrategySpec | None
@@ -122,12 +151,17 @@ def current_spec() -> StrategySpec:
 
 @contextlib.contextmanager
 def strategy(
-    value: Strategy | str | StrategySpec, *, stripe_size: int | None = None, comm: str | None = None
+    value: Strategy | str | StrategySpec,
+    *,
+    stripe_size: int | None = None,
+    comm: str | None = None,
+    head_parallel: int | None = None,
 ) -> Iterator[StrategySpec]:
     """Make ``value`` the active strategy inside the ``with`` block.
 
     ``comm`` (one of :data:`COMMS`, default ``"all_gather"`` or the spec's) is how the
-    compiled attention communicates; the layout does not depend on it.
+    compiled attention communicates; the layout does not depend on it. ``head_parallel``
+    (default 1 or the spec's): ranks that split heads instead of tokens (:class:`StrategySpec`).
 
     Example::
 
@@ -141,6 +175,8 @@ def strategy(
         spec = StrategySpec(_to_enum(value), 1 if stripe_size is None else stripe_size)
     if comm is not None:
         spec = dataclasses.replace(spec, comm=check_comm(comm))
+    if head_parallel is not None:
+        spec = dataclasses.replace(spec, head_parallel=head_parallel)
     _active.append(spec)
     _sync_guard_key()
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.strategy import resolve_strategy
+from cpcompile.strategy import check_head_parallel, resolve_strategy
 
 
 def test_strings_and_default():
@@ -47,8 +49,24 @@ def test_context_restores_after_error():
         (lambda: cpcompile.strategy("nope").__enter__(), ValueError, "got 'nope'"),
         (lambda: StrategySpec("foo"), ValueError, "strategy must be one of 'dual_chunk_swap'.*got 'foo'"),
         (lambda: StrategySpec(None), TypeError, "got NoneType"),
+        (lambda: StrategySpec(head_parallel=0), ValueError, "head_parallel must be a positive int .*got 0"),
+        (lambda: StrategySpec(head_parallel=True), ValueError, "head_parallel must be a positive int .*got True"),
+        (lambda: check_head_parallel(3, 4), ValueError, "head_parallel=3 must divide the CP size 4"),
+        (lambda: check_head_parallel(2, 4), ValueError, "only head_parallel=1 or head_parallel=4 .* not the hybrid"),
+        (lambda: check_head_parallel(4, 4, 6), ValueError, "head_parallel=4 must divide the number of query heads 6"),
     ],
 )
 def test_bad_strategies_name_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_head_parallel_is_part_of_the_spec():
+    with cpcompile.strategy("balanced", head_parallel=4) as spec:
+        assert spec == StrategySpec(Strategy.BALANCED, head_parallel=4)
+        assert resolve_strategy("balanced") == spec  # the loader and attention read the same u
+        assert "head_parallel=4" in sys.modules["cpcompile.strategy"].guard_key  # the compiler's guard
+    with cpcompile.strategy(StrategySpec("striped", 2, head_parallel=2), comm="ring") as spec:
+        assert (spec.stripe_size, spec.comm, spec.head_parallel) == (2, "ring", 2)
+    check_head_parallel(1, 3, 5)  # no head parallelism: any cp and heads
+    check_head_parallel(4, 4, 8)

@@ -24,10 +24,10 @@ from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import per_plan
-from ..plan import AttentionPlan, make_plan, max_piece_len, step_plan
+from ..plan import AttentionPlan, head_step_plan, make_plan, max_piece_len, step_plan
 from ..ring_plan import RingPlan, make_ring_plan
-from ..strategy import Strategy, StrategyLike, check_comm, resolve_strategy
-from . import exchange, gathered
+from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
+from . import exchange, gathered, heads  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
 
 
@@ -267,7 +267,10 @@ def cp_attention(
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
             :func:`cpcompile.pad_for_cp` of ``cu_seqlens``).
         group: the CP process group, its name, or ``None`` (default group).
-        strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`).
+        strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`). Its
+            ``head_parallel`` equal to the group's size runs head-parallel (Ulysses) attention
+            (``cpcompile.ops.heads``): it needs ``Hq`` divisible by it, ignores ``comm`` and
+            takes no ``plan``.
         comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
             ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
             ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
@@ -296,7 +299,13 @@ def cp_attention(
         comm = check_comm(spec.comm if comm is None else comm)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if plan is None:
+        check_head_parallel(spec.head_parallel, cp, q.shape[1])
+        if spec.head_parallel > 1:
+            if plan is not None:
+                raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
+            layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
+            plan = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
+        elif plan is None:
             tokens = q.shape[0] * cp
             if comm == "ring":
                 plan = make_ring_plan(
@@ -320,6 +329,9 @@ def cp_attention(
     finally:
         error = None  # see comm.groups.agree: a raised error must not hold the frame that holds it
     with agreed():  # the op need not compare again what this call just compared
+        if spec.head_parallel > 1:
+            args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
+            return torch.ops.cpcompile.cp_head_attention(*args)[0]
         if comm == "ring":
             args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
             return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
@@ -337,6 +349,7 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,
         "comm": comm,
+        "head_parallel": spec.head_parallel,
         "causal": causal,
         "scale": scale,
         "cu_seqlens": digest(cu_seqlens),

@@ -1,0 +1,69 @@
+"""Head-parallel (Ulysses) transport: all-to-alls that trade tokens for heads over a group of ``u`` ranks.
+
+Note [head all-to-all]: rank ``r`` holds ``T_local`` tokens of every head, ``x [T_local, H, D]``.
+Its heads are cut into ``u`` contiguous groups of ``H / u``; group ``s`` goes to rank ``s``.
+Rank ``s`` then holds every rank's tokens of its head group, in rank-major order (the
+order of an all-gather of the tokens), ``[u * T_local, H / u, D]``. The way back is the
+mirror. Several tensors of one dtype and head dim travel in one collective (their head
+groups side by side in each rank's block).
+
+K/V heads: query head ``h`` reads K/V head ``h // (Hq / Hkv)``, so rank ``s``'s query
+heads need K/V heads that another rank's split might hold, or hold fewer than one of
+(``Hkv < u``). :func:`kv_replication` gives the least ``f`` for which every K/V head
+repeated ``f`` times (``Hkv * f`` heads) splits evenly and keeps each rank's query heads
+reading only its own K/V heads; gradients of the copies are summed back exactly
+(:func:`sum_replicas`). The cost: each of K and V sends ``f`` times its bytes, i.e.
+``(f - 1) * T_local * Hkv * D * (u - 1) / u`` extra elements per rank each way, and
+the backward's dK/dV the same in the accumulation dtype; ``f = 1`` where ``u`` divides ``Hkv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def kv_replication(q_heads: int, kv_heads: int, u: int) -> int:
+    """The least ``f >= 1`` with ``u | kv_heads * f`` and ``kv_heads * f | q_heads`` (``f = q_heads /
+    kv_heads``, full replication, always qualifies when ``u | q_heads``)."""
+    for f in range(1, q_heads // kv_heads + 1):
+        if (kv_heads * f) % u == 0 and q_heads % (kv_heads * f) == 0:
+            return f
+    raise ValueError(f"head_parallel={u} must divide the number of query heads {q_heads}")
+
+
+def replicate(x: torch.Tensor, f: int) -> torch.Tensor:
+    """``[T, Hkv, D]`` -> ``[T, Hkv * f, D]``, each head repeated ``f`` times in place."""
+    return x if f == 1 else x.repeat_interleave(f, dim=1)
+
+
+def sum_replicas(dx: torch.Tensor, f: int) -> torch.Tensor:
+    """The gradient of :func:`replicate`: ``[T, Hkv * f, D]`` -> ``[T, Hkv, D]``, copies summed."""
+    return dx if f == 1 else dx.unflatten(1, (-1, f)).sum(2)
+
+
+def _exchange(blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    # blocks [u, rows, S, D]: block s goes to rank s; the result's block s came from rank s
+    out = torch.empty_like(blocks)
+    dist.all_to_all_single(out, blocks, group=group)
+    return out
+
+
+def heads_to_tokens(xs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Each ``x [T_local, H_i, D]`` (one dtype and ``D``) -> ``[u * T_local, H_i / u, D]``: this
+    rank's head group of every rank's tokens, rank-major (Note [head all-to-all])."""
+    u = group.size()
+    t_local = xs[0].shape[0]
+    heads = [x.shape[1] // u for x in xs]
+    blocks = torch.cat([x.unflatten(1, (u, h)) for x, h in zip(xs, heads, strict=True)], dim=2)  # [T_local, u, S, D]
+    out = _exchange(blocks.transpose(0, 1).contiguous(), group)  # [u, T_local, S, D]
+    return [part.reshape(u * t_local, h, -1) for part, h in zip(out.split(heads, dim=2), heads, strict=True)]
+
+
+def tokens_to_heads(xs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """The mirror of :func:`heads_to_tokens`: each ``x [u * T_local, h_i, D]`` -> ``[T_local, u * h_i, D]``."""
+    u = group.size()
+    heads = [x.shape[1] for x in xs]
+    blocks = torch.cat([x.unflatten(0, (u, -1)) for x in xs], dim=2).contiguous()  # [u, T_local, S, D]
+    out = _exchange(blocks, group).transpose(0, 1)  # [T_local, u, S, D]: head group s from rank s
+    return [part.flatten(1, 2).contiguous() for part in out.split(heads, dim=2)]  # separate tensors

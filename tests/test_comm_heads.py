@@ -1,0 +1,62 @@
+"""Tier 1: head-parallel bookkeeping: K/V replication and the head-parallel plan, on one process.
+
+The all-to-alls themselves run on real ranks (``tests/test_heads_gloo.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpcompile import Strategy, StrategySpec, make_plan
+from cpcompile.comm.heads import kv_replication, replicate, sum_replicas
+from cpcompile.cost import resolve_auto
+from cpcompile.partition import pad_for_cp
+from cpcompile.plan import make_head_plan
+from tests.fixtures import LAYOUT_SPECS, cu_seqlens
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, u, f",
+    [(8, 8, 4, 1), (8, 4, 4, 1), (8, 2, 4, 2), (8, 1, 8, 8), (4, 1, 2, 2), (12, 6, 4, 2), (6, 2, 3, 3), (32, 8, 8, 1)],
+)
+def test_kv_replication_is_the_least_that_splits(hq, hkv, u, f):
+    assert kv_replication(hq, hkv, u) == f
+    heads = hkv * f
+    group, per_rank = hq // heads, heads // u
+    for rank in range(u):
+        # rank's query heads read, through the copies, exactly the K/V heads GQA gives them
+        for h in range(rank * hq // u, (rank + 1) * hq // u):
+            copy = h // group
+            assert rank * per_rank <= copy < (rank + 1) * per_rank
+            assert copy // f == h // (hq // hkv)
+
+
+def test_kv_replication_refuses_heads_that_do_not_split():
+    with pytest.raises(ValueError, match="head_parallel=4 must divide the number of query heads 6"):
+        kv_replication(6, 2, 4)
+
+
+def test_sum_replicas_is_the_gradient_of_replicate():
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(5, 6, 3, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(replicate(x, 3), x, dy)
+    assert torch.equal(sum_replicas(dy, 3), dx)
+
+
+@pytest.mark.parametrize("spec", LAYOUT_SPECS, ids=str)
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_head_plan_is_the_layout_and_whole_documents(spec, cp):
+    cu = cu_seqlens([1, 7, 0, 12, 3])
+    plan = make_head_plan(cu, cp_size=cp, strategy=spec)
+    layout = make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
+    assert torch.equal(plan.gather_index, layout.gather_index)  # the same on every rank
+    padded = pad_for_cp(cu, cp_size=cp, strategy=spec)
+    whole = make_plan(cu, padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE)
+    for got, want in zip(plan[1:], whole[1:]):
+        assert torch.equal(got, want)
+
+
+def test_auto_keeps_head_parallel():
+    cu = cu_seqlens([1, 7, 0, 12, 3])
+    assert resolve_auto(StrategySpec("auto", head_parallel=2), cu, cp_size=2).head_parallel == 2

@@ -1,0 +1,91 @@
+"""Tier 4: head-parallel (Ulysses) cp_attention on real gloo ranks against float64, and its errors.
+
+``head_parallel == cp``: every layout x causal/full x heads (MHA, GQA with ``u | Hkv``, and
+K/V heads replicated where ``Hkv < u``) x float32/float64, on random packs drawn alike on
+every rank (1-token documents, a single document, zero-length documents, many short
+ones, mixed lengths; ``tests/test_cp_attention_properties_gloo.py``'s generator).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cpcompile
+from tests.dist import run_ranks
+from tests.fixtures import attention_case, strategy_specs
+from tests.reference import attention_fp64_on_rank, relative_error
+from tests.test_cp_attention_properties_gloo import KINDS, TOLERANCE, random_pack
+
+#: query and K/V heads per cp: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
+HEADS = {2: [(2, 2), (4, 2), (4, 1)], 3: [(3, 3), (6, 2)], 4: [(4, 4), (8, 4), (8, 2), (4, 1)]}
+
+
+def cases(cp: int, seed: int):
+    rng = random.Random(seed)
+    grid = [
+        (spec, causal, heads, dtype)
+        for spec in strategy_specs(stripe_size=3)
+        for causal in (True, False)
+        for heads in HEADS[cp]
+        for dtype in (torch.float32, torch.float64)
+    ]
+    if cp > 2:
+        grid = rng.sample(grid, len(grid) // 2)
+    for i, case in enumerate(grid):
+        yield (*case, random_pack(rng, cp, KINDS[i % len(KINDS)]), rng.randrange(1 << 30))
+
+
+def _check_rank(rank: int, world: int, seed: int) -> None:
+    for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
+        spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, head_parallel=world)
+        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case_seed, dtype=dtype)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+        assert sharded.spec.head_parallel == world  # auto keeps it when it picks a layout
+        local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
+        out = cpcompile.cp_attention(
+            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, causal=causal
+        )
+        got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert a.dtype == dtype, f"{name} dtype {a.dtype}, {label}"
+            assert relative_error(a, b) < TOLERANCE[dtype], f"{name}, {label}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_head_parallel_matches_float64(world):
+    run_ranks(_check_rank, world, 2000 + world)
+
+
+def _errors(rank: int, world: int) -> None:
+    """Rank 1 alone passes a bad head-parallel argument: it raises its error, rank 0 names rank 1's,
+    both before any communication of the op."""
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    q = torch.randn(4, 2, 4)
+    good = cpcompile.StrategySpec("no_load_balance", head_parallel=2)
+    plan = cpcompile.make_plan(cu, cp_size=2, rank=rank, strategy="no_load_balance")
+    odd_heads = torch.randn(4, 3, 4), torch.randn(4, 1, 4), torch.randn(4, 1, 4)
+    cases = [
+        (dict(strategy=cpcompile.StrategySpec(head_parallel=3)), "head_parallel=3 must divide the CP size 2"),
+        (dict(qkv=odd_heads), "head_parallel=2 must divide the number of query heads 3"),
+        (dict(plan=plan), "plan is not accepted with head_parallel > 1"),
+    ]
+    for call, message in cases:
+        call = call if rank == 1 else {}
+        qkv = call.pop("qkv", (q, q, q))
+        expected = message if rank == 1 else rf"rank 1 rejected its arguments \(ValueError: .*{message}"
+        with pytest.raises(ValueError, match=expected):
+            cpcompile.cp_attention(*qkv, cu, **{"strategy": good, **call})
+    # ranks that disagree on head_parallel
+    mine = cpcompile.StrategySpec("no_load_balance", head_parallel=2 if rank else 1)
+    with pytest.raises(ValueError, match=r"disagree on head_parallel \(rank 0: 1; rank 1: 2\)"):
+        cpcompile.cp_attention(q, q, q, cu, strategy=mine)
+
+
+def test_errors_name_the_argument_on_every_rank():
+    run_ranks(_errors, 2, timeout_s=20)

@@ -104,10 +104,11 @@ def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = 
             f"head_parallel={head_parallel} with CP size {cp_size}: only head_parallel=1 or head_parallel="
             f"{cp_size} (pure head parallelism) is implemented, not the hybrid 1 < head_parallel < CP size"
         )
-    if q_heads is not None and q_heads % head_parallel:
+    if q_heads is not None and q_heads % head_parallel:  # a symbolic count: guarded on its divisibility
+        heads = getattr(getattr(q_heads, "node", None), "hint", None) or q_heads  # a symbolic one's example
         raise ValueError(
-            f"head_parallel={head_parallel} must divide the number of query heads {q_heads} "
-            f"(accepted: a divisor of {q_heads} that divides the CP size {cp_size})"
+            f"head_parallel={head_parallel} must divide the number of query heads {heads} "
+            f"(accepted: a divisor of {heads} that divides the CP size {cp_size})"
         )
 
 

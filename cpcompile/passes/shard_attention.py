@@ -10,7 +10,9 @@ Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by o
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
 built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
-and causal flag (the plan's key ranges as rows of every rank's block). A variant the
+and causal flag (the plan's key ranges as rows of every rank's block). With
+``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
+``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan. A variant the
 CP op cannot compute exactly (sliding windows, different query and key offsets,
 per-sequence key lengths, paged keys, dropout, softcap, ALiBi, a used RNG state) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
@@ -31,9 +33,10 @@ import torch.fx as fx
 
 from ..config import Config, resolve_config
 from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
+from ..ops import heads as _heads  # noqa: F401  (registers cpcompile::cp_head_plan, cp_head_attention)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..plan import AttentionPlan, max_piece_len
-from ..strategy import StrategySpec
+from ..strategy import StrategySpec, check_head_parallel
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +296,11 @@ def rewrite_packed_attention(
     spec: StrategySpec,
     config: Config | None = None,
 ) -> None:
-    """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``),
-    one shared ``cp_plan`` per ``cu_seqlens``."""
+    """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``,
+    ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``."""
     graph = gm.graph
     config = resolve_config(config)
+    heads = spec.head_parallel > 1
 
     def insert(target, args, name=None, origin=None):
         node = graph.create_node("call_function", target, args, name=name)
@@ -313,26 +317,27 @@ def rewrite_packed_attention(
                 # T = local tokens x cp: symbolic, so one graph serves every batch size
                 local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
                 tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
-                plan = insert(
-                    torch.ops.cpcompile.cp_plan.default,
-                    (
-                        m.cu_seqlens,
-                        m.cu_seqlens_padded,
-                        tokens,
-                        cp_size,
-                        rank,
-                        spec.strategy.value,
-                        spec.stripe_size,
-                    ),
-                    "cp_plan",
-                    m.node,
-                )
+                layout = (spec.strategy.value, spec.stripe_size)
+                if heads:  # the same plan on every rank: the layout's order, whole documents
+                    target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
+                else:
+                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout)
+                plan = insert(target, (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args), target._opname, m.node)
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
-            if spec.comm == "ring":
+            if heads:
+                check_head_parallel(spec.head_parallel, cp_size, m.q.meta["example_value"].shape[1])
+                args = (m.q, m.k, m.v, gather_index, cu_q, k_start, k_len, group_name, m.causal, m.scale)
+                cp = insert(
+                    torch.ops.cpcompile.cp_head_attention.default,
+                    (*args, m.max_seqlen, config.kernel),
+                    "cp_head_attention",
+                    m.node,
+                )
+            elif spec.comm == "ring":
                 ring_key = (*key, m.causal)
                 if ring_key not in ring_ranges:
                     ranges = insert(
@@ -351,23 +356,24 @@ def rewrite_packed_attention(
                 name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
                 config_args = (config.kernel, config.kv_exchange, config.kv_chunks)
-            cp = insert(
-                target,
-                (
-                    m.q,
-                    m.k,
-                    m.v,
-                    *plan_args,
-                    group_name,
-                    m.causal,
-                    m.scale,
-                    m.max_seqlen,
-                    _max_piece_len(graph, spec, cp_size, m.max_seqlen),
-                    *config_args,
-                ),
-                name,
-                m.node,
-            )
+            if not heads:
+                cp = insert(
+                    target,
+                    (
+                        m.q,
+                        m.k,
+                        m.v,
+                        *plan_args,
+                        group_name,
+                        m.causal,
+                        m.scale,
+                        m.max_seqlen,
+                        _max_piece_len(graph, spec, cp_size, m.max_seqlen),
+                        *config_args,
+                    ),
+                    name,
+                    m.node,
+                )
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
             graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
@@ -396,6 +402,7 @@ def shard_attention_pass(
     # The root graph and the bodies its higher-order ops call (activation checkpointing puts
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
+    check_head_parallel(spec.head_parallel, cp_size)  # before anything is rewritten; the heads per call
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
     # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
     # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it

@@ -17,7 +17,7 @@ from .comm.groups import resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .per_plan import upload
-from .plan import step_plan
+from .plan import head_step_plan, step_plan
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 DEFAULT_PAD_VALUES = {"labels": -100}
@@ -118,8 +118,12 @@ def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
     pin = torch.Tensor.pin_memory if device.type == "cuda" else lambda t: t
     tensors = {name: move(pin(t)) for name, t in sharded.tensors.items()}
     spec, cp = sharded.spec, sharded.cp_size
-    # the plan compiled calls make (cp_plan: cu_seqlens alone), here rather than in the step
-    step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, spec.strategy.value, spec.stripe_size)
+    # the plan compiled calls make (cp_plan or cp_head_plan: cu_seqlens alone), here rather than in the step
+    layout = (spec.strategy.value, spec.stripe_size)
+    if spec.head_parallel > 1:
+        head_step_plan(cu, None, cp * sharded.indices.shape[0], cp, *layout)
+    else:
+        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout)
     return dataclasses.replace(
         sharded, tensors=tensors, cu_seqlens=cu, cu_seqlens_padded=cu_padded, indices=move(pin(sharded.indices))
     )

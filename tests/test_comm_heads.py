@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpcompile
 from cpcompile import Strategy, StrategySpec, make_plan
 from cpcompile.comm.heads import kv_replication, replicate, sum_replicas
 from cpcompile.cost import resolve_auto
 from cpcompile.partition import pad_for_cp
-from cpcompile.plan import make_head_plan
+from cpcompile.plan import head_step_plan, make_head_plan
 from tests.fixtures import LAYOUT_SPECS, cu_seqlens
 
 
@@ -60,3 +61,13 @@ def test_head_plan_is_the_layout_and_whole_documents(spec, cp):
 def test_auto_keeps_head_parallel():
     cu = cu_seqlens([1, 7, 0, 12, 3])
     assert resolve_auto(StrategySpec("auto", head_parallel=2), cu, cp_size=2).head_parallel == 2
+
+
+def test_shard_batch_makes_the_head_plan_ahead():
+    """``shard_batch(..., device=...)`` makes, ahead of the step, the head plan that head-parallel ops ask for."""
+    cu = cu_seqlens([1, 7, 0, 12, 3])
+    spec = StrategySpec("dual_chunk_swap", head_parallel=2)
+    batch = cpcompile.shard_batch({"x": torch.arange(23)}, cu, cp_size=2, rank=1, strategy=spec, device="cpu")
+    tokens = 2 * batch.indices.shape[0]
+    made = head_step_plan(batch.cu_seqlens, None, tokens, 2, "dual_chunk_swap", 1)
+    assert torch.equal(made.gather_index, make_head_plan(cu, cp_size=2, strategy=spec).gather_index)

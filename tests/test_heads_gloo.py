@@ -89,3 +89,22 @@ def _errors(rank: int, world: int) -> None:
 
 def test_errors_name_the_argument_on_every_rank():
     run_ranks(_errors, 2, timeout_s=20)
+
+
+def _compiled_ranks_disagree(rank: int, world: int) -> None:
+    """A compiled graph calls the ops directly: ranks compiled with and without head parallelism
+    run different collectives, and the ops' own agreement says so on every rank."""
+
+    def model(q, k, v, cu):
+        return cpcompile.packed_attention(q, k, v, cu)
+
+    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    q = torch.randn(8, 2, 4)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with cpcompile.strategy("no_load_balance", head_parallel=2 if rank else 1):
+        with pytest.raises(ValueError, match=r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"):
+            compiled(q, q, q, cu)
+
+
+def test_compiled_ranks_that_disagree_fail_fast():
+    run_ranks(_compiled_ranks_disagree, 2, timeout_s=20)

@@ -279,3 +279,72 @@ def head_step_plan(
     spec = StrategySpec(Strategy(strategy), stripe_size)
     plan = make_head_plan(cu, *padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
     return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+
+
+def make_hybrid_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    head_parallel: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """The sequence-level plan of hybrid head x context parallelism (``1 < head_parallel < cp_size``).
+
+    Ranks form ``cp / u`` head groups of ``u`` consecutive ranks. After the head all-to-all,
+    every rank of group ``s`` holds, for its heads, the tokens of all the group's ranks in
+    rank order: the group acts as one CP rank of ``cp / u`` whose layout is its members'
+    layouts one after the other. So the all-gather between groups (ranks ``j, u + j, ...``)
+    yields the rows in the same order as an all-gather over all ``cp`` ranks: the
+    ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
+    """
+    check_cp(cp_size, rank)
+    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    check_padded(cu_seqlens, cu_seqlens_padded)
+    u = head_parallel
+    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    flat = layout.reshape(-1)  # [T]
+    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+    s = rank // u
+    positions = layout[s * u : (s + 1) * u].reshape(-1)  # [u * T_local]: the group's tokens, member by member
+    t_group = positions.shape[0]
+    doc, pos, real, new_piece = piece_marks(positions, cu_seqlens, cu_seqlens_padded)
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    num_pieces = torch.sym_min(t_group, u * max_pieces(spec, cu_seqlens.shape[0] - 1, layout.shape[1]))
+    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_group).squeeze(1)
+    cu_q = torch.cat([starts, starts.new_full((1,), t_group)])
+    q_len = cu_q[1:] - cu_q[:-1]
+    first = starts.clamp(max=t_group - 1)
+    live = (q_len > 0) & real[first]
+    return AttentionPlan(
+        gather_index=gather_index,
+        cu_q=cu_q.to(torch.int32),
+        k_start=cu_seqlens_padded.long()[doc[first]].to(torch.int32),
+        k_len_causal=torch.where(live, pos[first] + q_len, 0).to(torch.int32),
+        k_len_full=torch.where(live, real_len[doc[first]], 0).to(torch.int32),
+    )
+
+
+@per_plan
+def hybrid_step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    head_parallel: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+) -> AttentionPlan:
+    """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    spec = StrategySpec(Strategy(strategy), stripe_size)
+    plan = make_hybrid_plan(
+        cu, *padded, cp_size=cp_size, head_parallel=head_parallel, rank=rank, strategy=spec, num_tokens=num_tokens
+    )
+    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))

@@ -68,8 +68,9 @@ class StrategySpec:
     of ``u`` ranks (DeepSpeed-Ulysses): all-to-alls give each rank every token of ``Hq / u``
     query heads, attention runs on whole documents, and an all-to-all returns the output
     (``cpcompile.ops.heads``). ``u`` must divide the CP size and ``Hq`` (checked where they
-    are known: :func:`check_head_parallel`); only ``u == cp`` (pure head parallelism, any
-    token layout, ``comm`` unused) is implemented, not yet ``1 < u < cp``.
+    are known: :func:`check_head_parallel`). ``u == cp`` is pure head parallelism (``comm``
+    unused); ``1 < u < cp`` the hybrid (``cpcompile.ops.hybrid``: heads inside groups of ``u``
+    consecutive ranks, the all-gather between the groups; eager ``cp_attention`` only).
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
@@ -95,15 +96,10 @@ class StrategySpec:
 
 def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = None) -> None:
     """Raise ``ValueError`` unless ``head_parallel`` ranks can split ``q_heads`` query heads over
-    a CP group of ``cp_size``: ``head_parallel`` must be 1 or ``cp_size`` (the hybrid
-    ``1 < u < cp`` is not implemented) and divide ``q_heads`` (``None``: not known yet)."""
+    a CP group of ``cp_size``: ``head_parallel`` must divide ``cp_size`` and ``q_heads``
+    (``None``: not known yet)."""
     if head_parallel != 1 and cp_size % head_parallel:
         raise ValueError(f"head_parallel={head_parallel} must divide the CP size {cp_size} (accepted: a divisor of it)")
-    if head_parallel not in (1, cp_size):
-        raise ValueError(
-            f"head_parallel={head_parallel} with CP size {cp_size}: only head_parallel=1 or head_parallel="
-            f"{cp_size} (pure head parallelism) is implemented, not the hybrid 1 < head_parallel < CP size"
-        )
     if q_heads is not None and q_heads % head_parallel:  # a symbolic count: guarded on its divisibility
         heads = getattr(getattr(q_heads, "node", None), "hint", None) or q_heads  # a symbolic one's example
         raise ValueError(

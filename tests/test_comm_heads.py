@@ -71,3 +71,22 @@ def test_shard_batch_makes_the_head_plan_ahead():
     tokens = 2 * batch.indices.shape[0]
     made = head_step_plan(batch.cu_seqlens, None, tokens, 2, "dual_chunk_swap", 1)
     assert torch.equal(made.gather_index, make_head_plan(cu, cp_size=2, strategy=spec).gather_index)
+
+
+@pytest.mark.parametrize("cp, u", [(4, 2), (6, 3), (6, 2), (8, 4)])
+def test_hybrid_plan_of_contiguous_slices_is_the_group_as_one_rank(cp, u):
+    """Under no_load_balance a head group's ranks hold one contiguous slice: the group's plan is
+    the plan of one rank of ``cp / u`` holding it (live pieces alike), over the ``cp`` layout's order."""
+    from cpcompile.plan import make_hybrid_plan
+
+    cu = cu_seqlens([1, 7, 0, 12, 3, 9])
+    padded = pad_for_cp(cu, cp_size=cp, strategy="no_load_balance")
+    for rank in range(cp):
+        plan = make_hybrid_plan(cu, padded, cp_size=cp, head_parallel=u, rank=rank, strategy="no_load_balance")
+        group = make_plan(cu, padded, cp_size=cp // u, rank=rank // u, strategy="no_load_balance")
+        assert torch.equal(
+            plan.gather_index, make_plan(cu, padded, cp_size=cp, rank=0, strategy="no_load_balance").gather_index
+        )
+        for got, want in zip(plan[1:], group[1:]):
+            n = int((plan.cu_q[1:] > plan.cu_q[:-1]).sum())
+            assert torch.equal(got[:n], want[:n])

@@ -1,9 +1,10 @@
 """Tier 4: head-parallel (Ulysses) cp_attention on real gloo ranks against float64, and its errors.
 
-``head_parallel == cp``: every layout x causal/full x heads (MHA, GQA with ``u | Hkv``, and
-K/V heads replicated where ``Hkv < u``) x float32/float64, on random packs drawn alike on
-every rank (1-token documents, a single document, zero-length documents, many short
-ones, mixed lengths; ``tests/test_cp_attention_properties_gloo.py``'s generator).
+``head_parallel == cp`` (pure) and ``1 < head_parallel < cp`` (hybrid: cp=4, u=2): every
+layout x causal/full x heads (MHA, GQA with ``u | Hkv``, and K/V heads replicated where
+``Hkv < u``) x float32/float64, on random packs drawn alike on every rank (1-token
+documents, a single document, zero-length documents, many short ones, mixed lengths;
+``tests/test_cp_attention_properties_gloo.py``'s generator).
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from tests.fixtures import attention_case, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
 from tests.test_cp_attention_properties_gloo import KINDS, TOLERANCE, random_pack
 
-#: query and K/V heads per cp: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
+#: query and K/V heads per u: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
 HEADS = {2: [(2, 2), (4, 2), (4, 1)], 3: [(3, 3), (6, 2)], 4: [(4, 4), (8, 4), (8, 2), (4, 1)]}
 
 
-def cases(cp: int, seed: int):
+def cases(cp: int, seed: int, u: int):
     rng = random.Random(seed)
     grid = [
         (spec, causal, heads, dtype)
         for spec in strategy_specs(stripe_size=3)
         for causal in (True, False)
-        for heads in HEADS[cp]
+        for heads in HEADS[u]
         for dtype in (torch.float32, torch.float64)
     ]
     if cp > 2:
@@ -38,13 +39,13 @@ def cases(cp: int, seed: int):
         yield (*case, random_pack(rng, cp, KINDS[i % len(KINDS)]), rng.randrange(1 << 30))
 
 
-def _check_rank(rank: int, world: int, seed: int) -> None:
-    for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
-        spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, head_parallel=world)
+def _check_rank(rank: int, world: int, seed: int, u: int) -> None:
+    for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed, u):
+        spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, head_parallel=u)
         cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case_seed, dtype=dtype)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
-        assert sharded.spec.head_parallel == world  # auto keeps it when it picks a layout
+        assert sharded.spec.head_parallel == u  # auto keeps it when it picks a layout
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
         out = cpcompile.cp_attention(
             *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, causal=causal
@@ -57,9 +58,9 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
             assert relative_error(a, b) < TOLERANCE[dtype], f"{name}, {label}"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_head_parallel_matches_float64(world):
-    run_ranks(_check_rank, world, 2000 + world)
+@pytest.mark.parametrize("world, u", [(2, 2), (3, 3), (4, 4), (4, 2)])
+def test_head_parallel_matches_float64(world, u):
+    run_ranks(_check_rank, world, 2000 + world + u, u)
 
 
 def _errors(rank: int, world: int) -> None:

@@ -52,7 +52,6 @@ def test_context_restores_after_error():
         (lambda: StrategySpec(head_parallel=0), ValueError, "head_parallel must be a positive int .*got 0"),
         (lambda: StrategySpec(head_parallel=True), ValueError, "head_parallel must be a positive int .*got True"),
         (lambda: check_head_parallel(3, 4), ValueError, "head_parallel=3 must divide the CP size 4"),
-        (lambda: check_head_parallel(2, 4), ValueError, "only head_parallel=1 or head_parallel=4 .* not the hybrid"),
         (lambda: check_head_parallel(4, 4, 6), ValueError, "head_parallel=4 must divide the number of query heads 6"),
     ],
 )
@@ -70,3 +69,4 @@ def test_head_parallel_is_part_of_the_spec():
         assert (spec.stripe_size, spec.comm, spec.head_parallel) == (2, "ring", 2)
     check_head_parallel(1, 3, 5)  # no head parallelism: any cp and heads
     check_head_parallel(4, 4, 8)
+    check_head_parallel(2, 4, 6)  # the hybrid: heads over pairs of ranks, sequence between the pairs

@@ -67,3 +67,20 @@ def tokens_to_heads(xs: list[torch.Tensor], group: dist.ProcessGroup) -> list[to
     blocks = torch.cat([x.unflatten(0, (u, -1)) for x in xs], dim=2).contiguous()  # [u, T_local, S, D]
     out = _exchange(blocks, group).transpose(0, 1)  # [T_local, u, S, D]: head group s from rank s
     return [part.flatten(1, 2).contiguous() for part in out.split(heads, dim=2)]  # separate tensors
+
+
+_subgroups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def head_groups(group: dist.ProcessGroup, u: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(heads, sequence)``: this rank's group of ``u`` consecutive ranks of ``group`` (the head
+    all-to-all's) and its group of the ranks at its place in every head group (``j, u + j, ...``:
+    the sequence all-gather's). Made once per ``(group, u)``, by the members alone."""
+    key = (group.group_name, u)
+    if key not in _subgroups:
+        ranks = dist.get_process_group_ranks(group)
+        me = group.rank()
+        heads = ranks[me // u * u : (me // u + 1) * u]
+        sequence = ranks[me % u :: u]
+        _subgroups[key] = tuple(dist.new_group(r, use_local_synchronization=True) for r in (heads, sequence))
+    return _subgroups[key]

@@ -24,10 +24,10 @@ from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import per_plan
-from ..plan import AttentionPlan, head_step_plan, make_plan, max_piece_len, step_plan
+from ..plan import AttentionPlan, head_step_plan, hybrid_step_plan, make_plan, max_piece_len, step_plan
 from ..ring_plan import RingPlan, make_ring_plan
 from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
-from . import exchange, gathered, heads  # noqa: F401  (heads registers cpcompile::cp_head_attention)
+from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
 
 
@@ -269,8 +269,9 @@ def cp_attention(
         group: the CP process group, its name, or ``None`` (default group).
         strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`). Its
             ``head_parallel`` equal to the group's size runs head-parallel (Ulysses) attention
-            (``cpcompile.ops.heads``): it needs ``Hq`` divisible by it, ignores ``comm`` and
-            takes no ``plan``.
+            (``cpcompile.ops.heads``), ignoring ``comm``; a smaller one > 1 the hybrid
+            (``cpcompile.ops.hybrid``, ``comm="all_gather"``). Either needs ``Hq`` divisible by
+            it and takes no ``plan``.
         comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
             ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
             ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
@@ -304,7 +305,13 @@ def cp_attention(
             if plan is not None:
                 raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
             layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
-            plan = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
+            if spec.head_parallel == cp:
+                plan = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
+            elif comm != "all_gather":
+                raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp} runs comm='all_gather' only")
+            else:
+                args = (q.shape[0] * cp, cp, spec.head_parallel, rank, *layout)
+                plan = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
         elif plan is None:
             tokens = q.shape[0] * cp
             if comm == "ring":
@@ -329,6 +336,9 @@ def cp_attention(
     finally:
         error = None  # see comm.groups.agree: a raised error must not hold the frame that holds it
     with agreed():  # the op need not compare again what this call just compared
+        if 1 < spec.head_parallel < cp:
+            kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
+            return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, **kw)
         if spec.head_parallel > 1:
             args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
             return torch.ops.cpcompile.cp_head_attention(*args)[0]

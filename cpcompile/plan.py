@@ -301,7 +301,8 @@ def make_hybrid_plan(
     ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
     """
     check_cp(cp_size, rank)
-    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
+    requested = resolve_strategy(strategy)
+    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)
@@ -314,7 +315,8 @@ def make_hybrid_plan(
     t_group = positions.shape[0]
     doc, pos, real, new_piece = piece_marks(positions, cu_seqlens, cu_seqlens_padded)
     real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    num_pieces = torch.sym_min(t_group, u * max_pieces(spec, cu_seqlens.shape[0] - 1, layout.shape[1]))
+    # slots for whatever auto picks, as make_plan's, so that the sizes do not depend on values
+    num_pieces = torch.sym_min(t_group, u * max_pieces(requested, cu_seqlens.shape[0] - 1, layout.shape[1]))
     starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_group).squeeze(1)
     cu_q = torch.cat([starts, starts.new_full((1,), t_group)])
     q_len = cu_q[1:] - cu_q[:-1]

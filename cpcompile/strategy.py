@@ -70,7 +70,7 @@ class StrategySpec:
     (``cpcompile.ops.heads``). ``u`` must divide the CP size and ``Hq`` (checked where they
     are known: :func:`check_head_parallel`). ``u == cp`` is pure head parallelism (``comm``
     unused); ``1 < u < cp`` the hybrid (``cpcompile.ops.hybrid``: heads inside groups of ``u``
-    consecutive ranks, the all-gather between the groups; eager ``cp_attention`` only).
+    consecutive ranks, the all-gather between the groups).
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP

@@ -1,7 +1,8 @@
 """Tier 4: compiled head-parallel training equals the single-device eager model on real gloo ranks.
 
-Under ``cpcompile.strategy(..., head_parallel=cp)`` the backend rewrites the model's packed
-attention (``packed_attention`` and ``varlen_attn``) into ``cp_head_attention``; each rank
+Under ``cpcompile.strategy(..., head_parallel=u)`` the backend rewrites the model's packed
+attention (``packed_attention`` and ``varlen_attn``) into ``cp_head_attention`` (``u == cp``)
+or the hybrid's head all-to-alls around ``cp_attention`` (``1 < u < cp``); each rank
 trains on packs of varying length and document count with one compilation, and the loss
 and every parameter gradient, summed over ranks, match the eager model on the whole pack,
 with K/V heads replicated where the model has fewer than the ranks.
@@ -20,14 +21,14 @@ from tests.dist import run_ranks
 from tests.test_backend_gloo import PACK_SIZES, _compare_step, compiled_graphs
 
 
-def _check_training(rank: int, world: int, kv_heads: int, inner: str, strategies: list[str]) -> None:
+def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, strategies: list[str]) -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=32, dim=32, heads=4, kv_heads=kv_heads, layers=2, max_position=128, attention="mixed")
     reference = PackedGPT(dataclasses.replace(cfg, attention="packed"))
     model = PackedGPT(cfg)
     model.load_state_dict(reference.state_dict())
     for name in strategies:
-        spec = cpcompile.StrategySpec(name, head_parallel=world)
+        spec = cpcompile.StrategySpec(name, head_parallel=u)
         torch._dynamo.reset()
         from torch._dynamo.utils import counters
 
@@ -45,12 +46,13 @@ def _check_training(rank: int, world: int, kv_heads: int, inner: str, strategies
 
 
 @pytest.mark.parametrize(
-    "kv_heads, inner, strategies",
+    "world, u, kv_heads, inner, strategies",
     [
-        (2, "aot_eager", ["dual_chunk_swap", "no_load_balance", "auto"]),
-        (1, "aot_eager", ["balanced"]),  # one K/V head for two ranks: replicated
-        (2, "inductor", ["no_load_balance"]),
+        (2, 2, 2, "aot_eager", ["dual_chunk_swap", "no_load_balance", "auto"]),
+        (2, 2, 1, "aot_eager", ["balanced"]),  # one K/V head for two ranks: replicated
+        (2, 2, 2, "inductor", ["no_load_balance"]),
+        (4, 2, 1, "aot_eager", ["dual_chunk_swap", "auto"]),  # the hybrid, K/V replicated
     ],
 )
-def test_compiled_head_parallel_training_matches_single_device(kv_heads, inner, strategies):
-    run_ranks(_check_training, 2, kv_heads, inner, strategies)
+def test_compiled_head_parallel_training_matches_single_device(world, u, kv_heads, inner, strategies):
+    run_ranks(_check_training, world, u, kv_heads, inner, strategies)

@@ -60,10 +60,10 @@ class GraphModule(torch.nn.Module):
         with pytest.raises(ValueError, match="head_parallel=2 must divide the number of query heads 3"):
             shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=SPEC)
 
-    def test_hybrid_is_refused(self):
+    def test_head_parallel_that_does_not_divide_cp_is_refused(self):
         gm = dynamo_graph(two_layers, *_inputs(SPEC))
-        with pytest.raises(ValueError, match="the compiler runs head_parallel=1 or 4 only; the hybrid runs in eager"):
-            shard_attention_pass(gm, group_name=self.group, cp_size=4, rank=1, spec=SPEC)
+        with pytest.raises(ValueError, match="head_parallel=2 must divide the CP size 3"):
+            shard_attention_pass(gm, group_name=self.group, cp_size=3, rank=1, spec=SPEC)
 
     def test_compiled_model_trains_on_fake_ranks(self):
         """Through ``cpcompile.backend`` (AOT forward and backward ops traced; values are garbage)."""

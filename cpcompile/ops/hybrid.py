@@ -1,4 +1,4 @@
-"""Hybrid head x context parallelism (``1 < head_parallel < cp``): ``head_all_to_all`` and the eager path.
+"""Hybrid head x context parallelism (``1 < head_parallel < cp``): its ops and the eager path.
 
 Ranks form ``cp / u`` head groups of ``u`` consecutive ranks (``comm.heads.head_groups``).
 Inside a group, the head all-to-all (``cpcompile::head_all_to_all``) gives each rank the
@@ -6,7 +6,8 @@ group's tokens for ``Hq / u`` query heads (K/V heads replicated as ``comm.heads`
 between groups, the ranks at the same place (``j, u + j, ...``) run ``cp_attention`` on the
 all-gather path over the group's pieces (``plan.make_hybrid_plan``); the mirror all-to-all
 returns the output. Each step is an op with its own autograd, so the backward is theirs:
-exact, with dK/dV of the copies summed by the autograd of ``replicate``.
+exact, with dK/dV of the copies summed by the autograd of ``replicate``. The compiler
+inserts the same ops (``passes.shard_attention``), fed by one ``cpcompile::cp_hybrid_plan``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 
 from ..comm.groups import resolve_group
 from ..comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
-from ..plan import AttentionPlan
+from ..partition import padding_multiple
+from ..plan import AttentionPlan, hybrid_step_plan, max_pieces
+from ..strategy import Strategy, StrategySpec
 
 
 @torch.library.custom_op("cpcompile::head_all_to_all", mutates_args=())
@@ -58,3 +61,34 @@ def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *,
     # the all-gather path: the exchange's plan needs a plan's origin, which this one has none of
     out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1)[0]
     return a2a(out, heads.group_name, False)
+
+
+@torch.library.custom_op("cpcompile::cp_hybrid_plan", mutates_args=())
+def cp_hybrid_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    head_parallel: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.plan.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+    k_len_causal, k_len_full [P])``, the pieces those of the rank's head group."""
+    args = (num_tokens, cp_size, head_parallel, rank, strategy, stripe_size)
+    return tuple(hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args))
+
+
+@cp_hybrid_plan.register_fake
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, head_parallel, rank, strategy, stripe_size):
+    spec = StrategySpec(Strategy(strategy), stripe_size)
+    multiple, _ = padding_multiple(spec, cp_size)
+    torch._check(
+        num_tokens % multiple == 0,
+        lambda: f"{strategy} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
+    )
+    t_local = num_tokens // cp_size
+    pieces = torch.sym_min(t_local * head_parallel, head_parallel * max_pieces(spec, cu_seqlens.shape[0] - 1, t_local))
+    index = cu_seqlens.new_empty(num_tokens, dtype=torch.int64)
+    return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))

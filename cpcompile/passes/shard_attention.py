@@ -12,7 +12,9 @@ built once per step and shared by every layer. With ``spec.comm == "ring"`` it b
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
 and causal flag (the plan's key ranges as rows of every rank's block). With
 ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
-``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan. A variant the
+``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
+``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
+the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. A variant the
 CP op cannot compute exactly (sliding windows, different query and key offsets,
 per-sequence key lengths, paged keys, dropout, softcap, ALiBi, a used RNG state) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
@@ -31,9 +33,12 @@ import warnings
 import torch
 import torch.fx as fx
 
+from ..comm.groups import resolve_group
+from ..comm.heads import head_groups, kv_replication
 from ..config import Config, resolve_config
 from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_plan)
 from ..ops import heads as _heads  # noqa: F401  (registers cpcompile::cp_head_plan, cp_head_attention)
+from ..ops import hybrid as _hybrid  # noqa: F401  (registers cpcompile::cp_hybrid_plan, head_all_to_all)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..plan import AttentionPlan, max_piece_len
 from ..strategy import StrategySpec, check_head_parallel
@@ -286,6 +291,30 @@ def _max_piece_len(graph: fx.Graph, spec: StrategySpec, cp_size: int, max_seqlen
     return bound.node if isinstance(bound, fx.Proxy) else bound
 
 
+def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size: int, group_name: str, config):
+    """The hybrid's ops for match ``m`` (``cpcompile.ops.hybrid``): K/V heads replicated, the head
+    all-to-alls inside the rank's head group around ``cp_attention`` between the groups; returns
+    the output's node (the hybrid gives no ``lse``)."""
+    u = spec.head_parallel
+    q_heads, kv_heads = m.q.meta["example_value"].shape[1], m.k.meta["example_value"].shape[1]
+    check_head_parallel(u, cp_size, q_heads)
+    used = _used_outputs(m.node)
+    if used is None or used - {0}:
+        raise ValueError(f"{m.node.format_node()}: head_parallel={u} < CP size {cp_size} gives the output only, no lse")
+    heads, sequence = (g.group_name for g in head_groups(resolve_group(group_name), u))
+    f = kv_replication(q_heads, kv_heads, u)
+    a2a = torch.ops.cpcompile.head_all_to_all.default
+    qkv = [m.q, m.k, m.v]
+    if f > 1:
+        qkv[1:] = [insert(torch.ops.aten.repeat_interleave.self_int, (x, f, 1), "kv_copies", m.node) for x in qkv[1:]]
+    qkv = [insert(a2a, (x, heads, True), "heads_to_tokens", m.node) for x in qkv]
+    kv = (config.kernel, "never", 1)  # the all-gather: the exchange needs a plan's origin
+    args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
+    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node)
+    out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
+    return insert(a2a, (out, heads, False), "tokens_to_heads", m.node)
+
+
 def rewrite_packed_attention(
     gm: fx.GraphModule,
     matches: list[AttentionMatch],
@@ -301,6 +330,7 @@ def rewrite_packed_attention(
     graph = gm.graph
     config = resolve_config(config)
     heads = spec.head_parallel > 1
+    hybrid = 1 < spec.head_parallel < cp_size
 
     def insert(target, args, name=None, origin=None):
         node = graph.create_node("call_function", target, args, name=name)
@@ -318,7 +348,10 @@ def rewrite_packed_attention(
                 local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
                 tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
                 layout = (spec.strategy.value, spec.stripe_size)
-                if heads:  # the same plan on every rank: the layout's order, whole documents
+                if hybrid:  # the rank's head group's pieces
+                    target = torch.ops.cpcompile.cp_hybrid_plan.default
+                    plan_args = (cp_size, spec.head_parallel, rank, *layout)
+                elif heads:  # the same plan on every rank: the layout's order, whole documents
                     target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
                 else:
                     target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout)
@@ -328,7 +361,9 @@ def rewrite_packed_attention(
                 ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
-            if heads:
+            if hybrid:
+                cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
+            elif heads:
                 check_head_parallel(spec.head_parallel, cp_size, m.q.meta["example_value"].shape[1])
                 args = (m.q, m.k, m.v, gather_index, cu_q, k_start, k_len, group_name, m.causal, m.scale)
                 cp = insert(
@@ -376,6 +411,10 @@ def rewrite_packed_attention(
                 )
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
             graph.erase_node(user)
+        if hybrid:  # a tensor, not a tuple: its readers read it directly
+            for user in list(m.node.users):
+                user.replace_all_uses_with(cp)
+                graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)
 
@@ -403,11 +442,6 @@ def shard_attention_pass(
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
     check_head_parallel(spec.head_parallel, cp_size)  # before anything is rewritten; the heads per call
-    if 1 < spec.head_parallel < cp_size:
-        raise ValueError(
-            f"head_parallel={spec.head_parallel} with CP size {cp_size}: the compiler runs head_parallel=1 or "
-            f"{cp_size} only; the hybrid runs in eager cpcompile.cp_attention"
-        )
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
     # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
     # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it

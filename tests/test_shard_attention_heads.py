@@ -65,6 +65,12 @@ class GraphModule(torch.nn.Module):
         with pytest.raises(ValueError, match="head_parallel=2 must divide the CP size 3"):
             shard_attention_pass(gm, group_name=self.group, cp_size=3, rank=1, spec=SPEC)
 
+    def test_hybrid_over_the_ring_is_refused(self):
+        gm = dynamo_graph(two_layers, *_inputs(SPEC))
+        ring = cpcompile.StrategySpec("no_load_balance", comm="ring", head_parallel=2)
+        with pytest.raises(ValueError, match="head_parallel=2 < CP size 4 runs comm='all_gather' only"):
+            shard_attention_pass(gm, group_name=self.group, cp_size=4, rank=1, spec=ring)
+
     def test_compiled_model_trains_on_fake_ranks(self):
         """Through ``cpcompile.backend`` (AOT forward and backward ops traced; values are garbage)."""
         torch._dynamo.reset()

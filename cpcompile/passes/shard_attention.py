@@ -442,6 +442,8 @@ def shard_attention_pass(
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
     check_head_parallel(spec.head_parallel, cp_size)  # before anything is rewritten; the heads per call
+    if 1 < spec.head_parallel < cp_size and spec.comm != "all_gather":  # as cp_attention refuses it
+        raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp_size} runs comm='all_gather' only")
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
     # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
     # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it

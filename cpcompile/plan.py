@@ -125,6 +125,20 @@ def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
     return max_seqlen
 
 
+def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, num_tokens):
+    """``(requested, cu_seqlens_padded, layout [cp, T_local])``: the arguments checked, ``auto``
+    resolved (alike on every rank), the pack padded for the layout where not given, every rank's
+    positions (:func:`all_partition_indices`)."""
+    check_cp(cp_size, rank)
+    requested = resolve_strategy(strategy)
+    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    check_padded(cu_seqlens, cu_seqlens_padded)
+    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    return requested, cu_seqlens_padded, layout
+
+
 def make_plan(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,
@@ -144,13 +158,7 @@ def make_plan(
             same answer on every rank), which costs the cost model's host time per call: pass the
             ``ShardedBatch.spec`` the data loader resolved instead.
     """
-    check_cp(cp_size, rank)
-    requested = resolve_strategy(strategy)
-    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
-    if cu_seqlens_padded is None:
-        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
-    check_padded(cu_seqlens, cu_seqlens_padded)
-    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    requested, cu_seqlens_padded, layout = _layout(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens)
     t_local = layout.shape[1]
     device = layout.device
 
@@ -181,6 +189,16 @@ def make_plan(
     return plan
 
 
+def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, **kw):
+    """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
+    (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
+    host twins (:mod:`cpcompile.per_plan`), so that what derives from the plan reads sizes there."""
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    plan = make(cu, *padded, strategy=StrategySpec(Strategy(strategy), stripe_size), **kw)
+    return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+
+
 @per_plan
 def step_plan(
     cu_seqlens: torch.Tensor,
@@ -201,11 +219,8 @@ def step_plan(
     (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
     resolved here, alike on every rank).
     """
-    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
-    cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size)
-    plan = make_plan(cu, *padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_tokens)
-    uploaded = AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
+    plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through
         _attach_origin(uploaded, made.pack, rank)
@@ -274,11 +289,8 @@ def head_step_plan(
     stripe_size: int,
 ) -> AttentionPlan:
     """:func:`make_head_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
-    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
-    cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size)
-    plan = make_head_plan(cu, *padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
-    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    kw = {"cp_size": cp_size, "num_tokens": num_tokens}
+    return _made_on_host(make_head_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
 
 
 def make_hybrid_plan(
@@ -300,14 +312,8 @@ def make_hybrid_plan(
     yields the rows in the same order as an all-gather over all ``cp`` ranks: the
     ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
     """
-    check_cp(cp_size, rank)
-    requested = resolve_strategy(strategy)
-    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
-    if cu_seqlens_padded is None:
-        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
-    check_padded(cu_seqlens, cu_seqlens_padded)
+    requested, cu_seqlens_padded, layout = _layout(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens)
     u = head_parallel
-    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
     flat = layout.reshape(-1)  # [T]
     gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
     s = rank // u
@@ -343,10 +349,5 @@ def hybrid_step_plan(
     stripe_size: int,
 ) -> AttentionPlan:
     """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
-    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
-    cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size)
-    plan = make_hybrid_plan(
-        cu, *padded, cp_size=cp_size, head_parallel=head_parallel, rank=rank, strategy=spec, num_tokens=num_tokens
-    )
-    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    kw = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "num_tokens": num_tokens}
+    return _made_on_host(make_hybrid_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]

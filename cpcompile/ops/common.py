@@ -21,6 +21,18 @@ def check_fake_qkv(q, k, v) -> None:
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
 
 
+def check_fake_tokens(num_tokens, cp_size: int, spec) -> None:
+    """A plan op's fake: state the divisibility its layout relies on as a ``torch._check`` (a
+    run-time assert where the shape environment cannot prove it)."""
+    from ..partition import padding_multiple
+
+    multiple, _ = padding_multiple(spec, cp_size)
+    torch._check(
+        num_tokens % multiple == 0,
+        lambda: f"{spec.strategy.value} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
+    )
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What sums and ``lse`` are kept in: float32, or float64 for float64 inputs (so that float64
     runs are exact to float64, not to the float32 of a statistic)."""

@@ -19,38 +19,33 @@ import torch
 from .. import kernels
 from ..comm.groups import resolve_group
 from ..comm.heads import heads_to_tokens, kv_replication, replicate, sum_replicas, tokens_to_heads
-from ..partition import padding_multiple
 from ..plan import head_step_plan, max_pieces
 from ..strategy import Strategy, StrategySpec
-from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
+from .common import (
+    agree_in_op,
+    check_fake_qkv,
+    check_fake_tokens,
+    out_and_lse,
+    register_attention_autograd,
+    softmax_scale,
+)
+from .cp_plan import fake_plan, plan_op
 from .gathered import gathered_order
 
-
-@torch.library.custom_op("cpcompile::cp_head_plan", mutates_args=())
-def cp_head_plan(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor | None,
-    num_tokens: int,
-    cp_size: int,
-    strategy: str,
-    stripe_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cpcompile.plan.head_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-    k_len_causal, k_len_full [P])``, the pieces whole documents over the physical buffer."""
-    return tuple(head_step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, strategy, stripe_size))
+#: :func:`cpcompile.plan.head_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+#: k_len_causal, k_len_full [P])``, the pieces whole documents over the physical buffer.
+cp_head_plan = plan_op(
+    "cp_head_plan",
+    head_step_plan,
+    "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, str strategy, SymInt stripe_size",
+)
 
 
 @cp_head_plan.register_fake
 def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, strategy, stripe_size):
-    spec = StrategySpec(Strategy(strategy), stripe_size)
-    multiple, _ = padding_multiple(spec, cp_size)
-    torch._check(
-        num_tokens % multiple == 0,
-        lambda: f"{strategy} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
-    )
+    check_fake_tokens(num_tokens, cp_size, StrategySpec(Strategy(strategy), stripe_size))
     pieces = max_pieces(StrategySpec(Strategy.NO_LOAD_BALANCE), cu_seqlens.shape[0] - 1, num_tokens)
-    index = cu_seqlens.new_empty(num_tokens, dtype=torch.int64)
-    return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))
+    return fake_plan(cu_seqlens, num_tokens, pieces)
 
 
 def _to_physical(xs, gather_index):
@@ -74,21 +69,15 @@ def _call(q, k, gather_index, cu_q, k_start, k_len, group_name, causal, scale, m
     return group, f, kernels.select(q, kernel_name), pieces, kw
 
 
-@torch.library.custom_op("cpcompile::cp_head_attention", mutates_args=())
-def _cp_head_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gather_index: torch.Tensor,
-    cu_q: torch.Tensor,
-    k_start: torch.Tensor,
-    k_len: torch.Tensor,
-    group_name: str,
-    causal: bool,
-    scale: float | None,
-    max_seqlen: int | None,
-    kernel_name: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+#: the plan and call arguments of the head-parallel ops, after their tensors
+_PLAN_SCHEMA = (
+    "Tensor gather_index, Tensor cu_q, Tensor k_start, Tensor k_len, str group_name, bool causal, float? scale, "
+    "SymInt? max_seqlen, str? kernel_name"
+)
+
+
+def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
+    """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``(out [T_local, Hq, D], lse [Hq, T_local])``."""
     group = resolve_group(group_name)
     config = {"kernel": kernel_name, "head_parallel": group.size()}
     agree_in_op("cp_head_attention (all_to_all)", group, q, k, causal, scale, gather_index, config)
@@ -100,6 +89,14 @@ def _cp_head_attention(
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
     (lse,) = tokens_to_heads([lse], group)  # [T_local, Hq, 1]
     return out, lse.squeeze(-1).t().contiguous()
+
+
+_cp_head_attention = torch.library.custom_op(
+    "cpcompile::cp_head_attention",
+    _head_attention,
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_PLAN_SCHEMA}) -> (Tensor, Tensor)",
+)
 
 
 @_cp_head_attention.register_fake
@@ -115,24 +112,9 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     return out_and_lse(q)
 
 
-@torch.library.custom_op("cpcompile::cp_head_attention_backward", mutates_args=())
-def _cp_head_attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    gather_index: torch.Tensor,
-    cu_q: torch.Tensor,
-    k_start: torch.Tensor,
-    k_len: torch.Tensor,
-    group_name: str,
-    causal: bool,
-    scale: float | None,
-    max_seqlen: int | None,
-    kernel_name: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, *call):
+    """The gradients ``(dq, dk, dv)`` of :func:`_head_attention`; ``call``: its arguments after the plan."""
+    group_name, causal, scale, max_seqlen, kernel_name = call
     plan = (gather_index, cu_q, k_start, k_len)
     group, f, kern, pieces, kw = _call(q, k, *plan, group_name, causal, scale, max_seqlen, kernel_name)
     # one all-to-all for everything of q's dtype: dO, q, the output, and K/V with their copies
@@ -144,6 +126,15 @@ def _cp_head_attention_backward(
     (dq,) = tokens_to_heads([dq], group)  # [T_local, Hq, D]
     dk, dv = tokens_to_heads([dk, dv], group)  # [T_local, Hkv * f, D], the accumulation dtype
     return dq.to(q.dtype), sum_replicas(dk, f).to(k.dtype), sum_replicas(dv, f).to(v.dtype)
+
+
+_cp_head_attention_backward = torch.library.custom_op(
+    "cpcompile::cp_head_attention_backward",
+    _head_attention_backward,
+    mutates_args=(),
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_PLAN_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor)",
+)
 
 
 @_cp_head_attention_backward.register_fake

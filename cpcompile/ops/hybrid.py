@@ -16,9 +16,10 @@ import torch
 
 from ..comm.groups import resolve_group
 from ..comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
-from ..partition import padding_multiple
 from ..plan import AttentionPlan, hybrid_step_plan, max_pieces
 from ..strategy import Strategy, StrategySpec
+from .common import check_fake_tokens
+from .cp_plan import fake_plan, plan_op
 
 
 @torch.library.custom_op("cpcompile::head_all_to_all", mutates_args=())
@@ -63,32 +64,20 @@ def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *,
     return a2a(out, heads.group_name, False)
 
 
-@torch.library.custom_op("cpcompile::cp_hybrid_plan", mutates_args=())
-def cp_hybrid_plan(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor | None,
-    num_tokens: int,
-    cp_size: int,
-    head_parallel: int,
-    rank: int,
-    strategy: str,
-    stripe_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cpcompile.plan.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-    k_len_causal, k_len_full [P])``, the pieces those of the rank's head group."""
-    args = (num_tokens, cp_size, head_parallel, rank, strategy, stripe_size)
-    return tuple(hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args))
+#: :func:`cpcompile.plan.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+#: k_len_causal, k_len_full [P])``, the pieces those of the rank's head group.
+cp_hybrid_plan = plan_op(
+    "cp_hybrid_plan",
+    hybrid_step_plan,
+    "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt head_parallel, "
+    "SymInt rank, str strategy, SymInt stripe_size",
+)
 
 
 @cp_hybrid_plan.register_fake
 def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, head_parallel, rank, strategy, stripe_size):
     spec = StrategySpec(Strategy(strategy), stripe_size)
-    multiple, _ = padding_multiple(spec, cp_size)
-    torch._check(
-        num_tokens % multiple == 0,
-        lambda: f"{strategy} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
-    )
+    check_fake_tokens(num_tokens, cp_size, spec)
     t_local = num_tokens // cp_size
     pieces = torch.sym_min(t_local * head_parallel, head_parallel * max_pieces(spec, cu_seqlens.shape[0] - 1, t_local))
-    index = cu_seqlens.new_empty(num_tokens, dtype=torch.int64)
-    return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))
+    return fake_plan(cu_seqlens, num_tokens, pieces)

@@ -10,6 +10,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
+
+import cpcompile
+from cpcompile.testing import summed_loss
 
 
 def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, args, errors) -> None:
@@ -71,3 +75,34 @@ def assert_matches_summed_over_ranks(loss, want, model, reference, label: str, t
         grad = p.grad.clone()
         dist.all_reduce(grad)
         assert relative_error(grad, p_ref.grad) < tolerance, f"grad of {name} {label}"
+
+
+PACK_SIZES = [48, 71, 30]  # tokens per step: the compiled graph must not specialize on them
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo compiled and installed since the last ``counters.clear()``.
+
+    Not the number of backend calls: with ``dynamic=True`` Dynamo may restart one
+    compilation (e.g. to specialize a float module attribute such as nn.Embedding's
+    ``norm_type``), which calls the backend twice for one graph.
+    """
+    return counters["stats"]["unique_graphs"]
+
+
+def compare_training_step(reference, model, compiled, pack, max_seqlen, world, rank, label, tolerance=1e-4):
+    """One step of ``compiled`` on this rank's share of ``pack`` against ``reference`` on all of it:
+    the loss and every gradient summed over ranks."""
+    cu = pack["cu_seqlens"]
+    reference.zero_grad()
+    want = summed_loss(reference(pack["input_ids"], pack["position_ids"], cu, max_seqlen), pack["labels"])
+    want.backward()
+
+    batch = cpcompile.shard_batch(
+        {k: pack[k] for k in ("input_ids", "labels", "position_ids")}, cu, cp_size=world, rank=rank
+    )
+    t = batch.tensors
+    model.zero_grad()
+    loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
+    loss.backward()
+    assert_matches_summed_over_ranks(loss, want, model, reference, label, tolerance)

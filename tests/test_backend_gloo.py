@@ -18,10 +18,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import cpcompile
-from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
-from tests.dist import assert_matches_summed_over_ranks, run_ranks
+from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, synthetic_pack
+from tests.dist import PACK_SIZES, compare_training_step, compiled_graphs, run_ranks
 
-TOLERANCE = 1e-4
 SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
     cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),
@@ -29,17 +28,6 @@ SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.BALANCED),
     cpcompile.StrategySpec(cpcompile.Strategy.AUTO),
 ]
-PACK_SIZES = [48, 71, 30]  # tokens per step: the compiled graph must not specialize on them
-
-
-def compiled_graphs() -> int:
-    """Graphs Dynamo compiled and installed since the last ``counters.clear()``.
-
-    Not the number of backend calls: with ``dynamic=True`` Dynamo may restart one
-    compilation (e.g. to specialize a float module attribute such as nn.Embedding's
-    ``norm_type``), which calls the backend twice for one graph.
-    """
-    return counters["stats"]["unique_graphs"]
 
 
 def _check_training(rank: int, world: int, inners: list[str], specs: list) -> None:
@@ -59,24 +47,8 @@ def _check_training(rank: int, world: int, inners: list[str], specs: list) -> No
                     lengths = sample_lengths(num_tokens, g, lengths=[1, 3, 9, 17, 30])
                     pack = synthetic_pack(lengths, cfg.vocab, g)
                     label = f"rank {rank}/{world} {spec} inner={inner} step {step}"
-                    _compare_step(reference, model, compiled, pack, max(lengths), world, rank, label)
+                    compare_training_step(reference, model, compiled, pack, max(lengths), world, rank, label)
             assert compiled_graphs() == 1, f"{compiled_graphs()} compilations for {spec}, inner={inner}"
-
-
-def _compare_step(reference, model, compiled, pack, max_seqlen, world, rank, label):
-    cu = pack["cu_seqlens"]
-    reference.zero_grad()
-    want = summed_loss(reference(pack["input_ids"], pack["position_ids"], cu, max_seqlen), pack["labels"])
-    want.backward()
-
-    batch = cpcompile.shard_batch(
-        {k: pack[k] for k in ("input_ids", "labels", "position_ids")}, cu, cp_size=world, rank=rank
-    )
-    t = batch.tensors
-    model.zero_grad()
-    loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
-    loss.backward()
-    assert_matches_summed_over_ranks(loss, want, model, reference, label, TOLERANCE)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -19,34 +19,12 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import attention_case, strategy_specs
+from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
 
 SPECS = strategy_specs()
 #: (comm, Config.kv_exchange): the all-gather path with the exchange chosen per plan, forced, or off.
 PATHS = [("all_gather", "auto"), ("all_gather", "always"), ("all_gather", "never"), ("ring", "auto")]
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-KINDS = ("one_token_docs", "single_document", "one_token_per_rank", "zero_length_docs", "many_docs", "mixed")
-
-
-def random_pack(rng: random.Random, cp: int, kind: str) -> list[int]:
-    """Document lengths (zeros allowed) of one of the :data:`KINDS`."""
-    if kind == "one_token_docs":
-        return [1] * rng.randint(1, 3 * cp)
-    if kind == "single_document":
-        return [rng.randint(1, 6 * cp)]
-    if kind == "one_token_per_rank":  # at most cp real tokens: all but dual_chunk_swap pad to exactly cp
-        total = rng.randint(1, cp)
-        cut = rng.randint(0, total)
-        return [n for n in (cut, total - cut) if n] or [total]
-    if kind == "zero_length_docs":
-        lengths = [rng.randint(1, 2 * cp) for _ in range(rng.randint(1, 4))]
-        for _ in range(rng.randint(1, 3)):
-            lengths.insert(rng.randint(0, len(lengths)), 0)
-        return lengths
-    if kind == "many_docs":
-        return [rng.randint(1, 8) for _ in range(rng.randint(10, 30))]
-    return [rng.randint(1, 5 * cp) for _ in range(rng.randint(2, 6))]
 
 
 def cases(cp: int, seed: int):

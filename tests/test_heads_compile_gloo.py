@@ -17,8 +17,7 @@ import torch
 
 import cpcompile
 from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, synthetic_pack
-from tests.dist import run_ranks
-from tests.test_backend_gloo import PACK_SIZES, _compare_step, compiled_graphs
+from tests.dist import PACK_SIZES, compare_training_step, compiled_graphs, run_ranks
 
 
 def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, strategies: list[str]) -> None:
@@ -41,7 +40,7 @@ def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, st
                 lengths = sample_lengths(num_tokens, g, lengths=[1, 3, 9, 17, 30])
                 pack = synthetic_pack(lengths, cfg.vocab, g)
                 label = f"rank {rank}/{world} {spec} kv_heads={kv_heads} inner={inner} step {step}"
-                _compare_step(reference, model, compiled, pack, max(lengths), world, rank, label)
+                compare_training_step(reference, model, compiled, pack, max(lengths), world, rank, label)
         assert compiled_graphs() == 1, f"{compiled_graphs()} compilations for {spec}, inner={inner}"
 
 

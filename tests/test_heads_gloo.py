@@ -16,9 +16,8 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import attention_case, strategy_specs
+from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
-from tests.test_cp_attention_properties_gloo import KINDS, TOLERANCE, random_pack
 
 #: query and K/V heads per u: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
 HEADS = {2: [(2, 2), (4, 2), (4, 1)], 3: [(3, 3), (6, 2)], 4: [(4, 4), (8, 4), (8, 2), (4, 1)]}

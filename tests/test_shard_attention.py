@@ -9,57 +9,17 @@ from __future__ import annotations
 
 import warnings
 
-import expecttest
 import torch
-import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.nn.attention.varlen import varlen_attn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cpcompile
 from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
 from cpcompile.testing import VARLEN_GQA, GPTConfig, PackedGPT, synthetic_pack
 from tests.fixtures import readable
-
-
-def packed_model(q, k, v, cu_seqlens, max_seqlen):
-    return cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen)
-
-
-def varlen_model(q, k, v, cu_seqlens, max_seqlen):
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA)
-
-
-def two_layers(q, k, v, cu_seqlens, max_seqlen):
-    """Two attention calls on one ``cu_seqlens``: they must share one plan."""
-    o = packed_model(q, k, v, cu_seqlens, max_seqlen)
-    return varlen_attn(o, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **VARLEN_GQA)
-
-
-def _inputs(strategy=None):
-    """One rank's q, k, v for two documents (5 and 15 tokens) over cp=2, laid out for ``strategy``."""
-    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
-    tokens = int(cpcompile.pad_for_cp(cu, cp_size=2, strategy=strategy)[-1]) // 2
-    q = torch.randn(tokens, 4, 8, requires_grad=True)
-    k, v = (torch.randn(tokens, 2, 8, requires_grad=True) for _ in range(2))
-    return q, k, v, cu, 15
-
-
-def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    """The Dynamo graph of ``fn`` (dynamic shapes, one graph), not run: the inputs are one
-    rank's, which single-device attention cannot take (and varlen_attn has no CPU kernel)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        # every model here returns attention output, shaped like q (the first 3-D input)
-        return lambda *a: (torch.zeros_like(next(t for t in a if isinstance(t, torch.Tensor) and t.dim() == 3)),)
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, dynamic=True, fullgraph=True)(*args)
-    return graphs[0]
+from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, packed_model, two_layers, varlen_model
 
 
 def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
@@ -76,32 +36,19 @@ def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
     inner = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=cpcompile.backend(inner=inner, **backend_kwargs), dynamic=True, fullgraph=True)
-    compiled(*_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
+    compiled(*fake_rank_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
     return graphs
-
-
-class FakeGroupTestCase(expecttest.TestCase):
-    """Rank 1 of a fake two-rank default group (``self.group``) for the class's tests."""
-
-    @classmethod
-    def setUpClass(cls):
-        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-        cls.group = dist.group.WORLD.group_name
-
-    @classmethod
-    def tearDownClass(cls):
-        dist.destroy_process_group()
 
 
 class ShardAttentionGraphs(FakeGroupTestCase):
     def shard(self, fn, spec=None):
         spec = spec or cpcompile.StrategySpec()
-        gm = dynamo_graph(fn, *_inputs())
+        gm = dynamo_graph(fn, *fake_rank_inputs())
         count = shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
         return gm, count
 
     def test_packed_attention_before_and_after(self):
-        gm = dynamo_graph(packed_model, *_inputs())
+        gm = dynamo_graph(packed_model, *fake_rank_inputs())
         self.assertExpectedInline(
             readable(gm),
             """\
@@ -151,7 +98,7 @@ class GraphModule(torch.nn.Module):
         )
 
     def test_varlen_attn_before_and_after(self):
-        gm = dynamo_graph(varlen_model, *_inputs())
+        gm = dynamo_graph(varlen_model, *fake_rank_inputs())
         self.assertExpectedInline(
             readable(gm),
             """\
@@ -271,7 +218,7 @@ class GraphModule(torch.nn.Module):
 
         spec = cpcompile.StrategySpec()
         for fn, reason in ((window, r"sliding window \(4, 0\)"), (cross, "cu_seq_q and cu_seq_k differ")):
-            gm = dynamo_graph(fn, *_inputs())
+            gm = dynamo_graph(fn, *fake_rank_inputs())
             with self.assertRaisesRegex(
                 UnsupportedAttentionError, f"_varlen_attn.*{reason}.*unsupported='single_device'"
             ):
@@ -295,7 +242,7 @@ class GraphModule(torch.nn.Module):
         torch._dynamo.reset()
         compiled = torch.compile(window, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
         with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(4, 0\)"):
-            compiled(*_inputs())
+            compiled(*fake_rank_inputs())
 
     def test_varlen_attn_out_is_refused(self):
         """torch 2.13's varlen_attn_out has no CP form yet: refused, not left single-device."""
@@ -307,7 +254,7 @@ class GraphModule(torch.nn.Module):
         def into_buffer(q, k, v, cu, m):
             return varlen.varlen_attn_out(torch.empty_like(q), q, k, v, cu, cu, m, m, **VARLEN_GQA)
 
-        gm = dynamo_graph(into_buffer, *_inputs())
+        gm = dynamo_graph(into_buffer, *fake_rank_inputs())
         spec = cpcompile.StrategySpec()
         with self.assertRaisesRegex(UnsupportedAttentionError, "varlen_attn_out writes into a given output buffer"):
             shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
@@ -326,7 +273,7 @@ class GraphModule(torch.nn.Module):
         compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture, config=config), dynamic=True)
         for name in ("dual_chunk_swap", "striped", "dual_chunk_swap", "no_load_balance"):
             with cpcompile.strategy(name):
-                compiled(*_inputs(name))
+                compiled(*fake_rank_inputs(name))
         self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])
 
     def test_ring_rewrite_shares_plan_and_key_ranges(self):
@@ -430,7 +377,7 @@ class GraphModule(torch.nn.Module):
         compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture), dynamic=True)
         for comm in ("all_gather", "ring", "all_gather", "ring"):
             with cpcompile.strategy("striped", comm=comm):
-                compiled(*_inputs("striped"))
+                compiled(*fake_rank_inputs("striped"))
         self.assertEqual(seen, ["cpcompile::cp_attention", "cpcompile::cp_ring_attention"])
 
 

@@ -14,14 +14,14 @@ import torch
 import cpcompile
 from cpcompile.passes.shard_attention import shard_attention_pass
 from tests.fixtures import readable
-from tests.test_shard_attention import FakeGroupTestCase, _inputs, dynamo_graph, two_layers
+from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, two_layers
 
 SPEC = cpcompile.StrategySpec("no_load_balance", head_parallel=2)
 
 
 class HeadParallelGraphs(FakeGroupTestCase):
     def test_two_layers_share_one_head_plan(self):
-        gm = dynamo_graph(two_layers, *_inputs(SPEC))
+        gm = dynamo_graph(two_layers, *fake_rank_inputs(SPEC))
         assert shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=SPEC) == 2
         self.assertExpectedInline(
             readable(gm),
@@ -55,18 +55,18 @@ class GraphModule(torch.nn.Module):
         )
 
     def test_heads_that_do_not_split_fail_the_compile(self):
-        q, k, v, cu, max_seqlen = _inputs(SPEC)
+        q, k, v, cu, max_seqlen = fake_rank_inputs(SPEC)
         gm = dynamo_graph(two_layers, q[:, :3], k[:, :1], v[:, :1], cu, max_seqlen)
         with pytest.raises(ValueError, match="head_parallel=2 must divide the number of query heads 3"):
             shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=SPEC)
 
     def test_head_parallel_that_does_not_divide_cp_is_refused(self):
-        gm = dynamo_graph(two_layers, *_inputs(SPEC))
+        gm = dynamo_graph(two_layers, *fake_rank_inputs(SPEC))
         with pytest.raises(ValueError, match="head_parallel=2 must divide the CP size 3"):
             shard_attention_pass(gm, group_name=self.group, cp_size=3, rank=1, spec=SPEC)
 
     def test_hybrid_over_the_ring_is_refused(self):
-        gm = dynamo_graph(two_layers, *_inputs(SPEC))
+        gm = dynamo_graph(two_layers, *fake_rank_inputs(SPEC))
         ring = cpcompile.StrategySpec("no_load_balance", comm="ring", head_parallel=2)
         with pytest.raises(ValueError, match="head_parallel=2 < CP size 4 runs comm='all_gather' only"):
             shard_attention_pass(gm, group_name=self.group, cp_size=4, rank=1, spec=ring)
@@ -75,5 +75,9 @@ class GraphModule(torch.nn.Module):
         """Through ``cpcompile.backend`` (AOT forward and backward ops traced; values are garbage)."""
         torch._dynamo.reset()
         compiled = torch.compile(two_layers, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        q, k, v, cu, max_seqlen = fake_rank_inputs(SPEC)
         with cpcompile.strategy(SPEC):
-            compiled(*_inputs(SPEC)).sum().backward()
+            out = compiled(q, k, v, cu, max_seqlen)
+            out.sum().backward()
+        assert out.shape == q.shape
+        assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]

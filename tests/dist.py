@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 import cpcompile
-from cpcompile.testing import summed_loss
+from cpcompile.testing import sample_lengths, summed_loss, synthetic_pack
 
 
 def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, args, errors) -> None:
@@ -106,3 +106,14 @@ def compare_training_step(reference, model, compiled, pack, max_seqlen, world, r
     loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
     loss.backward()
     assert_matches_summed_over_ranks(loss, want, model, reference, label, tolerance)
+
+
+def check_training_over_packs(reference, model, compiled, vocab: int, world: int, rank: int, label: str) -> None:
+    """``compiled`` (under the caller's ``cpcompile.strategy``) trains like ``reference`` on every pack of
+    :data:`PACK_SIZES` tokens, with one compilation for them all (after ``counters.clear()``)."""
+    for step, num_tokens in enumerate(PACK_SIZES):
+        g = torch.Generator().manual_seed(step)
+        lengths = sample_lengths(num_tokens, g, lengths=[1, 3, 9, 17, 30])
+        pack = synthetic_pack(lengths, vocab, g)
+        compare_training_step(reference, model, compiled, pack, max(lengths), world, rank, f"{label} step {step}")
+    assert compiled_graphs() == 1, f"{compiled_graphs()} compilations, {label}"

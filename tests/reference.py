@@ -243,3 +243,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().item()
     diff = (actual.double() - expected.double()).abs().max().item()
     return diff / scale if scale else diff
+
+
+def assert_attention_matches(got, want, tolerance: float, label: str, dtype=None) -> None:
+    """``got`` and ``want``: ``[out, dq, dk, dv]``; each within ``tolerance`` (relative), and in ``dtype`` if given."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert dtype is None or a.dtype == dtype, f"{name} dtype {a.dtype}, {label}"
+        assert relative_error(a, b) < tolerance, f"{name}, {label}"

@@ -18,8 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import cpcompile
-from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, synthetic_pack
-from tests.dist import PACK_SIZES, compare_training_step, compiled_graphs, run_ranks
+from cpcompile.testing import GPTConfig, PackedGPT
+from tests.dist import check_training_over_packs, run_ranks
 
 SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
@@ -42,13 +42,8 @@ def _check_training(rank: int, world: int, inners: list[str], specs: list) -> No
             counters.clear()
             compiled = torch.compile(model, backend=cpcompile.backend(inner=inner), dynamic=True, fullgraph=True)
             with cpcompile.strategy(spec):
-                for step, num_tokens in enumerate(PACK_SIZES):
-                    g = torch.Generator().manual_seed(step)
-                    lengths = sample_lengths(num_tokens, g, lengths=[1, 3, 9, 17, 30])
-                    pack = synthetic_pack(lengths, cfg.vocab, g)
-                    label = f"rank {rank}/{world} {spec} inner={inner} step {step}"
-                    compare_training_step(reference, model, compiled, pack, max(lengths), world, rank, label)
-            assert compiled_graphs() == 1, f"{compiled_graphs()} compilations for {spec}, inner={inner}"
+                label = f"rank {rank}/{world} {spec} inner={inner}"
+                check_training_over_packs(reference, model, compiled, cfg.vocab, world, rank, label)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -20,7 +20,7 @@ import torch
 import cpcompile
 from tests.dist import run_ranks
 from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strategy_specs
-from tests.reference import attention_fp64_on_rank, relative_error
+from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 SPECS = strategy_specs()
 #: (comm, Config.kv_exchange): the all-gather path with the exchange chosen per plan, forced, or off.
@@ -62,9 +62,7 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
         label = f"rank {rank}/{world} {spec} {comm}/{exchange} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            assert a.dtype == dtype, f"{name} dtype {a.dtype}, {label}"
-            assert relative_error(a, b) < TOLERANCE[dtype], f"{name}, {label}"
+        assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

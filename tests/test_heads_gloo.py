@@ -17,7 +17,7 @@ import torch
 import cpcompile
 from tests.dist import run_ranks
 from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strategy_specs
-from tests.reference import attention_fp64_on_rank, relative_error
+from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 #: query and K/V heads per u: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
 HEADS = {2: [(2, 2), (4, 2), (4, 1)], 3: [(3, 3), (6, 2)], 4: [(4, 4), (8, 4), (8, 2), (4, 1)]}
@@ -52,9 +52,7 @@ def _check_rank(rank: int, world: int, seed: int, u: int) -> None:
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
         label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            assert a.dtype == dtype, f"{name} dtype {a.dtype}, {label}"
-            assert relative_error(a, b) < TOLERANCE[dtype], f"{name}, {label}"
+        assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 
 
 @pytest.mark.parametrize("world, u", [(2, 2), (3, 3), (4, 4), (4, 2)])

@@ -16,7 +16,7 @@ import torch
 
 import cpcompile
 from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
-from tests import test_shard_attention as base
+from tests import graphs as base
 from tests.fixtures import readable
 
 # fmt: off
@@ -142,18 +142,20 @@ class FlashAttnGraphs(base.FakeGroupTestCase):
             return gm.forward
 
         torch._dynamo.reset()
-        torch.compile(fn, backend=cpcompile.backend(inner=capture), dynamic=True, fullgraph=True)(*base._inputs())
+        torch.compile(fn, backend=cpcompile.backend(inner=capture), dynamic=True, fullgraph=True)(
+            *base.fake_rank_inputs()
+        )
         (graph,) = graphs
         return "\n".join(line.strip() for line in graph.splitlines() if any(w in line for w in kept)) + "\n"
 
     def shard(self, fn, **kwargs) -> int:
-        gm = base.dynamo_graph(fn, *base._inputs())
+        gm = base.dynamo_graph(fn, *base.fake_rank_inputs())
         return shard_attention_pass(
             gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec(), **kwargs
         )
 
     def test_flash_attn_2_varlen_becomes_cp_attention(self):
-        gm = base.dynamo_graph(fa2_model, *base._inputs())
+        gm = base.dynamo_graph(fa2_model, *base.fake_rank_inputs())
         self.assertExpectedInline(
             [n.format_node() for n in gm.graph.nodes if n.op == "call_function"][0],
             """%_flash_attn_varlen_forward : [num_users=1] = call_function[target=torch.ops.flash_attn._flash_attn_varlen_forward](args = (%l_q_, %l_k_, %l_v_, %l_cu_, %l_cu_, %l_m_, %l_m_, %item, %item_1), kwargs = {causal: True})""",
@@ -187,11 +189,11 @@ return (mul,)
         def batched(q, k, v, cu, m):
             return torch.ops.flash_attn_3._flash_attn_forward(q[None], k[None], v[None], causal=True)[0][0]
 
-        gm = base.dynamo_graph(batched, *base._inputs())
+        gm = base.dynamo_graph(batched, *base.fake_rank_inputs())
         self.assertEqual(find_packed_attention(gm), ([], []))
 
     def test_unsupported_variants_raise(self):
-        cu = base._inputs()[3]
+        cu = base.fake_rank_inputs()[3]
         variants = {
             FA2: (
                 (dict(causal=True, dropout_p=0.1), "dropout_p=0.1"),
@@ -229,7 +231,7 @@ return (mul,)
         torch._dynamo.reset()
         compiled = torch.compile(window, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
         with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(8, 0\)"):
-            compiled(*base._inputs())
+            compiled(*base.fake_rank_inputs())
 
     def test_dropout_is_guarded_not_read_once(self):
         """Dynamo lifts a float argument (``dropout_p``) under ``dynamic=True``: the pass's check
@@ -240,9 +242,9 @@ return (mul,)
 
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        compiled(*base._inputs(), 0.0)
+        compiled(*base.fake_rank_inputs(), 0.0)
         with self.assertRaisesRegex(Exception, "dropout_p=0.1 is not supported"):
-            compiled(*base._inputs(), 0.1)
+            compiled(*base.fake_rank_inputs(), 0.1)
 
     def test_call_inside_an_autograd_function_is_refused(self):
         """flash-attn's ``flash_attn_varlen_func`` is an autograd.Function around the op: CP cannot
@@ -276,12 +278,12 @@ return (mul,)
                 torch._dynamo.reset()
                 compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
                 with self.assertRaisesRegex(Exception, "_flash_attn_varlen_forward.*inside a torch.autograd"):
-                    compiled(*base._inputs())
+                    compiled(*base.fake_rank_inputs())
 
     def test_unread_outputs_do_not_block_the_rewrite(self):
         """An unpacked output nobody reads (``out, lse, s_dmask, rng_state = ...``; Dynamo drops such
         nodes from the root graph, not always from subgraph bodies) does not make the call unsupported."""
-        gm = base.dynamo_graph(fa2_model, *base._inputs())
+        gm = base.dynamo_graph(fa2_model, *base.fake_rank_inputs())
         (call,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flash_attn._flash_attn_varlen_forward)
         with gm.graph.inserting_after(call):
             for index in (2, 3):

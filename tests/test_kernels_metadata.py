@@ -41,6 +41,8 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     live = [p for p, n in enumerate(rows) if n]
     assert s.live.tolist() == live
     assert (s.max_q, s.max_k) == (max((q_len[p] for p in live), default=0), max(rows))
+    live_q = [q_len[p] for p in live]
+    assert s.piece_rows == sum(n * n for n in live_q) // max(sum(live_q), 1)  # the rows' mean piece
     assert s.cu.tolist() == [0, *torch.tensor(rows).cumsum(0).tolist()] and s.cu.dtype == torch.int32
     partial = torch.randn(s.rows + 1, 2, 3, dtype=torch.float64).to(torch.bfloat16)
     partial[s.rows] = float("nan")  # the spare row holds no gradient: it must not count

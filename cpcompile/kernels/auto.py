@@ -2,22 +2,23 @@
 
 Where FlashAttention-4 runs the call (``fa4.supports``), the forward is FA4's, the
 fastest on whole documents and on ranks' pieces, and so is the backward of whole
-documents and of pieces whose key copies (``varlen``) number at most ``FA4_KEY_ROWS``
-per key row (balanced, no_load_balance); on many short pieces that read most keys
-(dual_chunk_swap, small stripes) cuDNN's backward is faster (docs/attention-kernels.md,
-"FlashAttention-4"), and where cuDNN's does not fit (below) FA4's serves rather than
-flash's. Otherwise: cuDNN's forward is the faster one, on one device and on ranks'
-pieces, so the forward is cuDNN's. cuDNN's backward is the faster one too, given exact
-launch bounds, only the pieces that see keys as entries (``metadata.scratch``) and long
-triangular pieces cut into row chunks (``metadata.chunks``): on ranks' pieces, on whole
-causal documents on one device, and in place on documents that are not causal
-(``disjoint_keys``). Its price is memory: it holds float32 dK/dV for every query head of
-its scratch rows (``sum(k_len)`` over its pieces, row chunks included), which does not
-fit for small stripes, so past ``MAX_KEY_ROWS`` scratch rows per key row flash's
-backward serves instead. A pack that is one causal document of more than ``3 x
-metadata.chunks.ROWS`` tokens takes 2.5 rows per key in its 4 chunks, so it gets flash's
-backward too. The two forwards' ``lse`` agree, so either backward takes cuDNN's forward.
-The measurements behind each choice: docs/attention-kernels.md.
+documents and of pieces that are long (``FA4_PIECE_ROWS`` query rows, averaged over the
+rows: balanced, no_load_balance, dual_chunk_swap at cp=2), over each piece's key copies
+(``varlen``); on many short pieces (dual_chunk_swap at cp=8, small stripes) cuDNN's
+backward is faster (docs/attention-kernels.md, "FlashAttention-4"), and where cuDNN's
+does not fit (below) FA4's serves rather than flash's. Otherwise: cuDNN's forward is the
+faster one, on one device and on ranks' pieces, so the forward is cuDNN's. cuDNN's
+backward is the faster one too, given exact launch bounds, only the pieces that see keys
+as entries (``metadata.scratch``) and long triangular pieces cut into row chunks
+(``metadata.chunks``): on ranks' pieces, on whole causal documents on one device, and in
+place on documents that are not causal (``disjoint_keys``). Its price is memory: it
+holds float32 dK/dV for every query head of its scratch rows (``sum(k_len)`` over its
+pieces, row chunks included), which does not fit for small stripes, so past
+``MAX_KEY_ROWS`` scratch rows per key row flash's backward serves instead. A pack that
+is one causal document of more than ``3 x metadata.chunks.ROWS`` tokens takes 2.5 rows
+per key in its 4 chunks, so it gets flash's backward too. The two forwards' ``lse``
+agree, so either backward takes cuDNN's forward. The measurements behind each choice:
+docs/attention-kernels.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .contract import Pieces, check_options
 from .metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
-FA4_KEY_ROWS = 0.5  # key copies per key row up to which FA4's backward is the faster one
+FA4_PIECE_ROWS = 1024  # query rows per piece (row-weighted mean) from which FA4's backward is the faster one
 
 
 def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
@@ -36,9 +37,10 @@ def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
     return kernel.forward(q, k, v, pieces, causal=causal, scale=scale)
 
 
-def use_fa4_backward(copies: int, num_keys: int) -> bool:
-    """Whether FA4's backward, whose pieces read ``copies`` key rows of copies, is the faster one."""
-    return copies <= FA4_KEY_ROWS * num_keys
+def use_fa4_backward(piece_rows: int) -> bool:
+    """Whether FA4's backward is the faster one on pieces of ``piece_rows`` query rows
+    (``metadata.scratch.Scratch.piece_rows``): it loses to cuDNN's only on short pieces."""
+    return piece_rows >= FA4_PIECE_ROWS
 
 
 def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
@@ -63,7 +65,7 @@ def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: fl
     args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "grads": grads}
     num_keys = options.get("pack_keys") or k.shape[0]
     has_fa4 = fa4.supports(q)
-    if has_fa4 and (pieces.disjoint_keys or use_fa4_backward(scratch_rows(*pieces.tensors, k.shape[0]).rows, num_keys)):
+    if has_fa4 and (pieces.disjoint_keys or use_fa4_backward(scratch_rows(*pieces.tensors, k.shape[0]).piece_rows)):
         return fa4.backward(*args, **kw)
     if pieces.disjoint_keys and not causal:
         return cudnn.backward(*args, **kw)

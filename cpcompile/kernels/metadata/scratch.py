@@ -47,6 +47,8 @@ class Scratch(NamedTuple):
     - ``live``: ``[n]`` int64, in order, the pieces with query rows and keys.
     - ``read``: ``[Tk]`` bool, the keys some piece reads; ``num_read`` of them.
     - ``max_q``, ``max_k``: the live pieces' longest query rows and key range.
+    - ``piece_rows``: the query rows of the live piece a query row lies in, averaged over the
+      rows (``sum(q_len^2) / sum(q_len)``): how long the pieces holding the work are.
     """
 
     cu: torch.Tensor
@@ -57,6 +59,7 @@ class Scratch(NamedTuple):
     num_read: int
     max_q: int
     max_k: int
+    piece_rows: int
 
     @property
     def rows(self) -> int:
@@ -91,15 +94,17 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).to(torch.int32)  # [P + 1]
     layer = layers(k_start, k_len)
     is_live = k_len > 0
-    sizes = [is_live.sum(), (q_len * is_live).max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
-    num_live, max_q, max_k, rows, num_layers, num_read = torch.stack(sizes).tolist()  # the host sync
+    live_q = q_len * is_live
+    sizes = [is_live.sum(), live_q.max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
+    sizes += [(live_q * live_q).sum() // live_q.sum().clamp(min=1)]
+    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows = torch.stack(sizes).tolist()  # the host sync
     live = torch.sort((~is_live).to(torch.uint8), stable=True).indices[:num_live]
     piece = torch.repeat_interleave(torch.arange(k_len.shape[0], device=device), k_len, output_size=rows)
     row = torch.arange(rows, device=device)
     src = k_start.long()[piece] + row - cu[:-1].long()[piece]
     index = torch.full((num_layers, num_keys), rows, dtype=torch.int64, device=device)
     index[layer[piece], src] = row  # one writer per (layer, key)
-    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index, live, read, num_read, max_q, max_k)
+    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index, live, read, num_read, max_q, max_k, piece_rows)
 
 
 def add_back(

@@ -18,7 +18,7 @@ A step is forward, backward, the gradient all-reduce over the CP group (or FSDP2
 reduce-scatter with ``--fsdp``) and an AdamW step (``--optimizer none``: without it). The loss
 is computed from the hidden states chunk by chunk (``cpcompile.testing.losses``: at 128K
 tokens the model's own ``[T, vocab]`` float32 logits take more memory than several layers),
-except with ``--fsdp`` or ``--loss hf``.
+except with ``--loss hf``.
 Definitions of the reported numbers:
 
 - step: median of ``--steps`` steps run back to back over the packs after ``--warmup``,
@@ -67,7 +67,7 @@ from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
 from cpcompile.comm import collectives  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
 from cpcompile.flops import training_flops  # noqa: E402
-from cpcompile.testing import hf_llama, synthetic_pack  # noqa: E402
+from cpcompile.testing import hf_llama, losses, synthetic_pack  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -99,10 +99,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
     p.add_argument("--memory-budget", type=float, help="inductor's activation_memory_budget (recompute below 1)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per decoder layer and the root (cp > 1)")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 fully_shard per decoder layer, the output projection and the decoder stack (cp > 1)",
+    )
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
     p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, "
-                   "without whole-pack logits (cpcompile.testing.losses; the default, except with --fsdp); "
+                   "without whole-pack logits (cpcompile.testing.losses; the default); "
                    "hf: the model's own (logits, then transformers' loss)")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU through aot_eager, to check "
                    "this script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))  # fmt: skip
@@ -118,9 +122,7 @@ def parse_args() -> argparse.Namespace:
     args.cp = args.cp or ([world] if args.real else [2] if args.cpu_smoke else [1, 2, 8])
     if min(args.cp) < 1 or (args.real and set(args.cp) - {1, world}) or min(args.ranks or [0]) < 0:
         p.error(f"--cp: sizes >= 1{f', under torchrun 1 or the world size {world}' if args.real else ''}; --ranks >= 0")
-    args.loss = args.loss or ("hf" if args.fsdp else "fused")
-    if args.loss == "fused" and args.fsdp:
-        p.error("--loss fused with --fsdp: the output projection's weight is gathered only inside the model's forward")
+    args.loss = args.loss or "fused"
     stripe = args.stripe_size if args.strategy == "striped" else 1
     args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe)
     try:
@@ -263,6 +265,8 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     torch._dynamo.reset()
     model = build_model(args, device, torch.float32 if args.cpu_smoke else torch.bfloat16)
     params = hf_llama.matmul_params(model)
+    if args.loss == "fused":
+        losses.fuse_loss(model.lm_head)  # before fully_shard: the loss runs in its forward
     if args.fsdp and cp > 1:
         hf_llama.fully_shard_llama(model)
     backend = make_backend(args, cp)
@@ -328,32 +332,48 @@ def run_config(args, cp: int, ranks: list[int], packs, device) -> list[dict]:
 
 @contextlib.contextmanager
 def filled_collectives():
-    """cpcompile's all-gathers and reduce-scatters, on the fake group, fill their outputs with this
-    rank's own rows: the fake group leaves them as allocated (uninitialised memory, often zeros).
+    """All-gathers and reduce-scatters on the fake group (cpcompile's, and FSDP2's through
+    ``torch.distributed``) fill their outputs with this rank's own rows: the fake group leaves
+    them as allocated (uninitialised memory, often zeros).
 
     A GPU's power draw depends on the values its matmuls multiply, and under the H200's power cap
     so does its clock: with the gathered keys left as memory happened to hold, the ranks' matmuls
     ran at different clocks for the same shapes (docs/end-to-end.md, "Fake data, real power").
-    With every value a real one, a rank's step draws the power it would on real ranks. The fill is
-    one copy per collective, of the size the real collective writes.
+    With every value a real one (FSDP2's gathered weights: copies of this rank's shard), a rank's
+    step draws the power it would on real ranks. The fill is one copy per collective, of the size
+    the real collective writes.
     """
-    gather, scatter = collectives._all_gather, collectives._reduce_scatter
 
-    def all_gather(out, x, group=None, async_op=False):
-        work = gather(out, x, group=group, async_op=async_op)
-        out.view(-1, *x.shape).copy_(x.unsqueeze(0).expand(out.shape[0] // max(x.shape[0], 1), *x.shape))
-        return work
+    def filling_gather(gather):
+        def all_gather(out, x, *args, **kwargs):
+            work = gather(out, x, *args, **kwargs)
+            out.view(-1, *x.shape).copy_(x.unsqueeze(0).expand(out.numel() // max(x.numel(), 1), *x.shape))
+            return work
 
-    def reduce_scatter(out, x, group=None, async_op=False):
-        work = scatter(out, x, group=group, async_op=async_op)
-        out.copy_(x[: out.shape[0]])  # one rank's partial sums: values of the sum's kind
-        return work
+        return all_gather
 
-    collectives._all_gather, collectives._reduce_scatter = all_gather, reduce_scatter
+    def filling_scatter(scatter):
+        def reduce_scatter(out, x, *args, **kwargs):
+            work = scatter(out, x, *args, **kwargs)
+            out.copy_(x.flatten()[: out.numel()].view(out.shape))  # one rank's partial sums: values of the sum's kind
+            return work
+
+        return reduce_scatter
+
+    saved = [
+        (collectives, "_all_gather", filling_gather),
+        (collectives, "_reduce_scatter", filling_scatter),
+        (dist, "all_gather_into_tensor", filling_gather),
+        (dist, "reduce_scatter_tensor", filling_scatter),
+    ]
+    saved = [(module, name, getattr(module, name), fill) for module, name, fill in saved]
+    for module, name, original, fill in saved:
+        setattr(module, name, fill(original))
     try:
         yield
     finally:
-        collectives._all_gather, collectives._reduce_scatter = gather, scatter
+        for module, name, original, _ in saved:
+            setattr(module, name, original)
 
 
 def attempt(args, cp: int, rank: int, packs, device) -> dict:

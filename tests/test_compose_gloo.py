@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 import cpcompile
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
-from cpcompile.testing.hf_llama import fully_shard_llama
+from cpcompile.testing.hf_llama import causal_lm_loss, fully_shard_llama
+from cpcompile.testing.losses import fuse_loss
 from cpcompile.testing.packed_gpt import Attention
 from tests.dist import assert_matches_summed_over_ranks, run_ranks
 from tests.reference import attention_fp64, relative_error
@@ -178,7 +179,7 @@ def compile_cp(model, group=None):
 # --- FSDP2 ---------------------------------------------------------------------------------------
 
 
-def _fsdp_training(rank: int, world: int, checkpointing: bool) -> None:
+def _fsdp_training(rank: int, world: int, checkpointing: bool, fused_loss: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -191,18 +192,26 @@ def _fsdp_training(rank: int, world: int, checkpointing: bool) -> None:
     # Each rank's loss is its share of the pack's mean, so the pack's gradient is the SUM of the
     # ranks' gradients: the helper sets FSDP2's divide factor to the data-parallel size (1 here),
     # not the mesh size (its default mean would leave every gradient 1/cp of the pack's)
+    if fused_loss:  # the loss in the output projection's forward, where FSDP2 has gathered its weight
+        fuse_loss(model.lm_head)
     fully_shard_llama(model, mesh=mesh)
-    compiled, recorder = compile_cp(model, group=mesh.get_group())
+    compiled, recorder = compile_cp(model.model if fused_loss else model, group=mesh.get_group())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: steps scale with the gradient
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     named = list(zip(model.named_parameters(), reference.named_parameters()))
 
     for step, lengths in enumerate(PACKS):
-        label = f"FSDP2{' + checkpointing' if checkpointing else ''} rank {rank} step {step} docs {lengths}"
+        what = "FSDP2" + (" + checkpointing" if checkpointing else "") + (" + fused loss" if fused_loss else "")
+        label = f"{what} rank {rank} step {step} docs {lengths}"
         batch = flattened_batch(lengths, seed=step)
         want = llama_reference_loss(reference, batch)
         want.backward()
-        loss = llama_rank_loss(compiled, batch, rank, world)
+        if fused_loss:
+            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank)
+            with cpcompile.strategy(sharded.spec):
+                loss = causal_lm_loss(compiled, model, inputs)
+        else:
+            loss = llama_rank_loss(compiled, batch, rank, world)
         recorder.check_forward(step, checkpointed=checkpointing, label=label)
         loss.backward()
 
@@ -227,6 +236,10 @@ def test_fsdp2_cp_training_matches_one_process():
 
 def test_fsdp2_with_hf_checkpointing_matches_one_process():
     run_ranks(_fsdp_training, 2, True)
+
+
+def test_fsdp2_with_the_loss_in_the_output_projection_matches_one_process():
+    run_ranks(_fsdp_training, 2, False, True)
 
 
 # --- activation checkpointing --------------------------------------------------------------------

@@ -74,8 +74,11 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> None:
-    """FSDP2 (``fully_shard``) over each decoder layer, then the root, on ``mesh`` (default: every
-    rank), as torchtitan shards over the flattened dp x cp mesh.
+    """FSDP2 (``fully_shard``) over each decoder layer, then the output projection and the decoder
+    stack (``model.lm_head``, ``model.model``: no unit on the root), on ``mesh`` (default: every rank),
+    as torchtitan shards over the flattened dp x cp mesh. With the output projection a unit of its
+    own, :func:`causal_lm_loss` runs the loss in its forward (:func:`~cpcompile.testing.losses.fuse_loss`
+    first), where FSDP2 has gathered its weight; calls of the whole model run as before.
 
     Each CP rank's loss is its share of the pack's mean, so a pack's gradient is the sum of
     the ranks' gradients: FSDP2's reduce-scatter divides by ``dp_size`` alone (the data-parallel
@@ -86,9 +89,12 @@ def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> No
     except ImportError:  # before torch 2.6
         from torch.distributed._composable.fsdp import FSDPModule, fully_shard
 
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise ValueError("fully_shard_llama: tied input and output embeddings (tie_word_embeddings) are not supported")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model.model, mesh=mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(dp_size))
@@ -116,11 +122,13 @@ _LOSS_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 def causal_lm_loss(decoder, model: torch.nn.Module, inputs: dict, *, chunk: int = 8192) -> torch.Tensor:
     """This rank's share of the pack's mean next-token loss, as ``model(**inputs).loss`` gives it
     from ``shard_flattened_batch``'s inputs, without the ``[T, vocab]`` logits: ``decoder`` (what
-    :func:`compile_llama` returns with ``base=True``) gives the hidden states, and
-    :func:`~cpcompile.testing.losses.linear_cross_entropy` takes them through ``model.lm_head``.
-    Not with FSDP2 on ``model``'s root: its ``lm_head`` weight is only gathered inside ``model``'s forward."""
-    from .losses import linear_cross_entropy
+    :func:`compile_llama` returns with ``base=True``) gives the hidden states, and ``model.lm_head``
+    (a :class:`~cpcompile.testing.losses.LinearCrossEntropy`; a plain ``nn.Linear`` is made one)
+    takes them to the summed loss in its forward, so FSDP2 (:func:`fully_shard_llama`) works too."""
+    from .losses import LinearCrossEntropy, fuse_loss
 
+    head = model.lm_head
+    if not isinstance(head, LinearCrossEntropy):
+        fuse_loss(head)
     hidden = decoder(**{k: v for k, v in inputs.items() if k not in _LOSS_INPUTS}).last_hidden_state[0]
-    total = linear_cross_entropy(hidden, model.lm_head.weight, inputs["shift_labels"][0], chunk=chunk)
-    return total / inputs["num_items_in_batch"]
+    return head(hidden, inputs["shift_labels"][0], chunk=chunk) / inputs["num_items_in_batch"]

@@ -68,3 +68,30 @@ def linear_cross_entropy(
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [T] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+class LinearCrossEntropy(torch.nn.Linear):
+    """``nn.Linear`` (no bias) whose forward, given ``targets``, returns :func:`linear_cross_entropy`
+    of its input rather than logits: ``x [T, H]``, ``targets [T]`` -> the summed loss, a 0-d tensor.
+
+    The loss then runs inside the module's forward, where FSDP2 (``fully_shard`` of this module)
+    has gathered the weight and from where its gradient is reduce-scattered; the function on
+    ``lm_head.weight`` outside a forward would read a shard. Without ``targets`` it is the
+    plain linear layer. Make one of a model's output projection with :func:`fuse_loss`.
+    """
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, chunk: int = 8192) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets, chunk=chunk)
+
+
+def fuse_loss(linear: torch.nn.Linear) -> LinearCrossEntropy:
+    """``linear`` made a :class:`LinearCrossEntropy` in place: the same parameters, state-dict keys
+    and outputs without targets. Before ``fully_shard``, which subclasses the module's class."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None:
+        raise ValueError(
+            f"fuse_loss takes a plain torch.nn.Linear without bias (before fully_shard), got {type(linear).__name__}"
+        )
+    linear.__class__ = LinearCrossEntropy
+    return linear

@@ -345,16 +345,18 @@ def filled_collectives():
     """
 
     def filling_gather(gather):
-        def all_gather(out, x, *args, **kwargs):
-            work = gather(out, x, *args, **kwargs)
+        def all_gather(*args, **kwargs):  # FSDP2 passes output_tensor=, input_tensor=
+            work = gather(*args, **kwargs)
+            out, x = _arguments(args, kwargs, "output_tensor", "input_tensor")
             out.view(-1, *x.shape).copy_(x.unsqueeze(0).expand(out.numel() // max(x.numel(), 1), *x.shape))
             return work
 
         return all_gather
 
     def filling_scatter(scatter):
-        def reduce_scatter(out, x, *args, **kwargs):
-            work = scatter(out, x, *args, **kwargs)
+        def reduce_scatter(*args, **kwargs):  # FSDP2 passes output=, input=
+            work = scatter(*args, **kwargs)
+            out, x = _arguments(args, kwargs, "output", "input")
             out.copy_(x.flatten()[: out.numel()].view(out.shape))  # one rank's partial sums: values of the sum's kind
             return work
 
@@ -363,8 +365,8 @@ def filled_collectives():
     saved = [
         (collectives, "_all_gather", filling_gather),
         (collectives, "_reduce_scatter", filling_scatter),
-        (dist, "all_gather_into_tensor", filling_gather),
-        (dist, "reduce_scatter_tensor", filling_scatter),
+        (dist, _NEWER["all_gather_into_tensor"], filling_gather),  # the names FSDP2 calls
+        (dist, _NEWER["reduce_scatter_tensor"], filling_scatter),
     ]
     saved = [(module, name, getattr(module, name), fill) for module, name, fill in saved]
     for module, name, original, fill in saved:
@@ -374,6 +376,21 @@ def filled_collectives():
     finally:
         for module, name, original, _ in saved:
             setattr(module, name, original)
+
+
+#: torch.distributed's collectives under the names of the running torch (2.13 renamed them).
+_NEWER = {
+    name: new if hasattr(dist, new) else name
+    for name, new in (
+        ("all_gather_into_tensor", "all_gather_single"),
+        ("reduce_scatter_tensor", "reduce_scatter_single"),
+    )
+}
+
+
+def _arguments(args: tuple, kwargs: dict, *names: str) -> list:
+    """A collective's leading arguments ``names``, given by position or by name."""
+    return [args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names)]
 
 
 def attempt(args, cp: int, rank: int, packs, device) -> dict:

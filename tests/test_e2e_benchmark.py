@@ -73,7 +73,15 @@ def test_fake_group_collectives_carry_real_values():
             gathered, work = collectives.all_gather_rows(x, dist.group.WORLD, async_op=True)
             work.wait()
             scattered = collectives.reduce_scatter_rows(gathered, dist.group.WORLD)
+            # FSDP2's, through torch.distributed, by keyword
+            flat, out = x.flatten(), torch.zeros(48)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # looked up in the fill
+            gather(output_tensor=out, input_tensor=flat, group=dist.group.WORLD)
+            shard = torch.zeros(12)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(output=shard, input=out, group=dist.group.WORLD)
         assert torch.equal(gathered, x.repeat(4, 1)) and torch.equal(scattered, x)
+        assert torch.equal(out, flat.repeat(4)) and torch.equal(shard, flat)
         assert collectives._all_gather in (dist.all_gather_into_tensor, getattr(dist, "all_gather_single", None))
     finally:
         dist.destroy_process_group()

@@ -43,6 +43,7 @@ from cpcompile.testing.hf_llama import (
     matmul_params,
     random_llama,
 )
+from cpcompile.testing.losses import fuse_loss
 
 #: Model shapes: ``tiny`` runs in seconds on CPU; ``llama-8b-layers`` is Llama-3-8B's layer shape.
 PRESETS = {
@@ -64,14 +65,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths (default: a built-in mix)")
     p.add_argument("--regional", action="store_true", help="compile each decoder layer, not the whole model")
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the CP ranks (each decoder layer, then the root)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the CP ranks (decoder layers, lm_head, the stack)")
     p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, no "
-                   "[T, vocab] logits (the default, except with --fsdp); hf: the model's own")  # fmt: skip
+                   "[T, vocab] logits (the default); hf: the model's own")  # fmt: skip
     p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, ...")
     p.add_argument("--lr", type=float, default=1e-4)
     args = p.parse_args()
-    if args.loss == "fused" and args.fsdp:
-        p.error("--loss fused with --fsdp: the output projection's weight is gathered only inside the model's forward")
     try:
         args.backend = cpcompile.backend(inner=args.inner)
         args.draw = length_sampler(args.doclens, torch.Generator().manual_seed(0)) if args.doclens else None
@@ -95,9 +94,11 @@ def main() -> None:
         shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
     )
     params = matmul_params(model)
+    fused = (args.loss or "fused") == "fused"
+    if fused:
+        fuse_loss(model.lm_head)  # the loss in the output projection's forward, where FSDP2 gathers its weight
     if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed
         fully_shard_llama(model)
-    fused = (args.loss or ("hf" if args.fsdp else "fused")) == "fused"
     compiled = compile_llama(model, args.backend, regional=args.regional, base=fused)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)

@@ -342,14 +342,17 @@ def format_table(advice: Advice) -> str:
 def format_heads(advice: HeadAdvice, cp: int) -> list[str]:
     """The second table: every option, head parallelism included, with its communication."""
     h, link = advice.heads, advice.link
-    best = min(sum(o.step_totals()) for o in advice.options)
-    lines = [
-        f"with head parallelism, heads {h.q}/{h.kv} x {h.dim} ({8 * h.itemsize}-bit), communication modelled at "
-        f"{link.bandwidth_gbps} GB/s per GPU (cpcompile.comm_cost, not measured):",
-        "",
+    columns = (
         f"{'option':<20} {'heads/rank':>10} {'work max/mean':>13} {'Mpairs/rank':>11} {'path':<23} "
-        f"{'MB fwd':>7} {'MB fwd+bwd':>10} {'comm ms':>8} {'step+comm':>10} {'/best':>6} {'picks':>5}",
+        f"{'MB fwd':>7} {'MB fwd+bwd':>10} {'comm ms':>8} {'step+comm':>10} {'/best':>6} {'picks':>5}"
+    )
+    title = f"with head parallelism, heads {h.q}/{h.kv} x {h.dim} ({8 * h.itemsize}-bit), communication"
+    lines = [
+        f"{title} modelled at {link.bandwidth_gbps} GB/s per GPU (cpcompile.comm_cost, not measured):",
+        "",
+        columns,
     ]
+    best = min(sum(o.step_totals()) for o in advice.options)
     for o in advice.options:
         n = len(o.steps)
         pairs = [s.costs.pairs.double() for s in o.steps]

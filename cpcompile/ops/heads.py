@@ -106,14 +106,53 @@ def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
     return lse.t().unsqueeze(-1)  # [H, T] -> [T, H, 1]: heads in the middle, as the all-to-all takes them
 
 
-def _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
-    group = resolve_group(group_name)
-    f = kv_replication(q.shape[1], k.shape[1], group.size())
+class LocalCall(NamedTuple):
+    """A rank's attention between the all-to-alls: one kernel call over whole documents, the same
+    on every rank (``Hq / u`` query heads and ``h`` K/V heads after the all-to-all, ``T`` gathered
+    rows). What the benchmarks time as a rank's step (``benchmarks/heads_gpu.py``)."""
+
+    kernel: kernels.AttentionKernel
+    docs: Documents
+    pieces: kernels.Pieces
+    causal: bool
+    scale: float
+
+    def forward(self, q, k, v):
+        """q ``[T, Hq/u, D]``, k, v ``[T, h, D]`` in the all-gather's order -> ``(out [T, Hq/u, D],
+        lse [T, Hq/u, 1])`` in that order, 0 and ``-inf`` at the padding (it sees no key)."""
+        out, lse = self.kernel.forward(*_to_documents([q, k, v], self.docs), self.pieces, **self._kw)
+        (out,) = _to_gathered([out], self.docs)
+        (lse,) = _to_gathered([_lse_rows(lse)], self.docs, float("-inf"))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, wire: torch.dtype):
+        """The gradients of :meth:`forward` (``lse`` as it returned it): ``dq [T, Hq/u, D]`` in q's
+        dtype, ``dk``, ``dv`` ``[T, h, D]`` in ``wire``, 0 at the padding."""
+        dout_d, q_d, k_d, v_d, out_d, lse_d = _to_documents([dout, q, k, v, out, lse], self.docs)  # [T_real, ...]
+        lse_d = lse_d.squeeze(-1).t().contiguous()
+        dq, dk, dv = self.kernel.backward(dout_d, q_d, k_d, v_d, out_d, lse_d, self.pieces, **self._kw)
+        return _to_gathered([dq.to(q.dtype), dk.to(wire), dv.to(wire)], self.docs)
+
+    @property
+    def _kw(self) -> dict:
+        return {"causal": self.causal, "scale": self.scale}
+
+
+def local_call(gather_index, k_start, k_len, *, q, causal, scale, max_seqlen, kernel_name) -> LocalCall:
+    """The :class:`LocalCall` of a head plan (``gather_index [T]``; ``k_start``, ``k_len`` ``[P]``)
+    for queries like ``q`` (its dtype, device and head dim), launch bound ``max_seqlen``."""
     docs = documents(gather_index, k_start, k_len)
     # each document reads the keys at its own rows: disjoint, increasing key ranges
     pieces = kernels.Pieces(docs.cu, docs.cu[:-1], docs.lengths, max_q=max_seqlen, max_k=max_seqlen, disjoint_keys=True)
-    kw = {"causal": causal, "scale": softmax_scale(q, scale)}
-    return group, f, docs, kernels.select(q, kernel_name), pieces, kw
+    return LocalCall(kernels.select(q, kernel_name), docs, pieces, causal, softmax_scale(q, scale))
+
+
+def _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
+    group = resolve_group(group_name)
+    call = local_call(
+        gather_index, k_start, k_len, q=q, causal=causal, scale=scale, max_seqlen=max_seqlen, kernel_name=kernel_name
+    )
+    return group, kv_replication(q.shape[1], k.shape[1], group.size()), call
 
 
 #: the plan and call arguments of the head-parallel ops, after their tensors
@@ -129,11 +168,9 @@ def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, cau
     group = resolve_group(group_name)
     config = {"kernel": call[1], "head_parallel": group.size()}
     agree_in_op("cp_head_attention (all_to_all)", group, q, k, causal, scale, gather_index, config)
-    group, f, docs, kern, pieces, kw = _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, *call)
+    group, f, local = _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, *call)
     heads = heads_to_tokens([q, replicate(k, f), replicate(v, f)], group)  # [T, Hq/u | Hkv*f/u, D]
-    out, lse = kern.forward(*_to_documents(heads, docs), pieces, **kw)  # [T_real, Hq/u, D], [Hq/u, T_real]
-    (out,) = _to_gathered([out], docs)  # [T, Hq/u, D]
-    (lse,) = _to_gathered([_lse_rows(lse)], docs, float("-inf"))  # [T, Hq/u, 1]: padding sees no key
+    out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
     (lse,) = tokens_to_heads([lse], group)  # [T_local, Hq, 1]
     return out, lse.squeeze(-1).t().contiguous()
@@ -162,16 +199,14 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
 
 def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, *call):
     """The gradients ``(dq, dk, dv)`` of :func:`_head_attention`; ``call``: its arguments after the plan."""
-    group, f, docs, kern, pieces, kw = _call(q, k, gather_index, k_start, k_len, *call)
+    group, f, local = _call(q, k, gather_index, k_start, k_len, *call)
     # one all-to-all for everything of q's dtype: dO, q, the output, and K/V with their copies
-    sent = heads_to_tokens([dout.to(q.dtype), q, out, replicate(k, f), replicate(v, f)], group)
+    dout_t, q_t, out_t, k_t, v_t = heads_to_tokens([dout.to(q.dtype), q, out, replicate(k, f), replicate(v, f)], group)
     (lse_t,) = heads_to_tokens([_lse_rows(lse)], group)  # [T, Hq/u, 1]
-    dout_d, q_d, out_d, k_d, v_d, lse_d = _to_documents([*sent, lse_t], docs)  # [T_real, ...]
-    dq, dk, dv = kern.backward(dout_d, q_d, k_d, v_d, out_d, lse_d.squeeze(-1).t().contiguous(), pieces, **kw)
     # copies' gradients travel in the accumulation dtype, to be summed before the one rounding;
     # without copies that rounding is the same before the all-to-all, which then moves half the bytes
-    wire = k.dtype if f == 1 else torch.promote_types(dk.dtype, torch.float32)
-    dq, dk, dv = _to_gathered([dq.to(q.dtype), dk.to(wire), dv.to(wire)], docs)
+    wire = k.dtype if f == 1 else torch.promote_types(lse.dtype, k.dtype)
+    dq, dk, dv = local.backward(dout_t, q_t, k_t, v_t, out_t, lse_t, wire)
     (dq,) = tokens_to_heads([dq], group)  # [T_local, Hq, D]
     dk, dv = tokens_to_heads([dk, dv], group)  # [T_local, Hkv * f, D]
     return dq, sum_replicas(dk, f).to(k.dtype), sum_replicas(dv, f).to(v.dtype)

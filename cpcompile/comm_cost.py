@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from .checks import check_cp, check_int
-from .comm.exchange import make_exchange
+from .comm.exchange import SETTINGS, make_exchange
 from .comm.heads import kv_replication
 from .cost import CostModel, RankCosts, _host, auto_candidates, check_candidates, predict_rank_costs, resolve_auto
 from .partition import pad_for_cp
@@ -99,13 +99,13 @@ def _all_gather(peers: int, rows: int, width: int, heads: Heads) -> tuple[int, i
     return kv * heads.itemsize, kv * (heads.itemsize + heads.acc_itemsize)
 
 
-def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool) -> tuple[list[int], list[int]] | None:
+def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool, choice: str):
     """``(received, sent)`` K/V rows per rank of the sparse exchange, or ``None`` where ``cp_attention``
     takes the all-gather: the exchange's own plan of every rank (``comm.exchange.make_exchange``)."""
     plans = [make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     pack = origin(plans[0].k_len_causal).pack
     read_len = read_lengths(pack, causal)
-    exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, read_len, r, "auto") for r, p in enumerate(plans)]
+    exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, read_len, r, choice) for r, p in enumerate(plans)]
     if exchanges[0] is None:
         return None
     return [sum(e.recv_counts) for e in exchanges], [sum(e.send_counts) for e in exchanges]
@@ -119,6 +119,7 @@ def layer_bytes(
     heads: Heads,
     cu_seqlens_padded: torch.Tensor | None = None,
     causal: bool = True,
+    kv_exchange: str = "auto",
 ) -> LayerBytes:
     """Bytes each rank receives in one layer's attention, forward and backward (module docstring).
 
@@ -128,9 +129,13 @@ def layer_bytes(
             default the active one. ``comm="ring"`` is not modelled (a ``ValueError``).
         heads: the attention's :class:`Heads`; ``heads.q`` must divide by ``head_parallel``.
         cu_seqlens_padded: ``[B + 1]`` int32 physical offsets; default :func:`cpcompile.pad_for_cp`.
+        kv_exchange: ``Config.kv_exchange`` (one of ``comm.exchange.SETTINGS``): whether sequence CP
+            exchanges K/V rows where it pays (``"auto"``), always or never; the hybrid never does.
     """
     check_cp(cp_size)
     heads = check_heads(heads)
+    if kv_exchange not in SETTINGS:
+        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
     cu = _host("cu_seqlens", cu_seqlens)
     spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size)
     if spec.comm != "all_gather":
@@ -145,7 +150,7 @@ def layer_bytes(
         return [torch.full((cp_size,), v, dtype=torch.long) for v in values]
 
     if u == 1:
-        if cp_size > 1 and (rows := _exchange_rows(cu, padded, cp_size, spec, causal)) is not None:
+        if cp_size > 1 and (rows := _exchange_rows(cu, padded, cp_size, spec, causal, kv_exchange)) is not None:
             received, sent = (torch.tensor(r, dtype=torch.long) * (2 * heads.kv * heads.dim) for r in rows)
             forward = received * heads.itemsize
             return LayerBytes(forward, forward + sent * heads.acc_itemsize, "exchange")

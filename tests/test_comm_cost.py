@@ -108,6 +108,13 @@ def test_layer_bytes_by_hand():
     assert pure.forward.tolist() == [forward] * 8 and pure.backward.tolist() == [backward] * 8
 
 
+def test_kv_exchange_forces_either_path():
+    cu, heads = cu_seqlens([300, 5, 17, 1, 90, 40, 2, 61]), Heads(4, 4, 8)
+    never = layer_bytes(cu, cp_size=4, strategy="balanced", heads=heads, kv_exchange="never")
+    always = layer_bytes(cu, cp_size=4, strategy="dual_chunk_swap", heads=heads, kv_exchange="always")
+    assert (never.path, always.path) == ("all-gather", "exchange")
+
+
 def test_head_parallel_options_and_candidates():
     assert head_parallel_options(8, 32) == (2, 4, 8)
     assert head_parallel_options(8, 12) == (2, 4)
@@ -149,6 +156,7 @@ def test_comm_pairs():
         (dict(heads=Heads(32, 8, itemsize=3)), "heads.itemsize must be 2, 4 or 8"),
         (dict(heads=Heads(6, 6), strategy=StrategySpec(head_parallel=4)), "head_parallel=4 must divide the number"),
         (dict(heads=Heads(8, 8), strategy=StrategySpec(comm="ring")), "layer_bytes models comm='all_gather'"),
+        (dict(heads=Heads(8, 8), kv_exchange="sometimes"), "kv_exchange must be one of"),
     ],
 )
 def test_bad_arguments_name_themselves(kw, message):

@@ -82,7 +82,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
         counters.clear()
         ops = set()  # what the pass left in the graphs
 
-        def inner(gm, example_inputs):
+        def inner(gm, example_inputs, ops=ops):
             ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
             return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 

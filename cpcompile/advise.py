@@ -1,6 +1,7 @@
 """Strategy advisor: which CP strategy suits a document-length mix, from the cost model alone.
 
     python -m cpcompile.advise [--doclens lengths.json] --pack 131072 --cp 8 [--packs 4] [--plot out.png]
+        [--heads 32/8] [--head-dim 128] [--bandwidth 300]
 
 It samples packs from the length file as a data loader packs them (documents drawn
 until the pack is full, the last one cut), runs :func:`cpcompile.predict_rank_costs`
@@ -8,6 +9,13 @@ for every strategy ``auto`` chooses from, prints per strategy the per-rank atten
 work (max/mean), the padding it adds, pieces per rank and the predicted step, and
 recommends one. ``--plot`` draws each strategy's per-rank work and predicted cost on
 the first pack (needs matplotlib: ``pip install "cpcompile[advise]"``).
+
+A second table adds head parallelism (``head_parallel = u`` for every ``u > 1`` that
+divides both ``--cp`` and the query heads) beside those strategies, for the model's
+``--heads`` (bf16): per rank its attention work, the bytes its attention moves per layer
+and their modelled time at ``--bandwidth`` GB/s (:mod:`cpcompile.comm_cost`), and the
+step with that communication added; its recommendation is what
+:func:`cpcompile.comm_cost.choose_spec` (the opt-in that weighs ``u``) would pick.
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
@@ -32,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .comm_cost import Heads, Link, StepPrediction, candidates_with_heads, check_heads, predict_step
 from .cost import CostModel, RankCosts, auto_candidates, predict_rank_costs
 from .strategy import Strategy, StrategySpec
 
@@ -40,10 +49,12 @@ AUTO_MARGIN = 0.01
 
 
 def spec_name(spec: StrategySpec) -> str:
-    """``striped_128`` for striped with 128-token stripes, else the strategy's value."""
+    """``striped_128`` for striped with 128-token stripes, else the strategy's value; `` u=4``
+    added for ``head_parallel=4``."""
+    name = spec.strategy.value
     if spec.strategy is Strategy.STRIPED and spec.stripe_size != 1:
-        return f"striped_{spec.stripe_size}"
-    return spec.strategy.value
+        name = f"striped_{spec.stripe_size}"
+    return name if spec.head_parallel == 1 else f"{name} u={spec.head_parallel}"
 
 
 # --- document lengths and packs --------------------------------------------------
@@ -191,6 +202,32 @@ class StrategyReport:
 
 
 @dataclasses.dataclass
+class OptionReport:
+    """One spec, head parallelism included, over the sampled packs, with its communication."""
+
+    spec: StrategySpec
+    steps: list[StepPrediction]  # per pack
+
+    @property
+    def name(self) -> str:
+        return spec_name(self.spec)
+
+    def step_totals(self) -> list[int]:
+        return [s.step for s in self.steps]
+
+
+@dataclasses.dataclass
+class HeadAdvice:
+    """The second table: every option with its modelled communication (module docstring)."""
+
+    heads: Heads
+    link: Link
+    options: list[OptionReport]  # sequence strategies first, then by head_parallel
+    picks: list[str]  # per pack: what choose_spec picks
+    recommended: str
+
+
+@dataclasses.dataclass
 class Advice:
     pack: int
     cp: int
@@ -199,14 +236,42 @@ class Advice:
     auto_picks: list[str]  # per pack
     recommended: str
     reason: str
+    heads: HeadAdvice | None = None
 
 
-def advise(packs: list[torch.Tensor], *, cp_size: int, model: CostModel | None = None) -> Advice:
+def advise_heads(
+    packs: list[torch.Tensor], *, cp_size: int, heads: Heads, model: CostModel | None = None, link: Link | None = None
+) -> HeadAdvice:
+    """Every spec of :func:`cpcompile.comm_cost.candidates_with_heads` on ``packs``, its step with the
+    communication its path moves (:func:`cpcompile.comm_cost.predict_step`); recommended: the one
+    with the lowest total."""
+    heads, link = check_heads(heads), Link() if link is None else link
+    kw = {"cp_size": cp_size, "heads": heads, "model": model, "link": link}
+    options = [
+        OptionReport(spec, [predict_step(cu, strategy=spec, **kw) for cu in packs])
+        for spec in candidates_with_heads(cp_size, heads, model)
+    ]
+    per_pack = list(zip(*(o.step_totals() for o in options)))  # [pack][option]
+    picks = [options[steps.index(min(steps))].name for steps in per_pack]  # choose_spec's rule
+    totals = [sum(o.step_totals()) for o in options]
+    return HeadAdvice(heads, link, options, picks, options[totals.index(min(totals))].name)
+
+
+def advise(
+    packs: list[torch.Tensor],
+    *,
+    cp_size: int,
+    model: CostModel | None = None,
+    heads: Heads | None = None,
+    link: Link | None = None,
+) -> Advice:
     """Predict every candidate strategy on ``packs`` and recommend one.
 
     Args:
         packs: ``cu_seqlens`` ``[B + 1]`` int32 of each pack, all of the same total.
         model: cost constants (default :class:`cpcompile.CostModel`).
+        heads: the model's :class:`~cpcompile.comm_cost.Heads`: also weigh head parallelism and
+            every option's communication at ``link`` (:func:`advise_heads`); ``None``: not.
     Returns:
         :class:`Advice`: the fixed strategy with the lowest total predicted step, or
         ``auto`` when picking per pack saves more than ``AUTO_MARGIN`` of it.
@@ -236,7 +301,8 @@ def advise(packs: list[torch.Tensor], *, cp_size: int, model: CostModel | None =
         if saving > 0:
             reason += f"; auto would save only {100 * saving:.1f}%"
     pack = int(packs[0][-1])
-    return Advice(pack, cp_size, packs, reports, picks, recommended, reason)
+    with_heads = None if heads is None else advise_heads(packs, cp_size=cp_size, heads=heads, model=model, link=link)
+    return Advice(pack, cp_size, packs, reports, picks, recommended, reason, with_heads)
 
 
 def format_table(advice: Advice) -> str:
@@ -268,7 +334,49 @@ def format_table(advice: Advice) -> str:
         "",
         f"recommended: {advice.recommended} ({advice.reason})",
     ]
+    if advice.heads is not None:
+        lines += ["", *format_heads(advice.heads, advice.cp)]
     return "\n".join(lines)
+
+
+def format_heads(advice: HeadAdvice, cp: int) -> list[str]:
+    """The second table: every option, head parallelism included, with its communication."""
+    h, link = advice.heads, advice.link
+    columns = (
+        f"{'option':<20} {'heads/rank':>10} {'work max/mean':>13} {'Mpairs/rank':>11} {'path':<23} "
+        f"{'MB fwd':>7} {'MB fwd+bwd':>10} {'comm ms':>8} {'step+comm':>10} {'/best':>6} {'picks':>5}"
+    )
+    title = f"with head parallelism, heads {h.q}/{h.kv} x {h.dim} ({8 * h.itemsize}-bit), communication"
+    lines = [
+        f"{title} modelled at {link.bandwidth_gbps} GB/s per GPU (cpcompile.comm_cost, not measured):",
+        "",
+        columns,
+    ]
+    best = min(sum(o.step_totals()) for o in advice.options)
+    for o in advice.options:
+        n = len(o.steps)
+        pairs = [s.costs.pairs.double() for s in o.steps]
+        work = sum(float(p.max() / p.mean()) for p in pairs) / n
+        forward = sum(int(s.bytes.forward.max()) for s in o.steps) / n
+        total = sum(int(s.bytes.total.max()) for s in o.steps) / n
+        most = sum(float(p.max()) for p in pairs) / n
+        step = sum(o.step_totals())
+        lines.append(
+            f"{o.name:<20} {h.q // o.spec.head_parallel:>10} {work:>13.3f} {most / 1e6:>11.1f} "
+            f"{o.steps[0].bytes.path:<23} {forward / 1e6:>7.0f} {total / 1e6:>10.0f} {link.milliseconds(total):>8.2f} "
+            f"{step / n / 1e9:>10.3f} {step / best:>6.3f} {advice.picks.count(o.name):>5}"
+        )
+    return [
+        *lines,
+        "",
+        f"u=N: head_parallel=N (N = cp {cp}: pure head parallelism, whole documents on every rank; else the hybrid);",
+        "work: attention pairs per rank on its heads (max/mean, and the max in millions, in all-heads pairs);",
+        "MB: what the busiest rank receives per layer in its attention's forward, and forward and backward;",
+        "comm ms: that at the bandwidth above, not overlapped; step+comm: the step (Gpairs) with it added;",
+        "picks: packs on which cpcompile.comm_cost.choose_spec (the opt-in that weighs head parallelism) picks it.",
+        "",
+        f"with communication: {advice.recommended} (lowest step+comm over {len(advice.options[0].steps)} packs)",
+    ]
 
 
 def plot(advice: Advice, path: Path, *, pack_index: int = 0) -> None:
@@ -337,6 +445,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def heads_pair(text: str) -> tuple[int, int]:
+    """argparse type: ``Q/KV`` query and key-value heads, ``Q`` a multiple of ``KV``."""
+    q, _, kv = text.partition("/")
+    try:
+        heads = (int(q), int(kv))
+    except ValueError:
+        heads = (0, 0)
+    if min(heads) < 1 or heads[0] % heads[1]:
+        raise argparse.ArgumentTypeError(f"must be Q/KV, positive ints with Q a multiple of KV, got {text!r}")
+    return heads
+
+
 def plot_path_error(path: Path) -> str | None:
     """Why a plot cannot be written to ``path``, or ``None``; checked before any work."""
     if path.is_dir():
@@ -373,6 +493,13 @@ def main(argv: list[str] | None = None) -> Advice:
     parser.add_argument("--packs", type=positive_int, default=4, help="packs to sample (default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="write per-rank bars of the first pack (.png, ...)")
+    parser.add_argument(
+        "--heads", type=heads_pair, default=(32, 8), metavar="Q/KV", help="query/key-value heads (default 32/8)"
+    )
+    parser.add_argument("--head-dim", type=positive_int, default=128, help="elements per head (default 128)")
+    parser.add_argument(
+        "--bandwidth", type=positive_int, default=Link().bandwidth_gbps, help="GB/s per GPU, assumed (default 300)"
+    )
     args = parser.parse_args(argv)
     if args.pack < args.cp:
         parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
@@ -388,7 +515,13 @@ def main(argv: list[str] | None = None) -> Advice:
         except ValueError as e:
             parser.error(str(e))
         print(f"document lengths: {args.doclens}")
-    advice = advise([cut_pack(draw, args.pack) for _ in range(args.packs)], cp_size=args.cp)
+    heads = Heads(*args.heads, args.head_dim)
+    advice = advise(
+        [cut_pack(draw, args.pack) for _ in range(args.packs)],
+        cp_size=args.cp,
+        heads=heads,
+        link=Link(bandwidth_gbps=args.bandwidth),
+    )
     print(format_table(advice))
     if args.plot is not None:
         try:

@@ -33,9 +33,24 @@ Model, in units of one query-key pair of attention (its forward and backward):
 - ``keys_remote_r`` (reported beside the cost): those of them other ranks hold, the
   K/V rows the sparse exchange brings the rank (``comm/exchange.py``).
 
+Head parallelism (``head_parallel = u``, ``cpcompile.ops.heads``/``hybrid``): a rank runs
+``1 / u`` of the heads over the pieces of its head group of ``u`` consecutive ranks, their
+layouts one after the other (the hybrid), or over the whole pack in physical order
+(``u == cp``: whole documents, whose key ranges are disjoint, so the backward copies
+none). So its ``pieces``, ``short_cuts`` are its group's, and ``pairs``, ``tiles``,
+``key_rows`` its group's divided by ``u`` (rounded up: still integers); ``tokens`` stay
+the rank's own (projections and MLP see them alone), and ``keys_read``/``keys_remote``
+are the group's keys and those of them other groups hold.
+
 ``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
 and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
-no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced.
+no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced,
+compared as sequence CP; the pick keeps the requested ``head_parallel``
+(:func:`resolve_auto`). ``auto`` never changes ``head_parallel`` itself: the cost above
+has no communication and no head count, which head parallelism trades against (its
+all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and
+``head_parallel`` changes the collectives a compiled graph runs. Weighing ``u`` is an
+opt-in given the heads: :func:`cpcompile.comm_cost.choose_spec`.
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .balanced import causal_tiles
 from .checks import check_cp, check_cu_seqlens, check_int
 from .partition import all_partition_indices, pad_for_cp, piece_marks
-from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +135,8 @@ def predict_rank_costs(
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
-        strategy: any strategy (``auto`` is resolved first); default the active one.
+        strategy: any strategy (``auto`` is resolved first); default the active one. With
+            ``head_parallel = u > 1``, per rank of head groups (module docstring).
         cu_seqlens_padded: ``[B + 1]`` int32 physical offsets; default :func:`pad_for_cp`.
         model: the cost constants (default :class:`CostModel`).
     """
@@ -134,8 +150,15 @@ def predict_rank_costs(
         if cu_seqlens_padded is None
         else _host("cu_seqlens_padded", cu_seqlens_padded)
     )
+    u = spec.head_parallel
+    check_head_parallel(u, cp_size)
     layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec)  # [cp, T_local]
-    t_local = layout.shape[1]
+    tokens = torch.full((cp_size,), layout.shape[1], dtype=torch.long)
+    # the rows one kernel call runs over, one row per head group: the pack in physical order (u == cp),
+    # else the group's layouts one after the other (u == 1: the rank's own)
+    whole = u == cp_size > 1
+    layout = torch.arange(layout.numel()).unsqueeze(0) if whole else layout.reshape(cp_size // u, -1)
+    cp_size, t_local = layout.shape  # from here on, head groups
     doc, pos, real, start = piece_marks(layout, cu, padded)
     rank, row = start.nonzero(as_tuple=True)  # [P] each: the pieces, rank-major
     first = rank * t_local + row
@@ -164,16 +187,22 @@ def predict_rank_costs(
     first_key = padded[:-1].long().expand(cp_size, num_docs).contiguous()  # [cp, B]
     longest = longest.view(cp_size, num_docs)
     own = torch.searchsorted(held, first_key + longest) - torch.searchsorted(held, first_key)
-    tokens = torch.full((cp_size,), t_local, dtype=torch.long)
+    if whole:  # whole documents: disjoint key ranges, which the backward reads in place
+        key_rows = torch.zeros_like(key_rows)
+
+    def per_head_rank(x: torch.Tensor, share: int = 1) -> torch.Tensor:
+        return ((x + share - 1) // share).repeat_interleave(u)  # each of a group's u ranks: its 1 / share
+
+    tiles_r, key_rows = per_head_rank(tiles_r, u), per_head_rank(key_rows, u)
     return RankCosts(
         tokens=tokens,
-        pieces=per_rank(torch.ones_like(rank)),
-        short_cuts=per_rank(short),
-        pairs=per_rank(torch.where(live, pairs, 0)),
+        pieces=per_head_rank(per_rank(torch.ones_like(rank))),
+        short_cuts=per_head_rank(per_rank(short)),
+        pairs=per_head_rank(per_rank(torch.where(live, pairs, 0)), u),
         tiles=tiles_r,
         key_rows=key_rows,
-        keys_read=longest.sum(1),
-        keys_remote=(longest - own).sum(1),
+        keys_read=per_head_rank(longest.sum(1)),
+        keys_remote=per_head_rank((longest - own).sum(1)),
         cost=tiles_r * (model.block_q * model.block_k) + model.token_cost * tokens + model.key_cost * key_rows,
     )
 
@@ -187,6 +216,14 @@ def auto_candidates(model: CostModel | None = None) -> tuple[StrategySpec, ...]:
         StrategySpec(Strategy.STRIPED, stripe_size=model.block_q),
         StrategySpec(Strategy.BALANCED),
     )
+
+
+def check_candidates(candidates) -> tuple[StrategySpec, ...]:
+    """``candidates`` as a tuple, or a ``ValueError`` unless they are concrete specs, at least one."""
+    candidates = tuple(candidates)
+    if not candidates or any(not isinstance(c, StrategySpec) or c.strategy is Strategy.AUTO for c in candidates):
+        raise ValueError(f"candidates must be a non-empty sequence of concrete StrategySpecs, got {candidates!r}")
+    return candidates
 
 
 def choose_strategy(
@@ -209,9 +246,7 @@ def choose_strategy(
     """
     check_cp(cp_size)
     model = CostModel() if model is None else model
-    candidates = auto_candidates(model) if candidates is None else tuple(candidates)
-    if not candidates or any(not isinstance(c, StrategySpec) or c.strategy is Strategy.AUTO for c in candidates):
-        raise ValueError(f"candidates must be a non-empty sequence of concrete StrategySpecs, got {candidates!r}")
+    candidates = check_candidates(auto_candidates(model) if candidates is None else candidates)
     steps = [predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=c, model=model).step for c in candidates]
     return candidates[steps.index(min(steps))]
 
@@ -221,7 +256,8 @@ def resolve_auto(
 ) -> StrategySpec:
     """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks,
     keeping the requested ``comm`` and ``head_parallel`` (the layout choice does not change how
-    K/V travel)."""
+    K/V travel). The layouts are compared as sequence CP (``head_parallel`` 1), whatever was
+    requested: the plan ops, which get only the layout's name, resolve ``auto`` alike."""
     if spec.strategy is not Strategy.AUTO:
         return spec
     picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model)

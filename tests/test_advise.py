@@ -14,6 +14,7 @@ import torch
 
 import cpcompile
 from cpcompile import advise
+from cpcompile.comm_cost import Heads, choose_spec
 from tests.fixtures import cu_seqlens
 
 
@@ -116,6 +117,8 @@ def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expe
         (["--packs", "0"], "argument --packs: must be an int >= 1, got '0'"),
         (["--pack", "4", "--cp", "8"], "--pack 4 must be at least --cp 8 (one token per rank)"),
         (["--plot", "no/such/dir/advice.png"], "--plot no/such/dir/advice.png: directory no/such/dir does not exist"),
+        (["--heads", "32/6"], "argument --heads: must be Q/KV, positive ints with Q a multiple of KV, got '32/6'"),
+        (["--heads", "32"], "argument --heads: must be Q/KV, positive ints with Q a multiple of KV, got '32'"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
@@ -124,6 +127,24 @@ def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advise: error: {expected}"
+
+
+def test_head_parallel_options_stand_beside_the_strategies(capsys):
+    """The second table: every u > 1 dividing cp and the query heads, pure (u = cp) on no_load_balance,
+    with its per-rank work and bytes, and choose_spec's picks."""
+    advice = advise.main(["--pack", "8192", "--cp", "4", "--packs", "2", "--heads", "8/2", "--head-dim", "16"])
+    out = capsys.readouterr().out
+    names = [o.name for o in advice.heads.options]
+    assert names[:4] == [r.name for r in advice.reports]
+    assert names[4:] == [f"{r.name} u=2" for r in advice.reports] + ["no_load_balance u=4"]
+    for o in advice.heads.options:
+        row = next(line for line in out.splitlines() if line.startswith(f"{o.name} ") and o.steps[0].bytes.path in line)
+        assert row.split()[len(o.name.split())] == str(8 // o.spec.head_parallel)  # heads per rank
+    pure = advice.heads.options[-1]
+    assert all(float(s.costs.pairs.max()) == float(s.costs.pairs.min()) for s in pure.steps)  # even work
+    packs = advice.packs
+    assert advice.heads.picks == [advise.spec_name(choose_spec(cu, cp_size=4, heads=Heads(8, 2, 16))) for cu in packs]
+    assert f"with communication: {advice.heads.recommended}" in out
 
 
 def test_plot_path_is_checked_before_work(tmp_path):

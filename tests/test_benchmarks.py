@@ -1,11 +1,15 @@
 """Benchmark scripts as a fresh clone runs them: without ``../shared``'s length files and without
-``--output``, they print their section and write no file."""
+``--output``, they print their section and write no file; GPU scripts without CUDA refuse, or
+with ``--dry-run`` print what they would measure."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,3 +27,49 @@ def test_balance_without_length_files_prints_its_section_and_writes_nothing(tmp_
     assert "## Balance (benchmarks/balance.py)" in run.stdout
     assert "no real mix" in run.stdout
     assert list(tmp_path.iterdir()) == [] and (ROOT / "BENCHMARKS.md").read_bytes() == before
+
+
+def _heads_gpu(tmp_path, *args):
+    script = ROOT / "benchmarks" / "heads_gpu.py"
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_heads_gpu_refuses_without_cuda_before_any_work(tmp_path):
+    before = (ROOT / "BENCHMARKS.md").read_bytes()
+    run = _heads_gpu(tmp_path, "--output", "BENCHMARKS.md")
+    assert run.returncode == 2 and run.stdout == ""
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .endswith("error: needs CUDA (or --dry-run: the plans and bytes of the same cases on CPU, nothing timed)")
+    )
+    assert list(tmp_path.iterdir()) == [] and (ROOT / "BENCHMARKS.md").read_bytes() == before
+
+
+def test_heads_gpu_dry_run_counts_the_bytes_of_every_u_and_writes_nothing(tmp_path):
+    before = (ROOT / "BENCHMARKS.md").read_bytes()
+    run = _heads_gpu(
+        tmp_path, "--dry-run", "--tokens", "8192", "--packs", "1", "--doclens", str(tmp_path / "none.json")
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("## Head parallelism on one GPU (benchmarks/heads_gpu.py)")
+    assert "synthetic ProLong-like lengths" in run.stdout
+    for heads in ("32/8", "16/16"):
+        table = run.stdout.split(f"### forward+backward, heads {heads}")[1].split("###")[0]
+        rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+        assert [(r[0][2:], r[1], r[2]) for r in rows] == [
+            ("1", "dual_chunk_swap", "all-gather"),
+            ("1", "balanced", rows[1][2]),  # the exchange or the all-gather, as cp_attention would choose
+            ("2", "dual_chunk_swap", "all-to-all + all-gather"),
+            ("2", "balanced", "all-to-all + all-gather"),
+            ("4", "dual_chunk_swap", "all-to-all + all-gather"),
+            ("4", "balanced", "all-to-all + all-gather"),
+            ("8", "no_load_balance", "all-to-all"),
+        ]
+        assert all(float(r[8]) > 0 for r in rows)  # MB per layer
+    assert list(tmp_path.iterdir()) == [] and (ROOT / "BENCHMARKS.md").read_bytes() == before
+    refused = _heads_gpu(tmp_path, "--dry-run", "--output", "BENCHMARKS.md")
+    assert refused.returncode == 2 and "--dry-run times nothing" in refused.stderr

@@ -3,6 +3,7 @@ plans and batches, and argument errors (the gloo tier runs auto in test_cp_atten
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -86,6 +87,52 @@ def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks):
     assert costs.tokens.tolist() == [layout.shape[1]] * cp
     assert costs.cost.tolist() == [w[1] * blocks[0] * blocks[1] + 5 * layout.shape[1] + 3 * w[4] for w in want]
     assert costs.step == max(costs.cost.tolist())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6).filter(lambda x: sum(x) > 0),
+    cp_u=st.sampled_from([(2, 2), (4, 2), (4, 4), (6, 3), (6, 2)]),
+    spec=st.sampled_from(SPECS),
+    causal=st.booleans(),
+)
+def test_head_parallel_costs_are_their_groups_split_over_heads(lengths, cp_u, spec, causal):
+    """A rank of ``head_parallel = u`` runs 1/u of the heads over its group's rows: the hybrid's group
+    layouts one after the other, pure head parallelism's whole pack in physical order (its backward
+    reads keys in place: no key rows copied)."""
+    cp, u = cp_u
+    spec = dataclasses.replace(spec, head_parallel=u)
+    model = CostModel(block_q=4, block_k=2, token_cost=5, key_cost=3, causal=causal)
+    cu = cu_seqlens(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    costs = predict_rank_costs(cu, cp_size=cp, strategy=spec, model=model)
+    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    groups = torch.arange(int(padded[-1]))[None] if u == cp else layout.reshape(cp // u, -1)
+    want = _costs_brute_force(cu, padded, groups, model)
+    for r in range(cp):
+        pairs, tiles, pieces, short, key_rows, read, remote = want[r // u]
+        key_rows = 0 if u == cp else key_rows
+        assert costs.pairs[r] == math.ceil(pairs / u) and costs.tiles[r] == math.ceil(tiles / u)
+        assert costs.key_rows[r] == math.ceil(key_rows / u)
+        assert (costs.pieces[r], costs.short_cuts[r], costs.keys_read[r], costs.keys_remote[r]) == (
+            pieces,
+            short,
+            read,
+            remote,
+        )
+        assert costs.tokens[r] == layout.shape[1]
+        assert costs.cost[r] == math.ceil(tiles / u) * 8 + 5 * layout.shape[1] + 3 * math.ceil(key_rows / u)
+
+
+def test_head_parallel_costs_are_even_and_auto_keeps_head_parallel():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260])
+    pure = predict_rank_costs(cu, cp_size=4, strategy=StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=4))
+    assert len(set(pure.cost.tolist())) == 1  # every rank runs every document for its heads
+    auto = StrategySpec(Strategy.AUTO, head_parallel=2)
+    picked = cpcompile.shard_batch({"x": torch.arange(int(cu[-1]))}, cu, cp_size=4, rank=0, strategy=auto).spec
+    assert picked == dataclasses.replace(choose_strategy(cu, cp_size=4), head_parallel=2)
+    with pytest.raises(ValueError, match="head_parallel=3 must divide the CP size 4"):
+        predict_rank_costs(cu, cp_size=4, strategy=StrategySpec(head_parallel=3))
 
 
 def test_auto_takes_the_cheapest_and_the_first_on_ties():

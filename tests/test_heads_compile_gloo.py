@@ -5,7 +5,8 @@ attention (``packed_attention`` and ``varlen_attn``) into ``cp_head_attention`` 
 or the hybrid's head all-to-alls around ``cp_attention`` (``1 < u < cp``); each rank
 trains on packs of varying length and document count with one compilation, and the loss
 and every parameter gradient, summed over ranks, match the eager model on the whole pack,
-with K/V heads replicated where the model has fewer than the ranks.
+with K/V heads replicated where the model has fewer than the ranks. A compiled hybrid call
+whose ``lse`` is read gives it as single-device attention does, at the rank's rows.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import cpcompile
+from cpcompile.batch import physical_positions
 from cpcompile.testing import GPTConfig, PackedGPT
 from tests.dist import check_training_over_packs, run_ranks
+from tests.fixtures import attention_case
 
 
 def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, strategies: list[str]) -> None:
@@ -49,3 +52,29 @@ def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, st
 )
 def test_compiled_head_parallel_training_matches_single_device(world, u, kv_heads, inner, strategies):
     run_ranks(_check_training, world, u, kv_heads, inner, strategies)
+
+
+def _hybrid_lse(rank: int, world: int) -> None:
+    """A compiled call that reads ``lse`` under the hybrid gets the single-device lse at its rows."""
+
+    def attend(q, k, v, cu):
+        out, lse = torch.ops.cpcompile.packed_attention(q, k, v, cu, None, None, True, None)
+        return out * 2, lse
+
+    compiled = torch.compile(attend, backend=cpcompile.backend(inner="aot_eager"), dynamic=True, fullgraph=True)
+    cu, _, q, k, v, _ = attention_case([37, 5, 1, 60, 9], 4, 2, 8, dtype=torch.float64)
+    for name in ("dual_chunk_swap", "balanced"):
+        spec = cpcompile.StrategySpec(name, head_parallel=2)
+        batch = cpcompile.shard_batch({"q": q, "k": k, "v": v}, cu, cp_size=world, rank=rank, strategy=spec)
+        with cpcompile.strategy(batch.spec):
+            out, lse = compiled(*(batch.tensors[n] for n in "qkv"), cu)
+        padded = batch.cu_seqlens_padded
+        phys = physical_positions(cu, padded)
+        whole = [t.new_zeros((int(padded[-1]), *t.shape[1:])).index_copy_(0, phys, t) for t in (q, k, v)]
+        want_out, want_lse = torch.ops.cpcompile.packed_attention(*whole, cu, padded, None, True, None)
+        torch.testing.assert_close(out, 2 * want_out[batch.indices], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse[:, batch.indices], rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_hybrid_gives_lse():
+    run_ranks(_hybrid_lse, 4)

@@ -70,16 +70,23 @@ def reference_loss_sum(model, batch) -> torch.Tensor:
     return total
 
 
-def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool = False) -> None:
+def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool = False, spec=None) -> None:
     """``regional``: each decoder layer compiled on its own (one graph for all of them, as
     torchtitan compiles per block), and the batch given to the model through the loader's
-    ``device`` path (``shard_flattened_batch(..., device=...)``, which makes the plan there)."""
+    ``device`` path (``shard_flattened_batch(..., device=...)``, which makes the plan there);
+    ``spec``: the strategy (default: the active one)."""
     for arch in archs:
         reference = tiny_model(arch, "eager")
         model = tiny_model(arch, cphf.ATTN_IMPLEMENTATION)
         torch._dynamo.reset()
         counters.clear()
-        backend = cpcompile.backend(inner="aot_eager")
+        ops = set()  # what the pass left in the graphs
+
+        def inner(gm, example_inputs, ops=ops):
+            ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+        backend = cpcompile.backend(inner=inner)
         if regional:
             for layer in model.model.layers:
                 layer.compile(backend=backend, dynamic=True)
@@ -96,7 +103,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
             labelled = sum(n - 1 for n in lengths)
 
             device = "cpu" if regional else None
-            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank, device=device)
+            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank, strategy=spec, device=device)
             assert int(inputs["num_items_in_batch"]) == labelled, label
             model.zero_grad()
             with cpcompile.strategy(sharded.spec):
@@ -109,6 +116,8 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
         assert counters["stats"]["unique_graphs"] == graphs_after_first, f"{arch} recompiled"
         if regional:  # every layer runs the first layer's graph
             assert graphs_after_first == 1, graphs_after_first
+        head_parallel = spec is not None and spec.head_parallel > 1
+        assert ("cpcompile.cp_head_attention.default" in ops) == head_parallel, ops
 
 
 def test_compiled_cp_training_matches_single_device():
@@ -117,6 +126,11 @@ def test_compiled_cp_training_matches_single_device():
 
 def test_regionally_compiled_cp_training_matches_single_device():
     run_ranks(_check_cp_training, 2, ["llama"], True)
+
+
+def test_compiled_head_parallel_training_matches_single_device():
+    """Ulysses through the HF attention function: 4 query heads, 2 K/V heads over 2 ranks."""
+    run_ranks(_check_cp_training, 2, ["llama"], False, cpcompile.StrategySpec("no_load_balance", head_parallel=2))
 
 
 def test_single_device_matches_per_document():

@@ -294,13 +294,11 @@ def _max_piece_len(graph: fx.Graph, spec: StrategySpec, cp_size: int, max_seqlen
 def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size: int, group_name: str, config):
     """The hybrid's ops for match ``m`` (``cpcompile.ops.hybrid``): K/V heads replicated, the head
     all-to-alls inside the rank's head group around ``cp_attention`` between the groups; returns
-    the output's node (the hybrid gives no ``lse``)."""
+    the nodes of the outputs the graph reads, by index: the output, and ``lse`` where it is read
+    (``[Hq / u, u T_local]`` from ``cp_attention``, back over the heads to ``[Hq, T_local]``)."""
     u = spec.head_parallel
     q_heads, kv_heads = m.q.meta["example_value"].shape[1], m.k.meta["example_value"].shape[1]
     check_head_parallel(u, cp_size, q_heads)
-    used = _used_outputs(m.node)
-    if used is None or used - {0}:
-        raise ValueError(f"{m.node.format_node()}: head_parallel={u} < CP size {cp_size} gives the output only, no lse")
     heads, sequence = (g.group_name for g in head_groups(resolve_group(group_name), u))
     f = kv_replication(q_heads, kv_heads, u)
     a2a = torch.ops.cpcompile.head_all_to_all.default
@@ -312,7 +310,13 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
     cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
-    return insert(a2a, (out, heads, False), "tokens_to_heads", m.node)
+    outputs = {0: insert(a2a, (out, heads, False), "tokens_to_heads", m.node)}
+    if 1 in _used_outputs(m.node):  # a tuple used whole is no match: its read outputs are known
+        lse = insert(operator.getitem, (cp, 1), "hybrid_lse", m.node)
+        rows = insert(torch.ops.aten.unsqueeze.default, (insert(torch.ops.aten.t.default, (lse,)), -1), "lse_rows")
+        back = insert(a2a, (rows, heads, False), "lse_to_heads", m.node)  # [T_local, Hq, 1]
+        outputs[1] = insert(torch.ops.aten.t.default, (insert(torch.ops.aten.squeeze.dim, (back, -1)),), "lse")
+    return outputs
 
 
 def rewrite_packed_attention(
@@ -411,9 +415,9 @@ def rewrite_packed_attention(
                 )
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
             graph.erase_node(user)
-        if hybrid:  # a tensor, not a tuple: its readers read it directly
+        if hybrid:  # nodes of their own, not a tuple: their readers read them directly
             for user in list(m.node.users):
-                user.replace_all_uses_with(cp)
+                user.replace_all_uses_with(cp[user.args[1]])
                 graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)

@@ -262,6 +262,44 @@ def test_cp_attention_on_one_nccl_rank(kv):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_head_parallel_rank_call_is_packed_attention(kernel):
+    """Pure head parallelism's call between the all-to-alls (on one NCCL rank they are identities):
+    whole documents on disjoint keys, so every kernel (FA4's backward included) runs it as it runs
+    ``packed_attention`` on the real tokens, and the padding gets nothing."""
+    import torch.distributed as dist
+
+    from cpcompile.ops import heads  # noqa: F401  (registers the ops)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        lengths, padded_lengths = [3, 300, 0, 77, 1], [4, 302, 0, 80, 2]
+        cu, *_ = _case(lengths)
+        cu_p = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        _, q, k, v, dout = _case(padded_lengths, seed=1)
+        real = cpcompile.batch.physical_positions(cu, cu_p)
+        for causal in (True, False):
+            leaves = [t[real].clone().requires_grad_() for t in (q, k, v)]
+            config = cpcompile.Config(kernel=kernel)
+            want = cpcompile.packed_attention(*leaves, cu, causal=causal, config=config)
+            want_grads = torch.autograd.grad(want, leaves, dout[real])
+            gather_index, cu_q, k_start, *k_lens = torch.ops.cpcompile.cp_head_plan(
+                cu, cu_p, q.shape[0], 1, "dual_chunk_swap", 1
+            )
+            plan = (gather_index, cu_q, k_start, k_lens[0 if causal else 1])
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            got, _ = torch.ops.cpcompile.cp_head_attention(
+                *leaves, *plan, dist.group.WORLD.group_name, causal, None, max(padded_lengths), kernel
+            )
+            got_grads = torch.autograd.grad(got, leaves, dout)
+            for a, b in zip([got, *got_grads], [want, *want_grads]):
+                assert _same(a[real], b, kernel)
+            pad = torch.ones(q.shape[0], dtype=torch.bool, device="cuda").index_fill_(0, real, False)
+            assert not any(t[pad].any() for t in (got, *got_grads))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")
 def test_cudnn_graphs_are_reused_across_pack_sizes():
     """Packs whose piece count and longest piece fall into the same buckets share one cached graph."""

@@ -65,12 +65,13 @@ class Pack(NamedTuple):
 
 
 class Origin(NamedTuple):
-    """What a plan's ``k_len_causal`` or ``k_len_full`` was made from: rank ``rank``'s pieces
-    of ``pack``, causal or not (:func:`origin`)."""
+    """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
+    :func:`cpcompile.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
+    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`)."""
 
     pack: Pack
     rank: int
-    causal: bool
+    window: tuple[int, int]
 
 
 def origin(k_len: torch.Tensor) -> Origin | None:
@@ -83,8 +84,8 @@ def origin(k_len: torch.Tensor) -> Origin | None:
 
 def _attach_origin(plan: AttentionPlan, pack: Pack, rank: int) -> None:
     # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan)
-    attach(plan.k_len_causal, Origin(pack, rank, True))
-    attach(plan.k_len_full, Origin(pack, rank, False))
+    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0)))
+    attach(plan.k_len_full, Origin(pack, rank, (-1, -1)))
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -244,6 +245,40 @@ def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:
     position = layout.gather(1, last.clamp(min=0))
     reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
     return reach if causal else torch.where(reach > 0, real_len, 0)
+
+
+def read_ranges(pack: Pack, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(reader, lo, hi)``, each ``[M]`` int64: the runs of physical keys ``[lo, hi)`` that rank
+    ``reader`` reads under ``window`` (``(left, right)``, :mod:`cpcompile.window`), ascending and
+    disjoint per rank, rank after rank; from the pack alone, as :func:`read_lengths`.
+
+    Causal and full attention read document prefixes (:func:`read_lengths`, by bisection). A
+    window reads, of each document, the union of its held positions' windows: ``[p - left,
+    p + right]`` cut to the document's real tokens, whose both ends grow with ``p`` over a
+    rank's ascending positions, so a new run starts where a window begins past the previous
+    one's end (``[cp, T_local]`` host work).
+    """
+    start = pack.cu_seqlens_padded[:-1].long()  # [B]
+    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
+    if window in ((-1, 0), (-1, -1)):
+        read_len = read_lengths(pack, window == (-1, 0))  # [cp, B]
+        reader, doc = read_len.nonzero(as_tuple=True)
+        return reader, start[doc], start[doc] + read_len[reader, doc]
+    layout = pack.layout  # [cp, T_local]
+    doc = torch.searchsorted(pack.cu_seqlens_padded.long(), layout, right=True) - 1  # right: skips empty documents
+    s, n = start[doc], real_len[doc]
+    pos = layout - s
+    real = pos < n
+    left, right = window
+    lo = s + (pos - left).clamp(min=0) if left >= 0 else s
+    hi = s + (torch.minimum(n, pos + right + 1) if right >= 0 else n)
+    reader = torch.arange(layout.shape[0])[:, None].expand_as(layout)[real]
+    lo, hi = lo[real], hi[real]  # [N] each, ascending per reader
+    new = torch.ones_like(reader, dtype=torch.bool)
+    new[1:] = (reader[1:] != reader[:-1]) | (lo[1:] > hi[:-1])
+    last = torch.ones_like(new)
+    last[:-1] = new[1:]  # a run's last window reaches furthest
+    return reader[new], lo[new], hi[last]
 
 
 def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:

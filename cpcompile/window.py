@@ -84,18 +84,24 @@ def window_keys(cu_q, k_start, k_len_causal, k_len_full, window: tuple[int, int]
         ``(k_start, k_len, q_pos)``, each ``[P]`` int32: the first key and the key count of each
         piece, and the physical position of its first query (the band's alignment; with
         ``right == 0`` the bottom-right one, which kernels need not be told, except on the
-        ring). Once per plan and window (``per_plan``): every layer gets the same tensors,
-        and what the ops derive from them (the exchange's plan) is derived once. The windows
-        of :data:`UNBANDED` are the plan's own tensors, with ``q_pos`` ``None``.
+        ring). The windows of :data:`UNBANDED` are the plan's own tensors, with ``q_pos``
+        ``None``; others :func:`narrow_keys`.
     """
     if window == (-1, 0):
         return k_start, k_len_causal, None
     if window == (-1, -1):
         return k_start, k_len_full, None
-    out = _narrow(cu_q, k_start, k_len_causal, k_len_full, *window)
+    return narrow_keys(cu_q, k_start, k_len_causal, k_len_full, *window)
+
+
+def narrow_keys(cu_q, k_start, k_len_causal, k_len_full, left: int, right: int):
+    """:func:`window_keys` of any window, as new tensors, once per plan and window (``per_plan``):
+    every layer gets the same tensors, and what the ops derive from them (the exchange's plan,
+    which finds the plan's pack through them) is derived once."""
+    out = _narrow(cu_q, k_start, k_len_causal, k_len_full, left, right)
     made = attached(k_len_causal)
     if made is not None and attached(out[1]) is None:  # the plan's origin, for the sparse exchange
-        attach(out[1], made._replace(window=window))
+        attach(out[1], made._replace(window=(left, right)))
     return out
 
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.varlen import varlen_attn
 
 import cpcompile
+from cpcompile.batch import physical_positions
 from cpcompile.comm.exchange import exchange_plan
 from cpcompile.plan import step_plan
+from cpcompile.testing import VARLEN_GQA
 from cpcompile.window import window_keys
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, doc_lengths, strategy_specs
-from tests.reference import assert_attention_matches, attention_fp64_on_rank
+from tests.reference import assert_attention_matches, attention_fp64, attention_fp64_on_rank
 
 EXACT = 1e-10  # float64 throughout: only the summation order differs
 WINDOWS = [(3, 0), (2, 2), (0, 1)]
@@ -55,6 +59,50 @@ def _check_rank(rank: int, world: int) -> None:
                 assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
     _check_exchange_rows(rank, world)
     _check_bad_windows(world)
+    _check_compiled(rank, world)
+
+
+def _windowed_model(q, k, v, cu_seqlens, max_seqlen):
+    """Two layers as a model writes them with varlen_attn: a sliding window, then a local one."""
+    o = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(3, 0), **VARLEN_GQA)
+    return varlen_attn(o, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(2, 2), **VARLEN_GQA)
+
+
+def _model_fp64(tensors, cu, padded):
+    """:func:`_windowed_model` on one device, in float64 with dense window masks (varlen_attn has no CPU kernel)."""
+    q, k, v = (tensors[name].double().requires_grad_() for name in "qkv")
+    o = attention_fp64(q, k, v, cu, causal=True, window=(3, 0), cu_seqlens_padded=padded)
+    out = attention_fp64(o, k, v, cu, causal=False, window=(2, 2), cu_seqlens_padded=padded)
+    return [out, *torch.autograd.grad(out, (q, k, v), tensors["dout"].double())]
+
+
+def _check_compiled(rank: int, world: int) -> None:
+    """A compiled model calling varlen_attn with windows equals one device, one compilation for packs of
+    any composition, under every layout."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_windowed_model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    for spec in ("dual_chunk_swap", "balanced"):
+        for seed in range(2):
+            lengths = doc_lengths(world, 10 + seed)
+            cu, _, q, k, v, dout = attention_case(lengths, 4, 2, 8, seed=seed)
+            tensors = {"q": q, "k": k, "v": v, "dout": dout}
+            with cpcompile.strategy(spec):
+                sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank)
+                local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
+                out = compiled(*local, cu, max(lengths))
+                got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
+            whole = _model_fp64(_physical(tensors, cu, sharded), cu, sharded.cu_seqlens_padded)
+            want = [t[sharded.indices] for t in whole]
+            assert_attention_matches(got, want, 1e-5, f"compiled, rank {rank}/{world} {spec} seed {seed}")
+    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]  # one per strategy
+
+
+def _physical(tensors, cu, sharded):
+    """The pack's tensors at their padded positions (zeros between), for the reference on the padded pack."""
+    phys = physical_positions(cu, sharded.cu_seqlens_padded)
+    n = int(sharded.cu_seqlens_padded[-1])
+    return {name: t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t) for name, t in tensors.items()}
 
 
 def _check_exchange_rows(rank: int, world: int) -> None:

@@ -168,8 +168,8 @@ def packed_attention(
         check_padded(cu_seqlens, cu_seqlens_padded)
         _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
     kernel = resolve_config(config).kernel
-    args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel, *window)
-    return torch.ops.cpcompile.packed_attention(*args)[0]
+    args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
+    return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
 
 
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:

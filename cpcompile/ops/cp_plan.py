@@ -14,6 +14,7 @@ import torch
 
 from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
+from ..window import narrow_keys
 from .common import check_fake_tokens
 
 
@@ -53,3 +54,23 @@ def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe
     spec = _spec(strategy, stripe_size)
     check_fake_tokens(num_tokens, cp_size, spec)
     return fake_plan(cu_seqlens, num_tokens, max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size))
+
+
+@torch.library.custom_op("cpcompile::window_keys", mutates_args=())
+def window_keys(
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len_causal: torch.Tensor,
+    k_len_full: torch.Tensor,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.window.narrow_keys` as an op, fed by ``cp_plan``: ``(k_start, k_len, q_pos)``,
+    each ``[P]`` int32, once per plan and window."""
+    return narrow_keys(cu_q, k_start, k_len_causal, k_len_full, window_left, window_right)
+
+
+@window_keys.register_fake
+def _(cu_q, k_start, k_len_causal, k_len_full, window_left, window_right):
+    torch._check(k_start.shape[0] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key starts for {cu_q.shape} cu_q")
+    return tuple(k_start.new_empty(k_start.shape) for _ in range(3))

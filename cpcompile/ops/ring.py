@@ -27,7 +27,7 @@ from ..checks import check_device
 from ..comm.groups import resolve_group
 from ..comm.ring import rotate, shift
 from ..per_plan import per_plan, readable
-from ..ring_plan import block_key_ranges
+from ..ring_plan import block_key_ranges, ring_window_plan
 from ..window import beyond_gpu
 from .common import (
     accumulation_dtype,
@@ -55,6 +55,25 @@ def _(gather_index, k_start, k_len, cp_size):
         lambda: f"plan covers {gather_index.shape[0]} tokens, not a multiple of cp_size {cp_size}",
     )
     return tuple(k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2))
+
+
+@torch.library.custom_op("cpcompile::ring_window_plan", mutates_args=())
+def ring_window_plan_op(
+    gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.ring_plan.ring_window_plan` as an op, fed by ``cp_plan`` and ``window_keys``:
+    ``(k_start, k_len)`` ``[cp_size, P]`` int32 and the blocks' positions ``[cp_size, T_local]`` int64."""
+    return ring_window_plan(gather_index, k_start, k_len, cp_size)
+
+
+@ring_window_plan_op.register_fake
+def _(gather_index, k_start, k_len, cp_size):
+    torch._check(
+        gather_index.shape[0] % cp_size == 0,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, not a multiple of cp_size {cp_size}",
+    )
+    ranges = [k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2)]
+    return *ranges, gather_index.new_empty((cp_size, gather_index.shape[0] // cp_size))
 
 
 def merge(

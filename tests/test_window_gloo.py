@@ -2,13 +2,18 @@
 
 One spawn per world size (2, 3) runs every layout with windows ``(w, 0)`` and ``(w, w)``
 over the all-gather, the sparse exchange and the ring, in float64, on packs with 1-token
-documents, documents shorter than the window and one spanning every rank; forward and every
-gradient are checked against ``tests.reference.attention_fp64`` with the window's dense mask
-(built independently of ``cpcompile.window``). The same spawn checks that the exchange moves
-fewer rows under a window, and that bad windows fail before any communication.
+documents, documents shorter than the window and one spanning every rank, then seeded random
+cases (:func:`random_cases`: every pack kind of ``tests.fixtures.KINDS``, windows of 0, 1, a
+few tokens and longer than the documents); forward and every gradient are checked against
+``tests.reference.attention_fp64`` with the window's dense mask (built independently of
+``cpcompile.window``). The same spawn checks that the exchange moves fewer rows under a
+window, that bad windows fail before any communication, and that a compiled model calling
+``varlen_attn`` with windows equals one device.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -22,7 +27,7 @@ from cpcompile.plan import step_plan
 from cpcompile.testing import VARLEN_GQA
 from cpcompile.window import window_keys
 from tests.dist import run_ranks
-from tests.fixtures import attention_case, doc_lengths, strategy_specs
+from tests.fixtures import KINDS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64, attention_fp64_on_rank
 
 EXACT = 1e-10  # float64 throughout: only the summation order differs
@@ -57,9 +62,39 @@ def _check_rank(rank: int, world: int) -> None:
                 got = _run(sharded, cu, spec, window, comm, kv)
                 label = f"rank {rank}/{world} {spec} window={window} comm={comm} kv_exchange={kv}"
                 assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
+    _check_random_packs(rank, world)
     _check_exchange_rows(rank, world)
     _check_bad_windows(world)
     _check_compiled(rank, world)
+
+
+#: window sides drawn by the random cases: none, 0, 1, a few tokens, longer than any document
+SIDES = (-1, 0, 1, 3, 100)
+
+
+def random_cases(cp: int, seed: int, count: int = 48):
+    """Seeded cases (every rank draws the same): ``(spec, (comm, kv_exchange), window, lengths, seed)`` over
+    every layout and path, each pack kind of ``tests.fixtures.KINDS`` in turn, window sides cycling
+    through :data:`SIDES` (left) and drawn from them (right)."""
+    rng = random.Random(seed)
+    specs, paths = strategy_specs(), [*PATHS, ("all_gather", "auto")]
+    for i in range(count):
+        window = (SIDES[i % len(SIDES)], rng.choice(SIDES))
+        pack = random_pack(rng, cp, KINDS[i % len(KINDS)])
+        yield rng.choice(specs), rng.choice(paths), window, pack, rng.randrange(1 << 30)
+
+
+def _check_random_packs(rank: int, world: int) -> None:
+    """Random packs of every kind (1-token documents, one document, one token per rank, zero-length
+    documents, many documents), random windows, every layout and path: float64-exact."""
+    for spec, (comm, kv), window, lengths, seed in random_cases(world, 2000 + world):
+        cu, _, q, k, v, dout = attention_case(lengths, 2, 1, 4, seed=seed, dtype=torch.float64)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+        got = _run(sharded, cu, sharded.spec, window, comm, kv)
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
+        label = f"rank {rank}/{world} {spec} window={window} comm={comm}/{kv} docs {lengths}"
+        assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
 
 
 def _windowed_model(q, k, v, cu_seqlens, max_seqlen):
@@ -136,3 +171,15 @@ def _check_bad_windows(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_window_attention_matches_fp64(world):
     run_ranks(_check_rank, world)
+
+
+def test_random_cases_cover_the_edge_cases():
+    """The cases do hold what ``_check_random_packs`` promises, at every cp tested."""
+    for cp in (2, 3):
+        drawn = list(random_cases(cp, 2000 + cp))
+        packs = [lengths for *_, lengths, _ in drawn]
+        windows = [window for _, _, window, _, _ in drawn]
+        assert any(len(p) == 1 for p in packs) and any(0 in p for p in packs) and any(sum(p) <= cp for p in packs)
+        assert any(all(n == 1 for n in p) and len(p) > 1 for p in packs)
+        assert {0, 1, 100} <= {w[0] for w in windows} and {0, 1, 100} <= {w[1] for w in windows}
+        assert any(w[1] == 0 and w[0] >= 0 for w in windows) and any(w[0] >= 0 and w[1] > 0 for w in windows)

@@ -98,6 +98,20 @@ def causal_tiles(rows, offset, block_q: int = TILE, block_k: int = TILE):
     return tiles + (rest > 0) * ((offset + rows + n - 1) // n)
 
 
+def band_tiles(rows: torch.Tensor, offset: torch.Tensor, window: int, block_q: int = TILE, block_k: int = TILE):
+    """:func:`causal_tiles` under a sliding window: a row at position ``p`` of its document reads only
+    keys ``[p - window, p]``, so each query tile's key tiles start at its first row's window (int64
+    ``[P]`` tensors; ``window`` -1: unbounded, as :func:`causal_tiles`). One entry per query tile."""
+    m, n = block_q, block_k
+    blocks = (rows + m - 1) // m  # [P]
+    piece = torch.repeat_interleave(torch.arange(rows.shape[0]), blocks)  # [blocks]
+    b = torch.arange(piece.shape[0]) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+    first = offset[piece] + b * m
+    last = offset[piece] + torch.minimum((b + 1) * m, rows[piece]) - 1
+    lo = (first - window).clamp(min=0) if window >= 0 else torch.zeros_like(first)
+    return torch.zeros_like(rows).index_add_(0, piece, last // n + 1 - lo // n)
+
+
 class _Sequence:
     """The cut-able documents in sequence order (step 2) and their cumulative work, doubled."""
 

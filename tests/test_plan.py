@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile.kernels import Pieces, reference
-from cpcompile.plan import keys_read, origin, read_lengths, read_ranges, step_plan
+from cpcompile.plan import origin, step_plan
+from cpcompile.reads import keys_read, read_lengths, read_ranges
 from cpcompile.window import window_keys
 from tests.fixtures import LAYOUT_CASE, cu_seqlens, pack_lengths_st
 from tests.fixtures import LAYOUT_SPECS as SPECS

@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from ..per_plan import on_host, per_plan, twinned, upload
-from ..plan import Pack, keys_read, origin, read_ranges
+from ..plan import origin
+from ..reads import Pack, keys_read, read_ranges
 from .collectives import all_to_all_rows
 from .groups import resolve_group
 
@@ -172,7 +173,7 @@ def make_exchange(
 ) -> Exchange | None:
     """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
     ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``(reader, lo, hi)`` ``[M]``
-    (:func:`cpcompile.plan.read_ranges`): the same count matrix on every rank, and the rows
+    (:func:`cpcompile.reads.read_ranges`): the same count matrix on every rank, and the rows
     other ranks read from this one, as each would have requested them.
 
     Note [reads as runs]: rank ``reader[m]`` reads the physical keys ``[lo[m], hi[m])``

@@ -240,7 +240,10 @@ def _sdpa_args(g, shape: _Shape) -> dict:
     if shape.causal:
         right = 0
     if (left, right) != (-1, -1):
-        args["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
+        # a window with keys past the query runs on whole documents only (``contract.gpu_window``),
+        # where the alignments agree: top-left there, which cuDNN takes with both bounds
+        aligned = cudnn.diagonal_alignment.BOTTOM_RIGHT if right == 0 else cudnn.diagonal_alignment.TOP_LEFT
+        args["diagonal_alignment"] = aligned
     if right >= 0:
         args["diagonal_band_right_bound"] = right
     if left >= 0:  # cuDNN's bound counts the diagonal: key j is seen from row i when i - j < bound

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .balanced import band_tiles, causal_tiles
+from .balanced import band_tiles, causal_tiles, window_pairs
 from .checks import check_cp, check_cu_seqlens, check_int
 from .partition import all_partition_indices, pad_for_cp, piece_marks
 from .reads import Pack, read_ranges
@@ -115,14 +115,6 @@ def _tiles(q_len: torch.Tensor, offset: torch.Tensor, doc_len: torch.Tensor, mod
     return causal_tiles(q_len, offset, m, n)
 
 
-def _pairs_before(p: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal pairs of a document's first ``p`` rows, each row's keys capped at ``window + 1``."""
-    if window < 0:
-        return p * (p + 1) // 2
-    under = p.clamp(max=window + 1)
-    return under * (under + 1) // 2 + (p - under) * (window + 1)
-
-
 def predict_rank_costs(
     cu_seqlens: torch.Tensor,
     *,
@@ -159,7 +151,7 @@ def predict_rank_costs(
     offset = pos.reshape(-1)[first]
     doc_len = (cu[1:] - cu[:-1]).long()[doc.reshape(-1)[first]]
     w = model.window
-    pairs = _pairs_before(offset + q_len, w) - _pairs_before(offset, w) if model.causal else q_len * doc_len
+    pairs = window_pairs(offset + q_len, w) - window_pairs(offset, w) if model.causal else q_len * doc_len
     keys = (offset if w < 0 else offset.clamp(max=w)) + q_len if model.causal else doc_len
     tiles = _tiles(q_len, offset, doc_len, model)
     short = live & (q_len < model.block_q) & (q_len < doc_len)

@@ -179,13 +179,14 @@ def make_plan(
     return plan
 
 
-def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, **kw):
+def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), **kw):
     """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
     (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
     host twins (:mod:`cpcompile.per_plan`), so that what derives from the plan reads sizes there."""
     padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
     cu, *padded = on_host(cu_seqlens, *padded)
-    plan = make(cu, *padded, strategy=StrategySpec(Strategy(strategy), stripe_size), **kw)
+    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows))
+    plan = make(cu, *padded, strategy=spec, **kw)
     return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
 
 
@@ -198,6 +199,7 @@ def step_plan(
     rank: int,
     strategy: str,
     stripe_size: int,
+    windows: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """:func:`make_plan` once per step, for every layer: made on the host and uploaded.
 
@@ -207,9 +209,9 @@ def step_plan(
     any case) and uploaded to ``cu_seqlens``' device with host twins, so that the
     metadata derived from it later reads its sizes without a sync
     (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
-    resolved here, alike on every rank).
+    resolved here, alike on every rank); ``windows``: ``StrategySpec.windows``.
     """
-    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens, "windows": tuple(windows)}
     plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through

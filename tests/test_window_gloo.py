@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.varlen import varlen_attn
 
 import cpcompile
+from cpcompile import Strategy, StrategySpec
 from cpcompile.batch import physical_positions
 from cpcompile.comm.exchange import exchange_plan
 from cpcompile.plan import step_plan
@@ -50,8 +51,12 @@ def _run(sharded, cu, spec, window, comm, kv_exchange):
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 
 
+#: every layout, and balanced evening the work of windowed and global layers (``StrategySpec.windows``)
+SPECS = [*strategy_specs(stripe_size=2, auto=False), StrategySpec(Strategy.BALANCED, windows=(3, -1))]
+
+
 def _check_rank(rank: int, world: int) -> None:
-    for case, spec in enumerate(strategy_specs(stripe_size=2, auto=False)):
+    for case, spec in enumerate(SPECS):
         lengths = doc_lengths(world, case)
         cu, _, q, k, v, dout = attention_case(lengths, 4, 2, 8, seed=case, dtype=torch.float64)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
@@ -77,7 +82,7 @@ def random_cases(cp: int, seed: int, count: int = 48):
     every layout and path, each pack kind of ``tests.fixtures.KINDS`` in turn, window sides cycling
     through :data:`SIDES` (left) and drawn from them (right)."""
     rng = random.Random(seed)
-    specs, paths = strategy_specs(), [*PATHS, ("all_gather", "auto")]
+    specs, paths = [*strategy_specs(), *SPECS[-1:]], [*PATHS, ("all_gather", "auto")]
     for i in range(count):
         window = (SIDES[i % len(SIDES)], rng.choice(SIDES))
         pack = random_pack(rng, cp, KINDS[i % len(KINDS)])
@@ -117,7 +122,7 @@ def _check_compiled(rank: int, world: int) -> None:
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(_windowed_model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-    for spec in ("dual_chunk_swap", "balanced"):
+    for spec in ("dual_chunk_swap", SPECS[-1]):
         for seed in range(2):
             lengths = doc_lengths(world, 10 + seed)
             cu, _, q, k, v, dout = attention_case(lengths, 4, 2, 8, seed=seed)

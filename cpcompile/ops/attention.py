@@ -361,7 +361,7 @@ def cp_attention(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
-                args = (cp, rank, spec.strategy.value, spec.stripe_size)
+                args = (cp, rank, spec.strategy.value, spec.stripe_size, spec.windows)
                 plan = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
@@ -406,6 +406,7 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
         "dtype": str(q.dtype),
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,
+        "windows (balanced)": spec.windows,
         "comm": comm,
         "head_parallel": spec.head_parallel,
         "window": window,

@@ -353,7 +353,7 @@ def rewrite_packed_attention(
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
     ring_ranges: dict[tuple, list[fx.Node]] = {}
-    windows: dict[tuple, list[fx.Node]] = {}
+    window_keys: dict[tuple, list[fx.Node]] = {}
     for m in matches:
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
@@ -367,8 +367,9 @@ def rewrite_packed_attention(
                     plan_args = (cp_size, spec.head_parallel, rank, *layout)
                 elif heads:  # the same plan on every rank: the layout's order, whole documents
                     target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
-                else:
-                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout)
+                else:  # a balanced layout's windows only where set: graphs without them stay as they were
+                    balance = (list(spec.windows),) if spec.windows else ()
+                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *balance)
                 plan = insert(target, (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args), target._opname, m.node)
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
@@ -382,15 +383,17 @@ def rewrite_packed_attention(
                         f"{m.node.format_node()}: window_size={m.window} is not supported with head_parallel > 1"
                     )
                 window_key = (*key, m.window)
-                if window_key not in windows:
+                if window_key not in window_keys:
                     keys = insert(
                         torch.ops.cpcompile.window_keys.default,
                         (cu_q, k_start, k_len_causal, k_len_full, *m.window),
                         "window_keys",
                         m.node,
                     )
-                    windows[window_key] = [insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)]
-                k_start, k_len, q_pos = windows[window_key]
+                    window_keys[window_key] = [
+                        insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)
+                    ]
+                k_start, k_len, q_pos = window_keys[window_key]
             if hybrid:
                 cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
             elif heads:

@@ -34,17 +34,14 @@ from cpcompile.ring_plan import ring_window_plan
 from cpcompile.window import window_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from balance import STRATEGIES as LAYOUTS  # noqa: E402
 from balance import cu_of, make_packs  # noqa: E402
 from report import REPO, add_output_argument, header, publish  # noqa: E402
 
 SECTION = "## Sliding windows: exchange bytes, ring blocks, balance (benchmarks/window.py)"
-STRATEGIES = {
-    "dual_chunk_swap": StrategySpec(Strategy.DUAL_CHUNK_SWAP),
-    "no_load_balance": StrategySpec(Strategy.NO_LOAD_BALANCE),
-    "striped_128": StrategySpec(Strategy.STRIPED, stripe_size=128),
-    "balanced": StrategySpec(Strategy.BALANCED),
-    "balanced_w": StrategySpec(Strategy.BALANCED),  # for the window: StrategySpec.windows=(w,)
-}
+# balance.py's layouts (striped with tile-sized stripes), and balanced told the window
+STRATEGIES = {name: LAYOUTS[name] for name in ("dual_chunk_swap", "no_load_balance", "striped_128", "balanced")}
+STRATEGIES["balanced_w"] = LAYOUTS["balanced"]  # for a window: StrategySpec.windows=(w,)
 KV_HEADS, HEAD_DIM, BYTES = 8, 128, 2  # Llama-3-8B's K/V heads, bf16
 
 

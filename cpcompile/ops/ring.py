@@ -104,8 +104,10 @@ def _live_blocks(k_len: torch.Tensor) -> list[bool]:
 
 def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos=None, k_pos=None):
     """Per ring step, for the block in hand: ``(k_src, v_src, pieces, causal)``, with ``pieces``
-    ``None`` where no piece reads the block (its kernel call is skipped; the block still passes)."""
-    live = _live_blocks(k_len)
+    ``None`` where no piece reads the block (its kernel call is skipped; the block still passes).
+    Only windowed calls look (their plan is the step's, with host twins): a causal call's ring plan
+    is made per call, and finding its unread blocks would cost a host sync per layer on GPUs."""
+    live = _live_blocks(k_len) if k_pos is not None else [True] * k_len.shape[0]
     for src, kv in rotate(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
         k_src, v_src = kv.split(k.shape[1], dim=1)
         own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full

@@ -12,13 +12,14 @@ built once per step and shared by every layer. With ``spec.comm == "ring"`` it b
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
 and mask (the plan's key ranges as rows of every rank's block). A sliding window
 (``window_size``, ``cpcompile.window``) is one ``cpcompile::window_keys`` per plan and window
-(each piece's keys within it), and travels in the CP op's arguments. With
+(each piece's keys within it), and travels in the CP op's arguments (a symbolic window is
+specialized: its graph is guarded on it). With
 ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
 ``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
 ``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
 the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. A variant the
 CP op cannot compute exactly (different query and key offsets, per-sequence key lengths,
-paged keys, dropout, softcap, ALiBi, a used RNG state, a window that is not a constant) raises
+paged keys, dropout, softcap, ALiBi, a used RNG state, an invalid window) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
 would attend within each rank's own tokens only, and the model would train wrong.
 ``unsupported="single_device"`` leaves such calls alone instead, with one warning each,
@@ -226,10 +227,10 @@ def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | 
     """A varlen call of schema ``s`` (arguments ``a`` by name) as CP attention, or why it cannot be one."""
     window = _window(a)
     used = _used_outputs(node)
-    if not all(type(w) is int for w in window):  # a symbolic window would specialize the graph or be lost
-        shown = ", ".join(map(_shown, window))
-        return Unsupported(node, f"window_size ({shown}) is not a constant; CP needs its value")
     try:
+        # the kernels and the plan need the window's value: a symbolic one (an int Dynamo lifted to an
+        # input) is specialized here, its graph guarded on it (another window compiles another graph)
+        window = tuple(int(w) if isinstance(w, torch.SymInt) else w for w in window)
         check_window(window)
     except (TypeError, ValueError) as e:
         return Unsupported(node, str(e))
@@ -499,7 +500,7 @@ def shard_attention_pass(
         calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)
         raise UnsupportedAttentionError(
             f"cpcompile cannot run {len(skipped)} packed attention call(s) context-parallel exactly: {calls}. "
-            "Use one cu_seqlens for queries and keys and a constant window, or pass "
+            "Use one cu_seqlens for queries and keys and a valid window, or pass "
             "cpcompile.backend(..., unsupported='single_device') to run such calls over each rank's own "
             "tokens alone (not the single-device result)."
         )

@@ -6,7 +6,11 @@ those it reads (sparse exchange, where it would be chosen; column K/V); communic
 excluded (DESIGN.md section 8).
 Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
-    python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072]
+    python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
+
+``--window W`` times sliding-window attention ``window_size=(W, 0)`` throughout (its own section):
+the pieces read only their windows' keys, and balanced is timed also told the window
+(``StrategySpec("balanced", windows=(W,))``).
 
 Every GPU kernel backend present is measured: flash always; with the ``gpu`` extra also
 cudnn and auto (the default then: FA4 where installed, else cuDNN's forward and the
@@ -35,6 +39,7 @@ from cpcompile.kernels import cudnn, fa4
 from cpcompile.ops import gathered
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
+from cpcompile.window import window_keys
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
 STRATEGIES = [
@@ -70,13 +75,13 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
     return statistics.median(times)
 
 
-def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
+def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
     rank reads, dK/dV for those alone; else over all the keys (all-gathered), the backward
     writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
-    k_len = plan.k_len(causal)
-    kw = {"causal": causal, "scale": q.shape[-1] ** -0.5}
+    k_start, k_len, _ = window_keys(*plan[1:], window)  # (w, 0): bottom-right aligned, no positions
+    kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window}
     bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
     if read is not None:
         k, v = k[read.rows], v[read.rows]
@@ -85,7 +90,7 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
         def sums():
             return {"pack_keys": plan.gather_index.shape[0]}
     else:
-        pieces = kernels.Pieces(plan.cu_q, plan.k_start, k_len, **bounds)
+        pieces = kernels.Pieces(plan.cu_q, k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)
 
         def sums():
@@ -100,10 +105,10 @@ def kernel_step(kernel, q, k, v, plan, causal, max_seqlen, backward: bool, max_s
     return run
 
 
-def rank_reads(plans: list, cp: int) -> list | None:
+def rank_reads(plans: list, cp: int, window) -> list | None:
     """Each rank's keys read, where ``cp_attention`` would exchange them (the rule its ranks
     apply to the counts they all hold), else ``None``: the all-gather."""
-    read = [exchange.reads(p.gather_index, p.k_start, p.k_len_causal, cp) for p in plans]
+    read = [exchange.reads(p.gather_index, *window_keys(*p[1:], window)[:2], cp) for p in plans]
     counts = [r.counts.tolist() for r in read]
     return read if exchange.use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
 
@@ -121,39 +126,39 @@ def single_step(attention, q, k, v, backward: bool):
     return run
 
 
-def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str):
+def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
-    config = cpcompile.Config(kernel=kernel)
-    return single_step(
-        lambda *qkv: cpcompile.packed_attention(*qkv, cu, max_seqlen=max_seqlen, config=config), q, k, v, backward
-    )
+    kw = {"max_seqlen": max_seqlen, "window_size": window, "config": cpcompile.Config(kernel=kernel)}
+    return single_step(lambda *qkv: cpcompile.packed_attention(*qkv, cu, **kw), q, k, v, backward)
 
 
-def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
+def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window):
     """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    bounds = {"max_seqlen_q": max_seqlen, "max_seqlen_k": max_seqlen}
+    kw = {"max_seqlen_q": max_seqlen, "max_seqlen_k": max_seqlen, "causal": True}
+    if window[0] >= 0:
+        kw["window_size"] = (window[0], 0)
     return single_step(
-        lambda *qkv: flash_attn_varlen_func(*qkv, cu_seqlens_q=cu, cu_seqlens_k=cu, **bounds, causal=True)[0],
-        q, k, v, backward,
-    )  # fmt: skip
+        lambda *qkv: flash_attn_varlen_func(*qkv, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)[0], q, k, v, backward
+    )
 
 
-def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool):
+def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window):
     """torch's ``varlen_attn`` (FlashAttention-2) on whole documents."""
     from torch.nn.attention.varlen import varlen_attn
 
     return single_step(
-        lambda *qkv: varlen_attn(*qkv, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), **VARLEN_GQA),
+        lambda *qkv: varlen_attn(*qkv, cu, cu, max_seqlen, max_seqlen, window_size=window, **VARLEN_GQA),
         q, k, v, backward,
     )  # fmt: skip
 
 
 def measure(
-    lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool, names: list[str]
+    lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool, names: list[str], window: int = -1
 ) -> tuple[list[dict], dict]:
-    """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check."""
+    """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
+    ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal)."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -162,7 +167,10 @@ def measure(
     pad_room = 2 * max(cps) * len(lengths)  # enough physical rows for any strategy's padding
     q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    flops = causal_attention_flops(lengths, hq, d) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
+    flops = causal_attention_flops(lengths, hq, d, window) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
+    band = (window, 0)
+    model = cpcompile.CostModel(window=window)
+    specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
 
     # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)
@@ -172,32 +180,33 @@ def measure(
         if code not in codes:
             codes.add(code)
             measured.append(name)
-    singles = {"(torch varlen_attn)": torch_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)}
+    whole = (q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)
+    singles = {"(torch varlen_attn)": torch_varlen_step(*whole, band)}
     if fa4.available():
-        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)
+        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band)
     for name in measured:
-        singles[f"[{name}]"] = packed_step(q[:t], k[:t], v[:t], cu.to(dev), max_len, backward, name)
+        singles[f"[{name}]"] = packed_step(*whole, name, band)
     single_ms = {what: timed(step) for what, step in singles.items()}
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
-    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in STRATEGIES for name in measured):
+    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
         kernel = kernels.select(q, name)
         padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
         n = int(padded[-1])
         plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
         short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
         plans = [cpcompile.AttentionPlan(*(x.to(dev) for x in p)) for p in plans]
-        read = rank_reads(plans, cp)
+        read = rank_reads(plans, cp, band)
         q_local = q[: n // cp]  # values do not matter, sizes and pieces do
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
         reference = timed(best)  # in the GPU's power state of the ranks' timings (docs/measurement.md)
         per_rank = []
         for rank, plan in enumerate(plans):
             read_r = None if read is None else read[rank]
-            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, True, max_len, backward, bound, read_r)
+            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, read_r)
             per_rank.append(timed(step))
-        predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded)
+        predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model)
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
         attention = predicted.cost - cpcompile.CostModel().token_cost * predicted.tokens
@@ -207,6 +216,7 @@ def measure(
             {
                 "what": f"cp={cp} {spec.strategy.value}"
                 + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                + (f" windows={spec.windows}" if spec.windows else "")
                 + f" [{name}]",
                 "cp": cp,
                 "ms": slowest,
@@ -290,16 +300,18 @@ def main() -> None:
     default_kernels = ["flash"] + (["cudnn"] if cudnn.available() else []) + (["fa4"] if fa4.available() else [])
     default_kernels += ["auto"] if cudnn.available() else []
     parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "fa4", "auto"])
+    parser.add_argument("--window", type=int, default=-1, help="a sliding window (W, 0) throughout; -1: causal")
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
-    lines = [*header(HEADING), *intro(args.tokens, args.doclens.name, args.packs)]
+    heading = HEADING if args.window < 0 else f"{HEADING[:-1]} --window {args.window})"
+    lines = [*header(heading), *intro(args.tokens, args.doclens.name, args.packs)]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
             per_pack, samples = [], {}
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
-                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward, args.kernels)
+                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward, args.kernels, args.window)
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():
                     samples[name] = samples.get(name, []) + pairs
@@ -312,7 +324,7 @@ def main() -> None:
             done = table(title, medians, fits, len(next(iter(samples.values()))), backward)
             lines += done
             print("\n".join(done), file=sys.stderr, flush=True)  # progress
-    publish(HEADING, lines, args.output)
+    publish(heading, lines, args.output)
 
 
 if __name__ == "__main__":

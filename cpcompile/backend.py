@@ -76,8 +76,8 @@ def backend(
             overlapped ``ag_gemm`` / ``gemm_rs``; their groups come from the graph.
         tp_capacity_tokens: the most tokens per TP rank, so overlap buffers are
             allocated once (``None``: they grow to the largest call seen).
-        unsupported: a packed attention call CP cannot compute exactly (a sliding
-            window, different query and key documents, ``seqused_k``, paged keys):
+        unsupported: a packed attention call CP cannot compute exactly (different query
+            and key documents, ``seqused_k``, paged keys, an invalid window):
             ``"raise"`` (default) fails the compile naming it; ``"single_device"``
             leaves it as it is, with a warning, so it attends within each rank's tokens.
         config: kernel, K/V transport and TP transport (:class:`cpcompile.Config`), passed

@@ -98,17 +98,49 @@ def causal_tiles(rows, offset, block_q: int = TILE, block_k: int = TILE):
     return tiles + (rest > 0) * ((offset + rows + n - 1) // n)
 
 
+def window_pairs(p: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal attention pairs of a document's first ``p`` rows (int64, any shape) when each row sees at
+    most ``window + 1`` keys (its sliding window: varlen_attn's ``(window, 0)``; -1: unbounded)."""
+    if window < 0:
+        return p * (p + 1) // 2
+    under = p.clamp(max=window + 1)
+    return under * (under + 1) // 2 + (p - under) * (window + 1)
+
+
+def band_tiles(rows: torch.Tensor, offset: torch.Tensor, window: int, block_q: int = TILE, block_k: int = TILE):
+    """:func:`causal_tiles` under a sliding window: a row at position ``p`` of its document reads only
+    keys ``[p - window, p]``, so each query tile's key tiles start at its first row's window (int64
+    ``[P]`` tensors; ``window`` -1: unbounded, as :func:`causal_tiles`). One entry per query tile."""
+    m, n = block_q, block_k
+    blocks = (rows + m - 1) // m  # [P]
+    piece = torch.repeat_interleave(torch.arange(rows.shape[0]), blocks)  # [blocks]
+    b = torch.arange(piece.shape[0]) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+    first = offset[piece] + b * m
+    last = offset[piece] + torch.minimum((b + 1) * m, rows[piece]) - 1
+    lo = (first - window).clamp(min=0) if window >= 0 else torch.zeros_like(first)
+    return torch.zeros_like(rows).index_add_(0, piece, last // n + 1 - lo // n)
+
+
 class _Sequence:
     """The cut-able documents in sequence order (step 2) and their cumulative work, doubled."""
 
-    def __init__(self, lengths: torch.Tensor, rate: torch.Tensor, tile: int) -> None:
+    def __init__(self, lengths: torch.Tensor, rate: torch.Tensor, tile: int, windows=None) -> None:
         self.lengths = lengths  # [D] int64
         self.rate = rate  # [D] int64, twice the work per token, non-increasing
         self.tile = tile
+        # Windowed layers: a document's tokens are read in order, not in pair order (a window makes
+        # late tokens no dearer than middle ones, so mirrored halves no longer carry equal work),
+        # and a prefix's work is exact (window_pairs)
+        self.windows = windows
         zero = lengths.new_zeros(1)
         self.starts = torch.cat([zero, lengths.cumsum(0)])  # [D + 1] sequence offsets
-        self.work2_before = torch.cat([zero, (lengths * rate).cumsum(0)])  # [D + 1]
+        work2 = lengths * rate if windows is None else 2 * self._pairs(lengths)
+        self.work2_before = torch.cat([zero, work2.cumsum(0)])  # [D + 1]
         self.tokens = int(self.starts[-1])
+
+    def _pairs(self, rows: torch.Tensor) -> torch.Tensor:
+        """The windowed layers' pairs of a document's first ``rows`` tokens, together."""
+        return sum(window_pairs(rows, w) for w in self.windows)
 
     def doc_at(self, p: torch.Tensor) -> torch.Tensor:
         # right=True: empty documents share their start with the next one and are skipped
@@ -118,6 +150,8 @@ class _Sequence:
         """Twice the work of the first ``p`` tokens (any shape, int64), as step 2 counts it:
         non-decreasing in ``p``, by at most ``rate`` per token."""
         d = self.doc_at(p)
+        if self.windows is not None:
+            return self.work2_before[d] + 2 * self._pairs(p - self.starts[d])
         return self.work2_before[d] + (p - self.starts[d]) * self.rate[d]
 
     def runs(self, starts: torch.Tensor, ends: torch.Tensor, splits=None) -> tuple[torch.Tensor, ...]:
@@ -151,6 +185,8 @@ class _Sequence:
         """``(head, tail)`` tokens of ``doc`` before sequence position ``p``, in pair order
         (even k -> position k / 2, odd k -> L - 1 - (k - 1) / 2) unless ``splits`` moved it."""
         x = p - self.starts[doc]
+        if self.windows is not None:  # in order: all head (and no split moves, as step 4 does not run)
+            return x, torch.zeros_like(x)
         head, tail = (x + 1) // 2, x // 2
         if splits is None or not splits[0].numel():
             return head, tail
@@ -287,21 +323,24 @@ def _nested(a: list[int], b: list[int]) -> bool:
     return a[0] <= b[0] and a[1] <= b[1]
 
 
-def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int, windows: tuple[int, ...] = ()) -> torch.Tensor:
     """Every rank's physical positions under BALANCED, computed on the host.
 
     Args:
         cu_seqlens_padded: ``[B + 1]`` int32 physical offsets, total a multiple of ``cp_size``.
+        windows: the layers' sliding windows (``StrategySpec.windows``; ``()``: causal layers). Where one
+            is set, work is their pairs together (:func:`window_pairs`), and cuts are not moved to tiles
+            (step 4 counts causal tiles).
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
     with torch.inference_mode():  # integer work with nothing to record: no autograd bookkeeping
-        layout = _host_layout(cu_seqlens_padded.detach().cpu().long(), cp_size)
+        layout = _host_layout(cu_seqlens_padded.detach().cpu().long(), cp_size, tuple(windows))
     # copied outside inference mode: the layout indexes tensors that autograd may save
     return layout.to(cu_seqlens_padded.device, copy=True)
 
 
-def _host_layout(cu: torch.Tensor, cp_size: int) -> torch.Tensor:
+def _host_layout(cu: torch.Tensor, cp_size: int, windows: tuple[int, ...] = ()) -> torch.Tensor:
     """:func:`balanced_layout` on the host: ``cu`` ``[B + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64."""
     lengths = cu[1:] - cu[:-1]
     total = int(cu[-1])
@@ -311,13 +350,17 @@ def _host_layout(cu: torch.Tensor, cp_size: int) -> torch.Tensor:
 
     first, dealt_rank = _deal_short(by_len, cp, t_local)
     dealt = order[first : first + dealt_rank.shape[0]]
-    on_tiles = cp > 1 and t_local >= SNAP_MIN_TOKENS  # work in kernel tiles, and step 4
+    banded = any(w >= 0 for w in windows)
+    on_tiles = cp > 1 and t_local >= SNAP_MIN_TOKENS and not banded  # work in kernel tiles, and step 4
     s = TILE if on_tiles else 1
-    work2 = 2 * s * s * causal_tiles(lengths, 0, s, s)  # [B] twice each document's work
+    if banded:  # the layers' pairs together: a window caps each query's keys
+        work2 = 2 * sum(window_pairs(lengths, w) for w in windows)
+    else:
+        work2 = 2 * s * s * causal_tiles(lengths, 0, s, s)  # [B] twice each document's work
     rate = -(-work2 // lengths.clamp(min=1))  # [B] twice the work per token, rounded up (pairs: L + 1)
     rest = torch.cat([order[:first], order[first + dealt.shape[0] :]])
     rest = rest[torch.sort(-rate[rest], stable=True).indices]  # densest first, then longest
-    seq = _Sequence(lengths[rest], rate[rest], s)
+    seq = _Sequence(lengths[rest], rate[rest], s, windows if banded else None)
     dealt_len = lengths[dealt]
     take = t_local - torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len)
     dealt_work2 = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * rate[dealt])

@@ -123,7 +123,7 @@ def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
     if spec.head_parallel > 1:
         head_step_plan(cu, None, cp * sharded.indices.shape[0], cp, *layout)
     else:
-        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout)
+        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout, spec.windows)
     return dataclasses.replace(
         sharded, tensors=tensors, cu_seqlens=cu, cu_seqlens_padded=cu_padded, indices=move(pin(sharded.indices))
     )

@@ -47,7 +47,8 @@ from .comm.exchange import SETTINGS, make_exchange
 from .comm.heads import kv_replication
 from .cost import CostModel, RankCosts, _host, auto_candidates, check_candidates, predict_rank_costs, resolve_auto
 from .partition import pad_for_cp
-from .plan import make_plan, origin, read_lengths
+from .plan import make_plan, origin
+from .reads import read_ranges
 from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -104,8 +105,8 @@ def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool, choice
     takes the all-gather: the exchange's own plan of every rank (``comm.exchange.make_exchange``)."""
     plans = [make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     pack = origin(plans[0].k_len_causal).pack
-    read_len = read_lengths(pack, causal)
-    exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, read_len, r, choice) for r, p in enumerate(plans)]
+    reads = read_ranges(pack, (-1, 0) if causal else (-1, -1))
+    exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, reads, r, choice) for r, p in enumerate(plans)]
     if exchanges[0] is None:
         return None
     return [sum(e.recv_counts) for e in exchanges], [sum(e.send_counts) for e in exchanges]

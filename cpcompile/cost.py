@@ -61,9 +61,10 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .balanced import causal_tiles
+from .balanced import band_tiles, causal_tiles, window_pairs
 from .checks import check_cp, check_cu_seqlens, check_int
 from .partition import all_partition_indices, pad_for_cp, piece_marks
+from .reads import Pack, read_ranges
 from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -76,8 +77,12 @@ class CostModel:
     token_cost: int = 128 * 128
     key_cost: int = 32
     causal: bool = True
+    window: int = -1  # a causal sliding window's left side (varlen_attn's (window, 0)); -1: none
 
     def __post_init__(self) -> None:
+        check_int("window", self.window, minimum=-1)
+        if self.window >= 0 and not self.causal:
+            raise ValueError(f"window={self.window} counts causal sliding windows: it needs causal=True")
         check_int("block_q", self.block_q, minimum=1)
         check_int("block_k", self.block_k, minimum=1)
         check_int("token_cost", self.token_cost, minimum=0)
@@ -120,6 +125,8 @@ def _tiles(q_len: torch.Tensor, offset: torch.Tensor, doc_len: torch.Tensor, mod
     m, n = model.block_q, model.block_k
     if not model.causal:
         return (q_len + m - 1) // m * ((doc_len + n - 1) // n)
+    if model.window >= 0:
+        return band_tiles(q_len, offset, model.window, m, n)
     return causal_tiles(q_len, offset, m, n)
 
 
@@ -166,8 +173,9 @@ def predict_rank_costs(
     live = real.reshape(-1)[first]
     offset = pos.reshape(-1)[first]
     doc_len = (cu[1:] - cu[:-1]).long()[doc.reshape(-1)[first]]
-    pairs = q_len * offset + q_len * (q_len + 1) // 2 if model.causal else q_len * doc_len
-    keys = offset + q_len if model.causal else doc_len
+    w = model.window
+    pairs = window_pairs(offset + q_len, w) - window_pairs(offset, w) if model.causal else q_len * doc_len
+    keys = (offset if w < 0 else offset.clamp(max=w)) + q_len if model.causal else doc_len
     tiles = _tiles(q_len, offset, doc_len, model)
     short = live & (q_len < model.block_q) & (q_len < doc_len)
 
@@ -177,16 +185,18 @@ def predict_rank_costs(
     tiles_r = per_rank(torch.where(live, tiles, 0))
     live_keys = torch.where(live, keys, 0).long()
     key_rows = per_rank(live_keys)
-    # a rank's pieces of one document read prefixes of its keys: the longest is what it reads
-    num_docs = cu.shape[0] - 1
-    longest = torch.zeros(cp_size * num_docs, dtype=torch.long).scatter_reduce_(
-        0, rank * num_docs + doc.reshape(-1)[first], live_keys, "amax"
-    )
-    # of a prefix [s, s + n) of a document, the rank holds those of its sorted rows that fall in it
-    held = layout.sort(dim=1).values  # [cp, T_local]
-    first_key = padded[:-1].long().expand(cp_size, num_docs).contiguous()  # [cp, B]
-    longest = longest.view(cp_size, num_docs)
-    own = torch.searchsorted(held, first_key + longest) - torch.searchsorted(held, first_key)
+    # the runs of keys each rank reads (document prefixes, or windows); of each, it holds those of
+    # its sorted rows that fall in it
+    held = layout.sort(dim=1).values  # [cp, T_local]: what a rank (head group) holds, ascending
+    reader, lo, hi = read_ranges(Pack(held, cu, padded), (w, 0) if model.causal else (-1, -1))  # [M] each
+    run = torch.arange(reader.shape[0])
+
+    def rows_below(x: torch.Tensor) -> torch.Tensor:  # [M]: the reader's rows below each run bound
+        return torch.searchsorted(held, x.expand(cp_size, -1).contiguous())[reader, run]
+
+    by_reader = torch.zeros(cp_size, dtype=torch.long)
+    keys_read = by_reader.index_add(0, reader, hi - lo)
+    own = by_reader.index_add(0, reader, rows_below(hi) - rows_below(lo))
     if whole:  # whole documents: disjoint key ranges, which the backward reads in place
         key_rows = torch.zeros_like(key_rows)
 
@@ -201,8 +211,8 @@ def predict_rank_costs(
         pairs=per_head_rank(per_rank(torch.where(live, pairs, 0)), u),
         tiles=tiles_r,
         key_rows=key_rows,
-        keys_read=per_head_rank(longest.sum(1)),
-        keys_remote=per_head_rank((longest - own).sum(1)),
+        keys_read=per_head_rank(keys_read),
+        keys_remote=per_head_rank(keys_read - own),
         cost=tiles_r * (model.block_q * model.block_k) + model.token_cost * tokens + model.key_cost * key_rows,
     )
 

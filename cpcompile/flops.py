@@ -13,9 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def causal_attention_flops(lengths: Sequence[int], heads: int, head_dim: int) -> float:
-    """Forward FLOPs of one layer's causal attention over documents of ``lengths`` tokens."""
-    return 4.0 * head_dim * heads * sum(n * (n + 1) / 2 for n in lengths)
+def causal_attention_flops(lengths: Sequence[int], heads: int, head_dim: int, window: int = -1) -> float:
+    """Forward FLOPs of one layer's causal attention over documents of ``lengths`` tokens; ``window``:
+    a sliding window's left side (each query sees at most ``window + 1`` keys; -1: none)."""
+    w = max(lengths, default=0) if window < 0 else window
+    return (
+        4.0
+        * head_dim
+        * heads
+        * sum(min(n, w + 1) * (min(n, w + 1) + 1) / 2 + max(n - w - 1, 0) * (w + 1) for n in lengths)
+    )
 
 
 def training_flops(lengths: Sequence[int], matmul_params: int, layers: int, heads: int, head_dim: int) -> float:

@@ -115,7 +115,8 @@ def _indices(cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.
     if spec.strategy is Strategy.BALANCED:
         from .ops.layout import balanced_layout_op  # the ops package imports this module
 
-        return balanced_layout_op(cu_padded, cp, t_local * cp)[ranks[:, 0]]
+        windows = (list(spec.windows),) if spec.windows else ()  # none: the op's call as it was
+        return balanced_layout_op(cu_padded, cp, t_local * cp, *windows)[ranks[:, 0]]
     j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
     if spec.strategy is Strategy.NO_LOAD_BALANCE:
         return ranks * t_local + j

@@ -14,7 +14,7 @@ balanced (its cuts are chosen on the host) and auto (resolved from ``cu_seqlens`
 
 A plan also knows the pack it was made from (:func:`origin`): the layout of every
 rank, which every rank computes alike. From it any rank derives which keys every
-other rank reads (:func:`read_lengths`), without asking it: the sparse K/V exchange's
+other rank reads (:mod:`cpcompile.reads`), without asking it: the sparse K/V exchange's
 plan needs that, and so needs no communication.
 """
 
@@ -29,6 +29,7 @@ from .checks import check_cp, check_padded
 from .cost import auto_candidates, resolve_auto
 from .partition import all_partition_indices, pad_for_cp, piece_marks
 from .per_plan import attach, attached, on_host, per_plan, upload
+from .reads import Pack
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -52,25 +53,14 @@ class AttentionPlan(NamedTuple):
         return self.k_len_causal if causal else self.k_len_full
 
 
-class Pack(NamedTuple):
-    """The whole pack that every rank's plan is made from (``cp`` ranks, ``B`` documents).
-
-    - ``layout``: ``[cp, T_local]`` int64, every rank's physical positions (:func:`all_partition_indices`).
-    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32.
-    """
-
-    layout: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-
-
 class Origin(NamedTuple):
-    """What a plan's ``k_len_causal`` or ``k_len_full`` was made from: rank ``rank``'s pieces
-    of ``pack``, causal or not (:func:`origin`)."""
+    """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
+    :func:`cpcompile.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
+    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`)."""
 
     pack: Pack
     rank: int
-    causal: bool
+    window: tuple[int, int]
 
 
 def origin(k_len: torch.Tensor) -> Origin | None:
@@ -83,8 +73,8 @@ def origin(k_len: torch.Tensor) -> Origin | None:
 
 def _attach_origin(plan: AttentionPlan, pack: Pack, rank: int) -> None:
     # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan)
-    attach(plan.k_len_causal, Origin(pack, rank, True))
-    attach(plan.k_len_full, Origin(pack, rank, False))
+    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0)))
+    attach(plan.k_len_full, Origin(pack, rank, (-1, -1)))
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -189,13 +179,14 @@ def make_plan(
     return plan
 
 
-def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, **kw):
+def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), **kw):
     """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
     (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
     host twins (:mod:`cpcompile.per_plan`), so that what derives from the plan reads sizes there."""
     padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
     cu, *padded = on_host(cu_seqlens, *padded)
-    plan = make(cu, *padded, strategy=StrategySpec(Strategy(strategy), stripe_size), **kw)
+    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows))
+    plan = make(cu, *padded, strategy=spec, **kw)
     return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
 
 
@@ -208,6 +199,7 @@ def step_plan(
     rank: int,
     strategy: str,
     stripe_size: int,
+    windows: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """:func:`make_plan` once per step, for every layer: made on the host and uploaded.
 
@@ -217,41 +209,14 @@ def step_plan(
     any case) and uploaded to ``cu_seqlens``' device with host twins, so that the
     metadata derived from it later reads its sizes without a sync
     (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
-    resolved here, alike on every rank).
+    resolved here, alike on every rank); ``windows``: ``StrategySpec.windows``.
     """
-    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens, "windows": tuple(windows)}
     plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through
         _attach_origin(uploaded, made.pack, rank)
     return uploaded
-
-
-def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:
-    """``[cp, B]`` int64: how many keys of document ``d`` rank ``r``'s pieces read, a prefix of it
-    (from ``cu_seqlens_padded[d]``): every rank's :func:`keys_read` at once, from the pack alone.
-
-    A piece reads its document's keys up to its own last token when causal, and all its real
-    tokens when not; so of each document a rank reads the keys up to the last real token it
-    holds there, or all the real ones if it holds any. Every layout stores a rank's positions
-    in ascending order, so that token is found by bisection: nothing of size ``T`` is made.
-    """
-    layout = pack.layout  # [cp, T_local]
-    start = pack.cu_seqlens_padded[:-1].long()  # [B]
-    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
-    ends = (start + real_len).expand(layout.shape[0], -1).contiguous()  # [cp, B] where each document's padding starts
-    last = torch.searchsorted(layout, ends) - 1  # [cp, B] each rank's last position before it
-    position = layout.gather(1, last.clamp(min=0))
-    reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
-    return reach if causal else torch.where(reach > 0, real_len, 0)
-
-
-def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``[Tk]`` bool: the keys that some piece (``k_start``, ``k_len`` ``[P]``) reads."""
-    ends = torch.cat([k_start, k_start + k_len]).long()
-    steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
-    reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
-    return reads.cumsum(0)[:num_keys] > 0
 
 
 def make_head_plan(

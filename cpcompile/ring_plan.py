@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from .per_plan import per_plan
 from .plan import make_plan
 from .strategy import StrategyLike
 
@@ -49,6 +50,14 @@ class RingPlan(NamedTuple):
         return self.k_len_causal if causal else self.k_len_full
 
 
+def block_positions(gather_index: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``[cp, T_local]`` int64: the physical positions of every rank's block, each row ascending."""
+    t = gather_index.shape[0]
+    # all-gather rows are rank-major, so inverting gather_index gives every rank's layout
+    layout = torch.empty_like(gather_index).scatter_(0, gather_index, torch.arange(t, device=gather_index.device))
+    return layout.view(cp_size, t // cp_size)
+
+
 def block_key_ranges(
     gather_index: torch.Tensor, k_start: torch.Tensor, k_lens: tuple[torch.Tensor, ...], *, cp_size: int
 ) -> tuple[torch.Tensor, ...]:
@@ -61,10 +70,7 @@ def block_key_ranges(
         ``(start, *lengths)``, each ``[cp, P]`` int32: piece ``p``'s keys are rows
         ``[start[s, p], start[s, p] + length[s, p])`` of rank ``s``'s block.
     """
-    t = gather_index.shape[0]
-    # all-gather rows are rank-major, so inverting gather_index gives every rank's layout
-    layout = torch.empty_like(gather_index).scatter_(0, gather_index, torch.arange(t, device=gather_index.device))
-    layout = layout.view(cp_size, t // cp_size)  # [cp, T_local], each row ascending
+    layout = block_positions(gather_index, cp_size)
 
     def rows_below(positions: torch.Tensor) -> torch.Tensor:  # [P] -> [cp, P]
         return torch.searchsorted(layout, positions.expand(cp_size, -1).contiguous())
@@ -73,6 +79,16 @@ def block_key_ranges(
     start = rows_below(lo)
     lengths = (rows_below(lo + k_len.long()) - start for k_len in k_lens)
     return start.to(torch.int32), *(n.to(torch.int32) for n in lengths)
+
+
+@per_plan
+def ring_window_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int):
+    """The ring's metadata of windowed pieces (``k_start``, ``k_len`` ``[P]``: physical keys,
+    :func:`cpcompile.window.window_keys`), once per plan: ``(start, length)`` ``[cp, P]`` int32 as
+    :func:`block_key_ranges`, and the blocks' positions ``[cp, T_local]`` int64
+    (:func:`block_positions`). A window is placed by positions, not rows: a block's rows inside a
+    piece's range need not be consecutive positions (dual_chunk_swap, striped)."""
+    return *block_key_ranges(gather_index, k_start, (k_len,), cp_size=cp_size), block_positions(gather_index, cp_size)
 
 
 def make_ring_plan(

@@ -71,12 +71,19 @@ class StrategySpec:
     are known: :func:`check_head_parallel`). ``u == cp`` is pure head parallelism (``comm``
     unused); ``1 < u < cp`` the hybrid (``cpcompile.ops.hybrid``: heads inside groups of ``u``
     consecutive ranks, the all-gather between the groups).
+
+    ``windows`` (``balanced`` only): the model's attention layers' sliding windows, the left side
+    of each layer's ``window_size=(w, 0)``, -1 for a global (causal) layer, e.g. ``(4096,)`` for a
+    model windowed throughout, ``(1024, 1024, 1024, 1024, 1024, -1)`` for Gemma 3's pattern:
+    ``balanced`` then evens the work of those layers together (a window caps each query's keys).
+    ``()``: every layer causal. It changes the layout, so loader and attention must share it.
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
     stripe_size: int = 1
     comm: str = "all_gather"
     head_parallel: int = 1
+    windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # A plain string is accepted as its enum member; anything else is rejected here, so no
@@ -92,6 +99,17 @@ class StrategySpec:
         u = self.head_parallel
         if not isinstance(u, int) or isinstance(u, bool) or u < 1:
             raise ValueError(f"head_parallel must be a positive int (1: no head parallelism), got {u!r}")
+        windows = self.windows
+        if not isinstance(windows, (tuple, list)) or any(
+            not isinstance(w, int) or isinstance(w, bool) or w < -1 for w in windows
+        ):
+            raise ValueError(f"windows must be a tuple of ints >= -1 (-1: a global layer), got {windows!r}")
+        object.__setattr__(self, "windows", tuple(windows))
+        if windows and (self.strategy is not Strategy.BALANCED or u != 1):
+            raise ValueError(
+                f"windows={tuple(windows)} only applies to strategy 'balanced' with head_parallel=1, not "
+                f"{self.strategy.value!r} with head_parallel={u}"
+            )
 
 
 def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = None) -> None:

@@ -7,10 +7,22 @@ import torch
 from cpcompile.batch import physical_positions
 
 
-def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None) -> torch.Tensor:
+def window_mask(n: int, window: tuple[int, int], device=None) -> torch.Tensor:
+    """``[n, n]`` bool, True where query ``i`` of a document may see key ``j``: ``i - left <= j <= i + right``
+    (``varlen_attn``'s window; -1 unbounded)."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    left, right = window
+    return ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
+
+
+def attention_fp64(
+    q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None, window=None
+) -> torch.Tensor:
     """Plain softmax attention per document in float64; padding rows stay 0.
 
-    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` in physical order -> ``[T, Hq, D]`` float64.
+    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` in physical order -> ``[T, Hq, D]`` float64. ``window``:
+    ``(left, right)`` (:func:`window_mask`), instead of ``causal``.
     """
     q, k, v = q.double(), k.double(), v.double()
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
@@ -26,13 +38,15 @@ def attention_fp64(q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None,
         kd = k[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         vd = v[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         s = qd @ kd.transpose(-1, -2) * scale
-        if causal:
+        if window is not None:
+            s = s.masked_fill(~window_mask(n, window, s.device), float("-inf"))
+        elif causal:
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         out[a : a + n] = (s.softmax(-1) @ vd).transpose(0, 1)
     return out
 
 
-def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool) -> list[torch.Tensor]:
+def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool, window=None) -> list[torch.Tensor]:
     """:func:`attention_fp64` on the whole padded pack, output and q/k/v gradients, at this rank's rows.
 
     ``tensors``: the whole pack's ``q``, ``dout`` ``[T, Hq, D]`` and ``k``, ``v`` ``[T, Hkv, D]``
@@ -47,7 +61,7 @@ def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool) -> lis
         return t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double()
 
     leaves = [physical(tensors[name]).requires_grad_() for name in "qkv"]
-    out = attention_fp64(*leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded)
+    out = attention_fp64(*leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded, window=window)
     grads = torch.autograd.grad(out, leaves, physical(tensors["dout"]))
     return [t[sharded.indices] for t in (out, *grads)]
 

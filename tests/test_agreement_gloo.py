@@ -61,7 +61,8 @@ def _ranks_disagree(rank: int, world: int) -> None:
             dict(strategy=(cpcompile.StrategySpec("striped", 2), cpcompile.StrategySpec("striped", 4))),
             ("2", "4"),
         ),
-        ("causal", dict(causal=(True, False), strategy=("striped",) * 2), ("True", "False")),
+        ("window", dict(causal=(True, False), strategy=("striped",) * 2), (r"\(-1, 0\)", r"\(-1, -1\)")),
+        ("window", dict(window_size=((4, 0), (3, 0)), strategy=("striped",) * 2), (r"\(4, 0\)", r"\(3, 0\)")),
         ("comm", dict(comm=("ring", "all_gather"), strategy=("striped",) * 2), ("'ring'", "'all_gather'")),
         ("cu_seqlens", dict(cu=(CU, CU_COLLIDING), strategy=("no_load_balance",) * 2), ("'[0-9a-f]+'", "'[0-9a-f]+'")),
     ]

@@ -42,13 +42,18 @@ def _costs_brute_force(cu: torch.Tensor, padded: torch.Tensor, layout: torch.Ten
         for d, o, n, real in pieces:
             if not real:
                 continue
-            keys = [o + i + 1 if model.causal else real_len[d] for i in range(n)]
-            pairs += sum(keys)
-            last_rows = [min(b + model.block_q, n) - 1 for b in range(0, n, model.block_q)]  # one per query block
-            tiles += sum(math.ceil(keys[row] / model.block_k) for row in last_rows)
+            w = model.window if model.window >= 0 else real_len[d]  # a window caps each row's keys
+            first = [max(0, o + i - w) if model.causal else 0 for i in range(n)]  # each row's keys [first, end)
+            end = [o + i + 1 if model.causal else real_len[d] for i in range(n)]
+            pairs += sum(end) - sum(first)
+            blocks = range(0, n, model.block_q)  # a query block reads key tiles from its first row's to its last's
+            last_rows = [min(b + model.block_q, n) - 1 for b in blocks]
+            tiles += sum(
+                math.ceil(end[r] / model.block_k) - first[b] // model.block_k for b, r in zip(blocks, last_rows)
+            )
             short += n < model.block_q and n < real_len[d]
-            key_rows += keys[-1]  # the piece's key range
-            read |= {(d, key) for key in range(keys[-1])}
+            key_rows += end[-1] - first[0]  # the piece's key range
+            read |= {(d, key) for i in range(n) for key in range(first[i], end[i])}
         remote = sum(bounds[d] + key not in held for d, key in read)
         out.append((pairs, tiles, len(pieces), short, key_rows, len(read), remote))
     return out
@@ -69,9 +74,11 @@ SPECS = [
     spec=st.sampled_from(SPECS),
     causal=st.booleans(),
     blocks=st.sampled_from([(4, 2), (4, 4), (8, 2)]),
+    window=st.sampled_from([-1, -1, 0, 1, 3, 9]),
 )
-def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks):
-    model = CostModel(block_q=blocks[0], block_k=blocks[1], token_cost=5, key_cost=3, causal=causal)
+def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks, window):
+    window = window if causal else -1  # a window counts causal sliding windows
+    model = CostModel(block_q=blocks[0], block_k=blocks[1], token_cost=5, key_cost=3, causal=causal, window=window)
     cu = cu_seqlens(lengths)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     costs = predict_rank_costs(cu, cp_size=cp, strategy=spec, model=model)

@@ -1,7 +1,7 @@
 """Tier 4 (and 2): stock Hugging Face causal LMs trained context-parallel (``cpcompile.integrations.hf``).
 
-Tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM built from configs (no hub
-downloads). On 2 gloo ranks each rank compiles the model with
+Tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM (also one alternating sliding-window
+and global layers) built from configs (no hub downloads). On 2 gloo ranks each rank compiles the model with
 ``attn_implementation="cpcompile"`` through ``cpcompile.backend(inner="aot_eager")``,
 takes its shard of flattened batches of varying length and document count
 (``shard_flattened_batch``), and its loss (transformers' own causal-LM loss) and every
@@ -43,12 +43,17 @@ def tiny_model(arch: str, attn_implementation: str) -> torch.nn.Module:
         use_cache=False,
         attn_implementation=attn_implementation,
     )
+    # alternating sliding and global layers (as Gemma 3, GPT-OSS and Qwen2 with layer_types run them),
+    # with a window shorter than most documents
+    alternating = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
     config = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common, use_sliding_window=False),
+        "qwen2_sliding": lambda: transformers.Qwen2Config(**common, use_sliding_window=True, **alternating),
     }[arch]()
     torch.manual_seed(0)
-    return {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch](config)
+    model = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    return model(config)
 
 
 def flattened_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -121,7 +126,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
 
 
 def test_compiled_cp_training_matches_single_device():
-    run_ranks(_check_cp_training, 2, ["llama", "qwen2"])
+    run_ranks(_check_cp_training, 2, ["llama", "qwen2", "qwen2_sliding"])
 
 
 def test_regionally_compiled_cp_training_matches_single_device():
@@ -140,6 +145,22 @@ def test_single_device_matches_per_document():
     loss = model(**batch).loss  # transformers shifts the collator's labels itself
     want = reference_loss_sum(reference, batch) / sum(n - 1 for n in PACKS[0])
     assert relative_error(loss, want) < TOLERANCE
+
+
+def test_sliding_layers_get_their_window():
+    """The sliding layers of an alternating model run windowed attention, the global ones do not: its
+    logits match the eager reference's on every document, and differ from a model without windows."""
+    model = tiny_model("qwen2_sliding", cphf.ATTN_IMPLEMENTATION)
+    layers = [layer.self_attn.sliding_window for layer in model.model.layers]
+    assert layers == [4, None], layers
+    batch = flattened_batch(PACKS[0], seed=0)
+    got = model(**batch).logits[0]  # [T, vocab]
+    cu = batch["cu_seq_lens_q"].tolist()
+    for name, arch in (("windowed", "qwen2_sliding"), ("unwindowed", "qwen2")):
+        reference = tiny_model(arch, "eager")
+        want = torch.cat([reference(input_ids=batch["input_ids"][:, a:b]).logits[0] for a, b in zip(cu, cu[1:])])
+        error = relative_error(got, want)
+        assert error < TOLERANCE if name == "windowed" else error > 100 * TOLERANCE, (name, error)
 
 
 def test_shift_labels_stay_inside_documents():
@@ -165,7 +186,7 @@ def test_shard_keeps_global_metadata():
     ("kwargs", "message"),
     [
         ({"cu_seq_lens_q": None}, "needs cu_seq_lens_q"),
-        ({"sliding_window": 16}, "sliding_window must be None, got 16"),
+        ({"sliding_window": 0}, "sliding_window must be None or an int >= 1, got 0"),
         ({"dropout": 0.1}, "dropout must be 0.0, got 0.1"),
         ({"cu_seq_lens_k": torch.tensor([0, 4, 8], dtype=torch.int32)}, "cu_seq_lens_k must equal cu_seq_lens_q"),
     ],

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile.kernels import Pieces, reference
-from cpcompile.plan import keys_read, origin, read_lengths, step_plan
+from cpcompile.plan import origin, step_plan
+from cpcompile.reads import keys_read, read_lengths, read_ranges
+from cpcompile.window import window_keys
 from tests.fixtures import LAYOUT_CASE, cu_seqlens, pack_lengths_st
 from tests.fixtures import LAYOUT_SPECS as SPECS
 from tests.reference import attention_fp64, relative_error
@@ -123,7 +125,8 @@ def test_every_ranks_reads_follow_from_the_pack(lengths, cp, spec):
     total = plans[0].gather_index.shape[0]
     for causal in (True, False):
         made = [origin(p.k_len(causal)) for p in plans]
-        assert [(m.rank, m.causal) for m in made] == [(r, causal) for r in range(cp)]
+        window = (-1, 0) if causal else (-1, -1)
+        assert [(m.rank, m.window) for m in made] == [(r, window) for r in range(cp)]
         read_len = read_lengths(made[0].pack, causal)  # [cp, B]
         for rank, plan in enumerate(plans):
             want = keys_read(plan.k_start, plan.k_len(causal), total)
@@ -133,13 +136,39 @@ def test_every_ranks_reads_follow_from_the_pack(lengths, cp, spec):
             assert torch.equal(got, want), f"rank {rank} causal={causal}"
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=pack_lengths_st,
+    cp=st.sampled_from([1, 2, 3, 4]),
+    spec=st.sampled_from(SPECS),
+    window=st.tuples(st.integers(-1, 12), st.integers(-1, 12)),
+)
+def test_every_ranks_windowed_reads_follow_from_the_pack(lengths, cp, spec, window):
+    """Under a window, the runs of keys each rank reads, from the pack alone (``read_ranges``), are
+    ascending and disjoint and cover exactly the keys its windowed pieces read."""
+    cu = cu_seqlens(lengths)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
+    total = plans[0].gather_index.shape[0]
+    reader, lo, hi = read_ranges(origin(plans[0].k_len_causal).pack, window)
+    for rank, plan in enumerate(plans):
+        k_start, k_len, _ = window_keys(*plan[1:], window)
+        assert origin(k_len) == origin(plan.k_len_causal)._replace(window=window)
+        mine = reader == rank
+        assert bool((lo[mine][1:] >= hi[mine][:-1]).all()), "runs not disjoint and ascending"  # may touch
+        got = torch.zeros(total, dtype=torch.bool)
+        for a, b in zip(lo[mine].tolist(), hi[mine].tolist()):
+            got[a:b] = True
+        assert torch.equal(got, keys_read(k_start, k_len, total)), f"rank {rank} window={window}"
+
+
 def test_a_step_plan_knows_its_pack_without_keeping_the_step_alive():
     """The pack a step's plan was made from holds copies of the offsets: the step's ``cu_seqlens``,
     when dropped, still frees its plan (the plan cache keys on it)."""
     cu = cu_seqlens([5, 1, 30, 7])
     plan = step_plan(cu, None, 44, 4, 2, "balanced", 1)
     made = origin(plan.k_len_full)
-    assert (made.rank, made.causal, made.pack.layout.shape) == (2, False, (4, 11))
+    assert (made.rank, made.window, made.pack.layout.shape) == (2, (-1, -1), (4, 11))
     assert origin(plan.k_len_full.clone()) is None  # a copy: not known
     freed = weakref.ref(cu)
     plan_freed = weakref.ref(plan.k_len_causal)

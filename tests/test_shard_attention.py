@@ -209,15 +209,39 @@ class GraphModule(torch.nn.Module):
 """,
         )
 
+    def test_windowed_varlen_attn_travels_in_the_cp_ops_arguments(self):
+        """A sliding window: one window_keys per plan and window, its keys and the window in the CP ops'
+        arguments (the causal window's alignment is bottom-right: no positions), on both paths."""
+
+        def windows(q, k, v, cu, m):
+            o = varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
+            o = varlen_attn(o, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)  # shares window_keys
+            return varlen_attn(o, k, v, cu, cu, m, m, window_size=(2, 3), **VARLEN_GQA)
+
+        for spec in (cpcompile.StrategySpec(), cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring")):
+            gm, count = self.shard(windows, spec)
+            self.assertEqual(count, 3)
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+            keys = [n.args[4:] for n in nodes if n.target is torch.ops.cpcompile.window_keys.default]
+            self.assertEqual(keys, [(4, 0), (2, 3)])
+            op = torch.ops.cpcompile.cp_ring_attention if spec.comm == "ring" else torch.ops.cpcompile.cp_attention
+            calls = [n for n in nodes if n.target is op.default]
+            self.assertEqual([c.args[-2:] for c in calls], [(4, 0), (4, 0), (2, 3)])
+            causal = 7 if spec.comm == "ring" else 8
+            self.assertEqual([c.args[causal] for c in calls], [True, True, False])
+            if spec.comm != "ring":
+                self.assertEqual([c.args[-3] is None for c in calls], [True, True, False])  # q_pos
+
     def test_unsupported_variants_raise_unless_asked_to_stay_single_device(self):
         def window(q, k, v, cu, m):
-            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
+            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(-3, 0), **VARLEN_GQA)
 
         def cross(q, k, v, cu, m):
             return varlen_attn(q, k, v, cu, cu.clone(), m, m, **VARLEN_GQA)
 
         spec = cpcompile.StrategySpec()
-        for fn, reason in ((window, r"sliding window \(4, 0\)"), (cross, "cu_seq_q and cu_seq_k differ")):
+        bad_window = r"window_size left must be -1 \(unbounded\) or >= 0, got \(-3, 0\)"
+        for fn, reason in ((window, bad_window), (cross, "cu_seq_q and cu_seq_k differ")):
             gm = dynamo_graph(fn, *fake_rank_inputs())
             with self.assertRaisesRegex(
                 UnsupportedAttentionError, f"_varlen_attn.*{reason}.*unsupported='single_device'"
@@ -236,12 +260,12 @@ class GraphModule(torch.nn.Module):
             cpcompile.backend(unsupported="warn")
 
     def test_backend_refuses_to_compile_an_unsupported_call(self):
-        def window(q, k, v, cu, m):
-            return varlen_attn(q, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)
+        def cross(q, k, v, cu, m):
+            return varlen_attn(q, k, v, cu, cu.clone(), m, m, **VARLEN_GQA)
 
         torch._dynamo.reset()
-        compiled = torch.compile(window, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(4, 0\)"):
+        compiled = torch.compile(cross, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*cu_seq_q and cu_seq_k differ"):
             compiled(*fake_rank_inputs())
 
     def test_varlen_attn_out_is_refused(self):

@@ -9,6 +9,7 @@ records them; the ops are never called. Refresh snapshots with ``EXPECTTEST_ACCE
 
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 
@@ -197,7 +198,10 @@ return (mul,)
         variants = {
             FA2: (
                 (dict(causal=True, dropout_p=0.1), "dropout_p=0.1"),
-                (dict(causal=False, window_size_left=8, window_size_right=0), r"sliding window \(8, 0\)"),
+                (
+                    dict(causal=False, window_size_left=-3, window_size_right=0),
+                    r"window_size left must be -1 .*\(-3, 0\)",
+                ),
                 (dict(causal=True, cross=True), "cu_seqlens_q and cu_seqlens_k differ"),
                 (dict(causal=True, seqused_k=cu[1:] - cu[:-1]), "seqused_k is not supported"),
                 (dict(causal=True, alibi_slopes=torch.ones(4)), "alibi_slopes is not supported"),
@@ -205,7 +209,10 @@ return (mul,)
                 (dict(causal=True, return_softmax=True, output=2), "its S_dmask output is used"),
             ),
             FA3: (
-                (dict(causal=True, window_size_left=8, window_size_right=0), r"sliding window \(8, 0\)"),
+                (
+                    dict(causal=True, window_size_left=0, window_size_right=-2),
+                    r"window_size right must be -1 .*\(0, -2\)",
+                ),
                 (dict(causal=True, seqused_q=cu[1:] - cu[:-1]), "seqused_q is not supported"),
                 (dict(causal=True, attention_chunk=16), "attention_chunk=16"),
             ),
@@ -224,13 +231,27 @@ return (mul,)
                     with self.assertRaisesRegex(UnsupportedAttentionError, f"{name}.*{reason}"):
                         self.shard(fn)
 
+    def test_sliding_windows_are_rewritten_with_their_window(self):
+        """flash-attn's windows run context-parallel: a causal kernel ends each window at its query."""
+        for call, kwargs, window in (
+            (fa2, dict(causal=False, window_size_left=8, window_size_right=0), (8, 0)),
+            (fa2, dict(causal=False, window_size_left=3, window_size_right=5), (3, 5)),
+            (fa3, dict(causal=True, window_size_left=8, window_size_right=-1), (8, 0)),
+        ):
+            fn = functools.partial(lambda q, k, v, cu, m, call, kwargs: call(q, k, v, cu, m, **kwargs)[0], call=call)
+            gm = base.dynamo_graph(functools.partial(fn, kwargs=kwargs), *base.fake_rank_inputs())
+            spec = cpcompile.StrategySpec()
+            self.assertEqual(shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec), 1)
+            (cp,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_attention.default)
+            self.assertEqual((cp.args[8], cp.args[-2:]), (window[1] == 0, window))
+
     def test_backend_refuses_an_unsupported_flash_attn_call(self):
-        def window(q, k, v, cu, m):
-            return fa2(q, k, v, cu, m, causal=False, window_size_left=8, window_size_right=0)[0]
+        def softcapped(q, k, v, cu, m):
+            return fa2(q, k, v, cu, m, causal=True, softcap=30.0)[0]
 
         torch._dynamo.reset()
-        compiled = torch.compile(window, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*sliding window \(8, 0\)"):
+        compiled = torch.compile(softcapped, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*softcap=30.0"):
             compiled(*base.fake_rank_inputs())
 
     def test_dropout_is_guarded_not_read_once(self):

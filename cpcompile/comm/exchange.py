@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from ..per_plan import on_host, per_plan, twinned, upload
-from ..plan import Pack, keys_read, origin, read_lengths
+from ..plan import origin
+from ..reads import Pack, keys_read, read_ranges
 from .collectives import all_to_all_rows
 from .groups import resolve_group
 
@@ -159,7 +160,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     if (cp, rank) != (group.size(), group.rank()):
         raise ValueError(f"the plan is rank {rank}'s of cp_size {cp}, this is rank {group.rank()} of {group.size()}")
     pack = Pack(*on_host(*made.pack))
-    ex = make_exchange(*on_host(k_start, k_len), pack, read_lengths(pack, made.causal), rank, choice)
+    ex = make_exchange(*on_host(k_start, k_len), pack, read_ranges(pack, made.window), rank, choice)
     if ex is None:
         return None
     return ex._replace(
@@ -168,31 +169,33 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
 
 
 def make_exchange(
-    k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, read_len: torch.Tensor, rank: int, choice: str
+    k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, reads: tuple[torch.Tensor, ...], rank: int, choice: str
 ) -> Exchange | None:
     """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
-    ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``read_len`` ``[cp, B]``
-    (:func:`cpcompile.plan.read_lengths`): the same count matrix on every rank, and the rows
+    ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``(reader, lo, hi)`` ``[M]``
+    (:func:`cpcompile.reads.read_ranges`): the same count matrix on every rank, and the rows
     other ranks read from this one, as each would have requested them.
 
-    Note [reads as runs]: rank ``r`` reads of document ``d`` the physical keys
-    ``[start_d, start_d + read_len[r, d])``. Every layout stores a rank's positions in
-    ascending order, so rank ``s`` holds of that range a run of its rows, found by
-    bisection; every list here (the compact keys by owner, the rows to send by reader) is
-    such runs in order, made without anything of size ``T``.
+    Note [reads as runs]: rank ``reader[m]`` reads the physical keys ``[lo[m], hi[m])``
+    (document prefixes, or under a window the union of its pieces' windows). Every layout
+    stores a rank's positions in ascending order, so rank ``s`` holds of such a range a run of
+    its rows, found by bisection; every list here (the compact keys by owner, the rows to send
+    by reader) is such runs in order, made without anything of size ``T``.
     """
     layout = pack.layout  # [cp, T_local], each row ascending
     cp, t_local = layout.shape
     start = pack.cu_seqlens_padded[:-1].long()  # [B]
-    read_len = read_len.clone()
-    idle = read_len.sum(1) == 0  # [cp]
-    # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys),
-    # in the first document that is not empty
-    read_len[idle, int(torch.searchsorted(start, 0, right=True)) - 1] = 1
-    reader, doc = read_len.nonzero(as_tuple=True)  # [M] the (rank, document) pairs that read, in order
-    first = torch.searchsorted(layout, start.expand(cp, -1).contiguous())[:, doc]  # [cp, M] rank s's first row there
-    ends = (start[doc] + read_len[reader, doc]).expand(cp, -1).contiguous()
-    n = torch.searchsorted(layout, ends) - first  # [cp, M]: how many of rank s's rows the pair reads
+    reader, lo, hi = reads
+    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
+    if bool(idle.any()):
+        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
+        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
+        idlers = idle.nonzero().squeeze(1)
+        row = start[first_doc].expand(idlers.shape[0])
+        order = torch.cat([reader, idlers]).argsort(stable=True)
+        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
+    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
     matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
     if not use_exchange(matrix, t_local, choice):
         return None
@@ -200,10 +203,11 @@ def make_exchange(
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
     # the compact keys, by owner in rank order, each owner's in physical order (its storage order)
     mine = reader == rank  # [M]
-    offset = read_len[rank].cumsum(0) - read_len[rank]  # [B] compact row of each document's first key read
+    lo_mine = lo[mine]
+    offset = (hi - lo)[mine].cumsum(0) - (hi - lo)[mine]  # [M_mine] compact row of each run's first key
     runs = n[:, mine].reshape(-1)  # [cp * M_mine] owner-major
     held = _runs((first[:, mine] + torch.arange(cp)[:, None] * t_local).reshape(-1), runs)  # all-gathered rows
-    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - start)[doc[mine]].repeat(cp), runs)  # [R]
+    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - lo_mine).repeat(cp), runs)  # [R]
     before = sum(matrix[rank][:rank])
     own = slice(before, before + matrix[rank][rank])
     own_compact, own_rows = compact[own], held[own] - rank * t_local
@@ -213,9 +217,9 @@ def make_exchange(
     gather[by_owner] = t_local + torch.arange(by_owner.shape[0])  # past the own rows
     # what each other rank requests, in rank order: its runs of this rank's rows
     send_rows = _runs(first[rank, ~mine], n[rank, ~mine])
-    piece_doc = torch.searchsorted(start, k_start.long(), right=True) - 1  # [P] right: empty documents are skipped
+    run = (torch.searchsorted(lo_mine, k_start.long(), right=True) - 1).clamp(min=0)  # [P] the run holding each
     return Exchange(
-        k_start=torch.where(k_len > 0, offset[piece_doc], 0).to(torch.int32),
+        k_start=torch.where(k_len > 0, offset[run] + k_start.long() - lo_mine[run], 0).to(torch.int32),
         gather=gather,
         send_rows=send_rows,
         recv_dst=by_owner,

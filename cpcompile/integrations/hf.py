@@ -75,6 +75,8 @@ def cpcompile_attention_forward(
             whole pack (equal: self-attention), as DataCollatorWithFlattening returns them.
         max_length_q: longest document, a launch bound for GPU kernels.
         scaling: softmax scale (default ``D ** -0.5``); ``is_causal`` defaults to ``module.is_causal``.
+        sliding_window: this layer's window (:func:`hf_window`; ``None`` on global layers), so
+            models that alternate sliding and global layers run both.
     Returns:
         ``([1, T, Hq, D], None)``: the output in transformers' layout, and no attention weights.
     """
@@ -96,7 +98,6 @@ def cpcompile_attention_forward(
             )
     unsupported = {
         "attention_mask": (attention_mask, "a 2-D or 4-D mask; documents are given by cu_seq_lens_q instead"),
-        "sliding_window": (sliding_window, "sliding windows; set config.sliding_window=None"),
         "softcap": (softcap, "logit soft-capping"),
         "s_aux": (kwargs.get("s_aux"), "attention sinks"),
     }
@@ -110,6 +111,7 @@ def cpcompile_attention_forward(
         )
     _check_batch_of_one("query", query)
     causal = module.is_causal if is_causal is None else is_causal
+    window = hf_window(sliding_window, causal, layer)
     out = packed_attention(
         query[0].transpose(0, 1),  # [Hq, T, D] -> [T, Hq, D]
         key[0].transpose(0, 1),  # [T, Hkv, D]
@@ -117,9 +119,26 @@ def cpcompile_attention_forward(
         cu_seq_lens_q,
         max_seqlen=max_length_q,
         causal=causal,
+        window_size=window,
         scale=scaling,
     )
     return out.unsqueeze(0), None  # [1, T, Hq, D]
+
+
+def hf_window(sliding_window: object, causal: bool, layer: str = "attention") -> tuple[int, int] | None:
+    """``varlen_attn``'s ``window_size`` of transformers' ``sliding_window`` (``None``: none).
+
+    transformers gives a layer its config's ``sliding_window`` where ``config.layer_types`` marks it
+    ``"sliding_attention"`` (``None`` on ``"full_attention"`` layers): a query sees the
+    ``sliding_window`` most recent keys, itself included (``masking_utils.sliding_window_overlay``;
+    its flash path passes ``window_size=(w - 1, w - 1)`` to a causal kernel), and on a
+    bidirectional layer those within ``w - 1`` on either side.
+    """
+    if sliding_window is None:
+        return None
+    if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+        raise ValueError(f"{layer}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpcompile_attention_forward)

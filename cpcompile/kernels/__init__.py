@@ -13,6 +13,8 @@ CUDA, cudnn-frontend or FA4; they need them only when called.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..config import KERNELS
@@ -22,7 +24,7 @@ from .contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 __all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "KeyGrads", "Pieces", "select"]
 
 
-def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
+def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None) -> AttentionKernel:
     """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
 
     ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``Config.kernel``); this function
@@ -30,12 +32,21 @@ def select(q: torch.Tensor, name: str | None = None) -> AttentionKernel:
     ``auto`` where cudnn-frontend imports, else ``fa4`` where FA4 runs ``q``, else ``flash``;
     every other tensor ``reference``. A named GPU kernel for other tensors, ``cudnn``/``auto``
     without cudnn-frontend, or ``fa4`` where FA4 cannot run ``q``, raises ``ValueError``.
+
+    ``band``: where the call has a window that no GPU kernel runs (``contract.gpu_window``), why;
+    a named GPU kernel then raises ``ValueError``, and ``None`` chooses ``reference`` (exact, slow),
+    with a warning.
     """
     if name is not None and name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     if name == "reference":
         return reference
     usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if band is not None and usable:
+        if name is not None:
+            raise ValueError(f"kernel {name!r} cannot run {band}; use Config(kernel='reference') for it")
+        warnings.warn(f"no GPU kernel runs {band}: the exact reference kernel runs it (slow)", stacklevel=2)
+        return reference
     if name is not None and not usable:
         raise ValueError(f"kernel {name!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if not usable:

@@ -24,17 +24,29 @@ docs/attention-kernels.md.
 from __future__ import annotations
 
 from . import cudnn, fa4, flash
-from .contract import Pieces, check_options
+from .contract import Pieces, check_options, gpu_window
 from .metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
 FA4_PIECE_ROWS = 1024  # query rows per piece (row-weighted mean) from which FA4's backward is the faster one
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
-    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q``, else cuDNN's."""
-    kernel = fa4 if fa4.supports(q) else cudnn
-    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale)
+def _banded(causal: bool, window, pieces: Pieces) -> bool:
+    """Whether the call has a band (a window GPU backends run, or ``ValueError``), which FA4 or cuDNN
+    may lack (:func:`fa4.supports_window`, :func:`cudnn.supports_window`)."""
+    return gpu_window("auto", causal, window, pieces) != (-1, -1)
+
+
+def _fa4(q, banded: bool) -> bool:
+    return fa4.supports(q) and (not banded or fa4.supports_window())
+
+
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
+    """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q`` (and the
+    window), else cuDNN's (flash's for a window this cuDNN lacks)."""
+    banded = _banded(causal, window, pieces)
+    kernel = fa4 if _fa4(q, banded) else cudnn if not banded or cudnn.supports_window() else flash
+    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale, window=window)
 
 
 def use_fa4_backward(piece_rows: int) -> bool:
@@ -48,7 +60,9 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
     return key_rows <= MAX_KEY_ROWS * num_keys
 
 
-def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
+def backward(
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
+):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`: FA4's where it runs ``q`` and
     :func:`use_fa4_backward` (or ``disjoint_keys``) says so, else from the backend
     :func:`use_cudnn_backward` picks.
@@ -62,9 +76,12 @@ def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: fl
     exchange's backward to the slower flash (docs/attention-kernels.md).
     """
     check_options(options)
-    args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "grads": grads}
+    args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "window": window, "grads": grads}
     num_keys = options.get("pack_keys") or k.shape[0]
-    has_fa4 = fa4.supports(q)
+    banded = _banded(causal, window, pieces)
+    has_fa4 = _fa4(q, banded)
+    if banded and not cudnn.supports_window():
+        return (fa4 if has_fa4 else flash).backward(*args, **kw)
     if has_fa4 and (pieces.disjoint_keys or use_fa4_backward(scratch_rows(*pieces.tensors, k.shape[0]).piece_rows)):
         return fa4.backward(*args, **kw)
     if pieces.disjoint_keys and not causal:

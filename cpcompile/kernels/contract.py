@@ -15,6 +15,13 @@ may overlap (they are only read). Query head ``h`` reads key and value head
 
 - Causal pieces are aligned bottom-right: row ``i`` of a piece of ``n`` rows sees
   the first ``k_len - n + 1 + i`` of its keys (a whole piece's keys when not causal).
+- A ``window = (left, right)`` (``varlen_attn``'s; -1 unbounded; ``(-1, -1)`` none) narrows
+  that further: row ``i`` sits at position ``x = q_pos + i`` and sees only keys whose
+  position ``y`` has ``x - left <= y <= x + right``. A key's position is its row (or
+  ``Pieces.k_pos``); ``q_pos`` defaults to the bottom-right alignment
+  ``k_start + k_len - n`` (``Pieces.q_pos`` sets it). GPU backends run windows with
+  ``right == 0`` on bottom-right aligned pieces, and any window on whole documents
+  (``disjoint_keys``), and raise ``ValueError`` otherwise (:func:`gpu_window`).
 - A row that sees no key (a padding piece, ``k_len = 0``; in a ring step, a piece
   with no key in the block) outputs 0 with ``lse = -inf`` and gets zero gradient.
 - Softmax and gradients accumulate in float32 (float64 for float64 inputs).
@@ -67,6 +74,10 @@ class Pieces:
     - ``disjoint_keys``: the caller's promise that each piece reads the keys at its own
       rows (``k_start == cu_q[:-1]``, ``k_len == cu_q[1:] - cu_q[:-1]``: the documents
       of an unpadded pack); GPU backends then take a plain path.
+    - ``q_pos``: ``[P]`` int32, the position of each piece's first query, where a window
+      places its rows (``None``: bottom-right, ``k_start + k_len - n``).
+    - ``k_pos``: ``[Tk]`` int64, each key row's position (``None``: its row); a ring step's
+      block holds positions with gaps.
     """
 
     cu_q: Tensor
@@ -75,6 +86,8 @@ class Pieces:
     max_q: int | None = None
     max_k: int | None = None
     disjoint_keys: bool = False
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
 
     @property
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,6 +142,25 @@ def check_options(options: dict) -> None:
         raise TypeError(f"backward() got unexpected keyword arguments {unknown}; backend options are {known}")
 
 
+def gpu_window(kernel: str, causal: bool, window: tuple[int, int], pieces: Pieces) -> tuple[int, int]:
+    """The window a GPU backend passes to its kernel (``(-1, -1)``: none beyond ``causal``), or
+    ``ValueError`` where GPU backends cannot run the call's: they take one window per call,
+    placed by the bottom-right alignment, which places every row where pieces' keys end at
+    their last query (``(left, 0)`` windows, no ``q_pos``/``k_pos``) or where each piece reads
+    its own rows (``disjoint_keys``: whole documents, any window)."""
+    if window == (-1, -1) or (window == (-1, 0) and causal):
+        return (-1, -1)
+    if pieces.disjoint_keys and pieces.q_pos is None and pieces.k_pos is None:
+        return window
+    if not causal or window[1] != 0 or pieces.q_pos is not None or pieces.k_pos is not None:
+        raise ValueError(
+            f"kernel {kernel!r} runs sliding windows (left, 0) of the all-gather and exchange paths only, got "
+            f"window_size={window} ({'a ring step' if pieces.k_pos is not None else 'keys past the query'}); "
+            "use Config(kernel='reference') for it"
+        )
+    return window
+
+
 @runtime_checkable
 class AttentionKernel(Protocol):
     """An attention backend: a module with these two functions (the piece contract: module docstring).
@@ -139,8 +171,9 @@ class AttentionKernel(Protocol):
     """
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, *, causal: bool, scale: float,
+        window: tuple[int, int] = (-1, -1),
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Attention of every piece over its keys.
 
         Args:
@@ -149,6 +182,7 @@ class AttentionKernel(Protocol):
             pieces: the pieces of ``q`` and the keys each reads (:class:`Pieces`).
             causal: the bottom-right causal band within each piece.
             scale: the softmax scale.
+            window: ``(left, right)``, the band around each row's position (module docstring).
 
         Returns:
             ``out`` ``[Tq, Hq, D]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
@@ -159,13 +193,14 @@ class AttentionKernel(Protocol):
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pieces: Pieces, *,
-        causal: bool, scale: float, grads: KeyGrads | None = None, **options: Unpack[BackwardOptions],
+        causal: bool, scale: float, window: tuple[int, int] = (-1, -1), grads: KeyGrads | None = None,
+        **options: Unpack[BackwardOptions],
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of :meth:`forward` with respect to ``q``, ``k`` and ``v``.
 
         Args:
             dout: ``[Tq, Hq, D]``, ``q``'s dtype: the gradient of ``out``.
-            q, k, v, pieces, causal, scale: as given to :meth:`forward`.
+            q, k, v, pieces, causal, scale, window: as given to :meth:`forward`.
             out, lse: what :meth:`forward` returned for them.
             grads: the order and buffers of the dK/dV sums (:class:`KeyGrads`; default:
                 key order, new tensors).

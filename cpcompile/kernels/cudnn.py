@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 from ..per_plan import per_plan, readable
-from .contract import Pieces, check_options
+from .contract import Pieces, check_options, gpu_window
 from .metadata.chunks import row_chunks
 from .metadata.scratch import add_back_grads, place_grads, scratch_rows
 from .triton import dead_rows
@@ -184,6 +184,7 @@ class _Shape(NamedTuple):
     s_q: int
     s_kv: int
     causal: bool
+    window: tuple[int, int]  # ``contract.gpu_window``'s: (-1, -1) none
     scale: float
     device: torch.device
     kv_stride: tuple[int, int]  # (token, head) strides of K and V
@@ -235,8 +236,18 @@ def _sdpa_args(g, shape: _Shape) -> dict:
         "seq_len_q": _column(g, _SEQ_Q, shape.b, cudnn.data_type.INT32),
         "seq_len_kv": _column(g, _SEQ_KV, shape.b, cudnn.data_type.INT32),
     }
+    left, right = shape.window
     if shape.causal:
-        args |= {"diagonal_alignment": cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
+        right = 0
+    if (left, right) != (-1, -1):
+        # a window with keys past the query runs on whole documents only (``contract.gpu_window``),
+        # where the alignments agree: top-left there, which cuDNN takes with both bounds
+        aligned = cudnn.diagonal_alignment.BOTTOM_RIGHT if right == 0 else cudnn.diagonal_alignment.TOP_LEFT
+        args["diagonal_alignment"] = aligned
+    if right >= 0:
+        args["diagonal_band_right_bound"] = right
+    if left >= 0:  # cuDNN's bound counts the diagonal: key j is seen from row i when i - j < bound
+        args["diagonal_band_left_bound"] = left + 1
     return args
 
 
@@ -323,21 +334,40 @@ def _kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k.contiguous(), v.contiguous()
 
 
-def _shape(q, k, meta: Ragged, causal, scale, max_q: int, max_k: int) -> _Shape:
+def _shape(q, k, meta: Ragged, causal, window, scale, max_q: int, max_k: int) -> _Shape:
     # bounds: tight ones shrink the grid, bucketing keeps the graph count small
     return _Shape(
         q.dtype, meta.seq_q.shape[0], q.shape[1], k.shape[1], q.shape[2], bucket(max_q), bucket(max_k),
-        causal, float(scale), q.device, (k.stride(0), k.stride(1)),
+        causal, tuple(window), float(scale), q.device, (k.stride(0), k.stride(1)),
     )  # fmt: skip
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
+@functools.cache
+def supports_window() -> bool:
+    """Whether cuDNN takes a band's left bound: frontend 1.10 and cuDNN 9.6 or later."""
+    if not available():
+        return False
+    import cudnn
+
+    frontend = tuple(int(x) for x in cudnn.__version__.split(".")[:2] if x.isdigit())
+    return frontend >= (1, 10) and cudnn.backend_version() >= 90600
+
+
+def _band(causal: bool, window, pieces: Pieces) -> tuple[int, int]:
+    band = gpu_window("cudnn", causal, window, pieces)
+    if band != (-1, -1) and not supports_window():
+        raise ValueError("kernel 'cudnn' needs cudnn-frontend >= 1.10 and cuDNN >= 9.6 for a sliding window")
+    return band
+
+
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+    band = _band(causal, window, pieces)
     _check(q, k)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
     meta = _plan_ragged(*pieces.tensors, k.shape[0])
-    shape = _shape(q, k, meta, causal, scale, *pieces.bounds(q, k))
+    shape = _shape(q, k, meta, causal, band, scale, *pieces.bounds(q, k))
     out = torch.empty_like(q)
     stats = torch.empty((tq, hq, 1), device=q.device)  # pieces that see no keys: set by ``finish``
     q_offset, k_offset = _offsets(meta.q_rows, hq * d), _offsets(meta.k_rows, k.stride(0))
@@ -374,9 +404,12 @@ def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: 
     return (cu_q, k_start, k_len), scratch_rows(cu_q, k_start, k_len, num_keys)
 
 
-def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
+def backward(
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
+):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
+    band = _band(causal, window, pieces)
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
@@ -393,7 +426,7 @@ def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: fl
         max_q, max_k = scratch.max_q, scratch.max_k  # exact: the grids shrink
     # rows that no entry writes: the chunks', as a causal piece's first rows may see no key
     live = None if pieces.disjoint_keys else dead_rows.live_rows(cu_q, k_len, tq)
-    shape = _shape(q, k, meta, causal, scale, min(tq, max_q), min(k.shape[0], max_k))
+    shape = _shape(q, k, meta, causal, band, scale, min(tq, max_q), min(k.shape[0], max_k))
     dq = torch.empty_like(q)
     # In place, keys no piece reads keep 0. A scratch's rows are each an entry's (``scratch_rows``) and
     # cuDNN writes every key row of an entry, so only the spare row is zeroed: zeroing all of them was

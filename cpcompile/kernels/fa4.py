@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 
 import torch
 
@@ -57,23 +58,37 @@ def _interface():
     return interface
 
 
-def _keywords(cu_q, cu_k, max_q, max_k, causal, scale) -> dict:
+@functools.cache
+def supports_window() -> bool:
+    """Whether the installed FA4's forward and backward both take a window (``window_size_left``)."""
+    if not available():
+        return False
+    calls = (_interface()._flash_attn_fwd, _interface()._flash_attn_bwd)
+    return all("window_size_left" in inspect.signature(f).parameters for f in calls)
+
+
+def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window) -> dict:
     """What FA4's varlen forward and backward both take by name: the entries, their bounds and the mask."""
     entries = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
+    if window != (-1, -1):
+        if not supports_window():
+            raise ValueError(f"kernel 'fa4': this FlashAttention-4 takes no window in its backward ({SUPPORTED})")
+        left, right = window  # FA4 leaves a side unbounded with None
+        entries |= {"window_size_left": None if left < 0 else left, "window_size_right": None if right < 0 else right}
     return entries | {"softmax_scale": scale, "causal": causal}
 
 
-def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=None):
-    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale)
+def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, seqused_k=None):
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, seqused_k=seqused_k, return_lse=True, **kw)
     return out, lse
 
 
-def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale)
+def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window):
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
     dq, dk, dv, *_ = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, **kw)
     return dq, dk, dv
 
 
-FA4 = VarlenKernel(_forward_call, _backward_call)
+FA4 = VarlenKernel("fa4", _forward_call, _backward_call)
 forward, backward = FA4.forward, FA4.backward

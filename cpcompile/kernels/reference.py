@@ -20,17 +20,27 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _row_bounds(cu_q, k_start, k_len, causal: bool, num_rows: int):
-    """Per query row: first visible key and one past the last, ``[Tq]`` int64 each."""
-    cu = cu_q.long()
+def _row_bounds(pieces: Pieces, causal: bool, window: tuple[int, int], num_rows: int):
+    """Per query row: first visible key row and one past the last, and the row's position
+    (where its window sits), ``[Tq]`` int64 each."""
+    cu = pieces.cu_q.long()
     q_len = cu[1:] - cu[:-1]
     rows = torch.arange(num_rows, device=cu.device)
     piece = torch.searchsorted(cu, rows, right=True) - 1  # [Tq]
-    lo = k_start.long()[piece]
-    n = k_len.long()[piece]
+    lo = pieces.k_start.long()[piece]
+    n = pieces.k_len.long()[piece]
+    i = rows - cu[piece]
+    at = lo + n - q_len[piece] if pieces.q_pos is None else pieces.q_pos.long()[piece]
+    hi = lo + n
     if causal:
-        n = (n - q_len[piece] + 1 + rows - cu[piece]).clamp(min=0) * (n > 0)
-    return lo, lo + n
+        hi = lo + (n - q_len[piece] + 1 + i).clamp(min=0) * (n > 0)
+    if pieces.k_pos is None:  # key rows are positions: the window narrows the bounds
+        left, right = window
+        if left >= 0:
+            lo = torch.maximum(lo, at + i - left)
+        if right >= 0:
+            hi = torch.minimum(hi, at + i + right + 1)
+    return lo, hi, at + i
 
 
 def _blocks(lo: torch.Tensor, hi: torch.Tensor):
@@ -45,26 +55,31 @@ def _blocks(lo: torch.Tensor, hi: torch.Tensor):
         yield r0, r1, k0, k1
 
 
-def _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc):
+def _scores(q, k, bounds, pieces: Pieces, window, r0, r1, k0, k1, scale, acc):
     """Masked scores ``[Hkv, G, rows, keys]`` and the mask ``[rows, keys]``."""
+    lo, hi, at = bounds
     hkv = k.shape[1]
     qb = q[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
     kb = k[k0:k1].to(acc)  # [keys, Hkv, D]
     s = torch.einsum("rhgd,khd->hgrk", qb, kb) * scale
     keys = torch.arange(k0, k1, device=q.device)
     mask = (keys[None, :] >= lo[r0:r1, None]) & (keys[None, :] < hi[r0:r1, None])
+    if pieces.k_pos is not None:  # positions with gaps: the window compares them
+        y, x = pieces.k_pos.long()[k0:k1][None, :], at[r0:r1, None]
+        left, right = window
+        mask &= ((y >= x - left) | (left < 0)) & ((y <= x + right) | (right < 0))
     return s.masked_fill(~mask, float("-inf")), mask
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
-    lo, hi = _row_bounds(*pieces.tensors, causal, tq)
-    for r0, r1, k0, k1 in _blocks(lo, hi):
-        s, mask = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
+    bounds = _row_bounds(pieces, causal, window, tq)
+    for r0, r1, k0, k1 in _blocks(*bounds[:2]):
+        s, _ = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc)
         m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(acc).min)  # rows with no key stay finite
         p = torch.exp(s - m)
         total = p.sum(-1, keepdim=True)
@@ -74,7 +89,9 @@ def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float):
     return out.to(q.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
+def backward(
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
+):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
     acc = _acc_dtype(q.dtype)
@@ -83,13 +100,13 @@ def backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: fl
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    lo, hi = _row_bounds(*pieces.tensors, causal, tq)
+    bounds = _row_bounds(pieces, causal, window, tq)
     # delta_i = sum_d dO_i O_i: the softmax Jacobian's row term, [Hkv, G, Tq, 1]
     delta = (dout.to(acc) * out.to(acc)).sum(-1).t().unflatten(0, (hkv, -1)).unsqueeze(-1)
     # Rows without keys have lse = -inf; any finite stand-in keeps exp(-inf - lse) = 0.
     lse_g = lse.to(acc).clamp(min=torch.finfo(acc).min).unflatten(0, (hkv, -1)).unsqueeze(-1)  # [Hkv, G, Tq, 1]
-    for r0, r1, k0, k1 in _blocks(lo, hi):
-        s, _ = _scores(q, k, lo, hi, r0, r1, k0, k1, scale, acc)
+    for r0, r1, k0, k1 in _blocks(*bounds[:2]):
+        s, _ = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc)
         p = torch.exp(s - lse_g[:, :, r0:r1])  # masked entries are exp(-inf) = 0
         do = dout[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
         dv[k0:k1] += torch.einsum("hgrk,rhgd->khd", p, do)

@@ -21,19 +21,20 @@ from typing import Protocol
 import torch
 
 from ..per_plan import per_plan
-from .contract import Pieces, check_options
+from .contract import Pieces, check_options, gpu_window
 from .metadata.scratch import add_back_grads, place_grads, scratch_rows
 from .triton import dead_rows
 
 
 class ForwardCall(Protocol):
-    def __call__(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k=None):
+    def __call__(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, seqused_k=None):
         """q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]``, ``cu_q``/``cu_k`` ``[B + 1]`` int32 (``cu_k``
-        monotone unless ``seqused_k [B]`` gives the lengths) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
+        monotone unless ``seqused_k [B]`` gives the lengths), ``window``: ``(left, right)`` of
+        ``varlen_attn`` (``(-1, -1)``: none) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
 
 
 class BackwardCall(Protocol):
-    def __call__(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    def __call__(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window):
         """The gradients ``(dq, dk, dv)`` of one plain varlen call (``cu_k`` monotone, entries disjoint)."""
 
 
@@ -48,36 +49,43 @@ class VarlenKernel:
     """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
     forward call and one varlen backward call (module docstring)."""
 
-    def __init__(self, forward_call: ForwardCall, backward_call: BackwardCall):
-        self._forward_call, self._backward_call = forward_call, backward_call
+    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall):
+        self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
 
-    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float):
+    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+        band = gpu_window(self._name, causal, window, pieces)
         # The grid is sized by the bounds: tight ones save empty thread blocks. Rows of
         # padding pieces beyond max_q are skipped by the kernel and zeroed below.
         max_q, max_k = pieces.bounds(q, k)
         cu_q, k_start, k_len = pieces.tensors
         if pieces.disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
-            return self._forward_call(q, k, v, cu_q, _consecutive_cu_k(k_start, k_len), max_q, max_k, causal, scale)
+            cu_k = _consecutive_cu_k(k_start, k_len)
+            return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band)
         cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
-        out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=k_len)
+        out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, seqused_k=k_len)
         live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
         # in place: the kernel's fresh outputs
         return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, grads=None, **options):
+    def backward(
+        self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None,
+        **options,
+    ):  # fmt: skip
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
         check_options(options)
+        band = gpu_window(self._name, causal, window, pieces)
         max_q, max_k = pieces.bounds(q, k)
         cu_q, k_start, k_len = pieces.tensors
         call = self._backward_call
         if pieces.disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
             cu_k = _consecutive_cu_k(k_start, k_len)
-            dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+            dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, band)
             return dq, *place_grads(dk, dv, k_start, k_len, grads)
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
         src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
-        dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale)
+        # each copy ends at its piece's last query, as the keys did: the band stays in place
+        dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
         return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv

@@ -25,8 +25,9 @@ from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import per_plan
 from ..plan import AttentionPlan, head_step_plan, hybrid_step_plan, make_plan, max_piece_len, step_plan
-from ..ring_plan import RingPlan, make_ring_plan
+from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
 from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
+from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
 
@@ -46,11 +47,23 @@ def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> Atten
     )
 
 
-def _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal) -> kernels.Pieces:
+def _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window) -> kernels.Pieces:
     """The kernel's pieces for single-device attention: the documents, or the padded plan's."""
     plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
-    bounds = {"max_q": max_seqlen, "max_k": max_seqlen, "disjoint_keys": cu_seqlens_padded is None}
-    return kernels.Pieces(plan.cu_q, plan.k_start, plan.k_len(causal), **bounds)
+    k_start, k_len, q_pos = window_keys(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full, window)
+    whole = cu_seqlens_padded is None  # each piece a whole document, reading its own rows
+    bounds = {"max_q": max_seqlen, "max_k": max_seqlen, "disjoint_keys": whole}
+    return kernels.Pieces(plan.cu_q, k_start, k_len, q_pos=None if whole or is_causal(window) else q_pos, **bounds)
+
+
+def op_window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    """The window of an attention op's ``(causal, window_left, window_right)``: a window's right side
+    is 0 when causal (``(-1, 0)`` is causal, ``(-1, -1)`` full attention)."""
+    return window_left, 0 if causal else window_right
+
+
+def _kernel_keywords(q, scale, window) -> dict:
+    return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window}
 
 
 # --- packed_attention --------------------------------------------------------------
@@ -67,13 +80,17 @@ def _packed_attention(
     causal: bool,
     scale: float | None,
     kernel_name: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal)
-    return kernels.select(q, kernel_name).forward(q, k, v, pieces, causal=causal, scale=softmax_scale(q, scale))
+    window = op_window(causal, window_left, window_right)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    return kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window))
 
 
 @_packed_attention.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None):
+def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
     check_fake_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
@@ -94,15 +111,18 @@ def _packed_attention_backward(
     causal: bool,
     scale: float | None,
     kernel_name: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, causal)
-    kernel = kernels.select(q, kernel_name)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=softmax_scale(q, scale))
+    window = op_window(causal, window_left, window_right)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_packed_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale):
+def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -119,6 +139,7 @@ def packed_attention(
     cu_seqlens_padded: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     causal: bool = True,
+    window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     config: Config | None = None,
 ) -> torch.Tensor:
@@ -131,10 +152,14 @@ def packed_attention(
             padding at their ends (default: none, ``T = cu_seqlens[-1]``).
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         causal: causal within each document. scale: default ``D ** -0.5``.
+        window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.window``): query
+            ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1: unbounded);
+            ``None``: from ``causal``. With ``causal=True`` its right side must be 0.
         config: its ``kernel`` (:class:`cpcompile.Config`; default: :func:`cpcompile.config.default_config`).
     Returns:
         ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
     """
+    window = resolve_window(causal, window_size)
     check_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     if cu_seqlens_padded is None:
@@ -143,9 +168,8 @@ def packed_attention(
         check_padded(cu_seqlens, cu_seqlens_padded)
         _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
     kernel = resolve_config(config).kernel
-    return torch.ops.cpcompile.packed_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel
-    )[0]
+    args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
+    return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
 
 
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
@@ -157,12 +181,13 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv):
+def _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv, window):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
     group = resolve_group(group_name)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window))  # before any communication
     ex = exchange_plan(gather_index, k_start, k_len, group_name, kv)  # kv: Config.kv_exchange
-    return group, kernels.select(q, kernel_name), ex, {"causal": causal, "scale": softmax_scale(q, scale)}
+    return group, kern, ex, _kernel_keywords(q, scale, window)
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
@@ -182,11 +207,15 @@ def _cp_attention(
     kernel_name: str | None,
     kv_exchange: str,
     kv_chunks: int,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = op_window(causal, window_left, window_right)
     config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
-    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, causal, scale, gather_index, config)
-    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv_exchange)
-    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen)
+    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, window, scale, gather_index, config)
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return exchange.forward(kern, q, k, v, ex, pieces, group, **kw)
     return gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw)
@@ -195,7 +224,8 @@ def _cp_attention(
 @_cp_attention.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
     check_fake_qkv(q, k, v)
-    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    q_pos = config[3] if len(config) > 3 else None
+    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
     cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(
@@ -225,9 +255,13 @@ def _cp_attention_backward(
     kernel_name: str | None,
     kv_exchange: str,
     kv_chunks: int,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, causal, scale, kernel_name, kv_exchange)
-    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen)
+    window = op_window(causal, window_left, window_right)
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw)
     return gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw)
@@ -253,6 +287,7 @@ def cp_attention(
     strategy: StrategyLike = None,
     comm: str | None = None,
     causal: bool = True,
+    window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     max_seqlen: int | None = None,
     plan: AttentionPlan | RingPlan | None = None,
@@ -276,6 +311,12 @@ def cp_attention(
             ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
             ring, ``cpcompile.ops.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
             unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
+        window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.window``):
+            query ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1:
+            unbounded); ``None``: from ``causal``; with ``causal=True`` its right side must be 0.
+            Pieces then read only their windows' keys: the exchange moves fewer rows, the ring
+            skips blocks no piece reads. Not with ``head_parallel > 1``. GPU kernels run windows
+            ``(left, 0)`` on the all-gather and exchange paths; others run the reference kernel.
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         plan: a prebuilt :func:`cpcompile.make_plan` (all_gather) or
             :func:`cpcompile.ring_plan.make_ring_plan` (ring) for this rank, to share across layers;
@@ -298,9 +339,10 @@ def cp_attention(
         config = resolve_config(config)
         spec = resolve_strategy(strategy)
         comm = check_comm(spec.comm if comm is None else comm)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        window = resolve_window(causal, window_size)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
+        if spec.head_parallel > 1 and window not in UNBANDED:
+            raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
         if spec.head_parallel > 1:
             if plan is not None:
                 raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
@@ -314,12 +356,12 @@ def cp_attention(
                 plan = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
         elif plan is None:
             tokens = q.shape[0] * cp
-            if comm == "ring":
+            if comm == "ring" and window in UNBANDED:
                 plan = make_ring_plan(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
-                args = (cp, rank, spec.strategy.value, spec.stripe_size)
+                args = (cp, rank, spec.strategy.value, spec.stripe_size, spec.windows)
                 plan = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
@@ -329,7 +371,7 @@ def cp_attention(
         error = e
     try:
         if agreement_enabled(pg, q):
-            record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
+            record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
             agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
         elif error is not None:
             raise error
@@ -342,15 +384,21 @@ def cp_attention(
         if spec.head_parallel > 1:
             args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
             return torch.ops.cpcompile.cp_head_attention(*args)[0]
-        if comm == "ring":
+        causal = is_causal(window)
+        if comm == "ring" and isinstance(plan, RingPlan):
             args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
             return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
-        args = (q, k, v, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        kv = (config.kernel, config.kv_exchange, config.kv_chunks)
-        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv)[0]
+        k_start, k_len, q_pos = window_keys(*plan[1:], window)
+        if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
+            ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
+            args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
+            return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
+        args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
+        kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
+        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
 
 
-def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale) -> dict[str, object]:
+def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
@@ -358,9 +406,10 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, causal, scale)
         "dtype": str(q.dtype),
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,
+        "windows (balanced)": spec.windows,
         "comm": comm,
         "head_parallel": spec.head_parallel,
-        "causal": causal,
+        "window": window,
         "scale": scale,
         "cu_seqlens": digest(cu_seqlens),
         "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),

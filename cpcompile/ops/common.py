@@ -43,26 +43,27 @@ def out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
 
 
-def op_record(op: str, q, k, causal: bool, scale, layout: torch.Tensor | None, config: dict) -> dict[str, object]:
+def op_record(op: str, q, k, mask, scale, layout: torch.Tensor | None, config: dict) -> dict[str, object]:
     """What every rank must agree on when a compiled graph calls a CP attention op directly
     (no :func:`cp_attention` wrapper compared the call): the op (its collectives), the
-    shapes, the mask, and the layout (``gather_index`` is the same on every rank)."""
+    shapes, the mask (``causal``, or the window), and the layout (``gather_index`` is the same on
+    every rank)."""
     return {
         "op (comm)": op,
         "local tokens (q.shape[0])": q.shape[0],
         "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
         "dtype": str(q.dtype),
-        "causal": causal,
+        "mask (causal or window)": mask,
         "scale": scale,
         "layout (strategy and cu_seqlens)": None if layout is None else digest(layout),
         **config,
     }
 
 
-def agree_in_op(op: str, group, q, k, causal: bool, scale, layout: torch.Tensor | None, config: dict) -> None:
-    """An op's own agreement, where no wrapper ran one for this call."""
+def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, config: dict) -> None:
+    """An op's own agreement, where no wrapper ran one for this call; ``mask``: ``causal`` or the window."""
     if not already_agreed() and agreement_enabled(group, q):
-        agree(group, None, op_record(op, q, k, causal, scale, layout, config))
+        agree(group, None, op_record(op, q, k, mask, scale, layout, config))
 
 
 def register_attention_autograd(op, backward_op, num_plan: int) -> None:

@@ -14,11 +14,12 @@ import torch
 
 from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
+from ..window import narrow_keys
 from .common import check_fake_tokens
 
 
-def _spec(strategy: str, stripe_size: int) -> StrategySpec:
-    return StrategySpec(Strategy(strategy), stripe_size)
+def _spec(strategy: str, stripe_size: int, windows=()) -> StrategySpec:
+    return StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows))
 
 
 def plan_op(name: str, make, parameters: str):
@@ -26,9 +27,11 @@ def plan_op(name: str, make, parameters: str):
     returning the plan's five tensors; ``parameters``: its schema's parameter list, given as a
     string so that the op is ``make`` itself rather than a function restating its parameters."""
     schema = f"({parameters}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    return torch.library.custom_op(
-        f"cpcompile::{name}", lambda *args: tuple(make(*args)), mutates_args=(), schema=schema
-    )
+
+    def run(*args):  # lists (int[] arguments) as tuples: ``per_plan`` keys on the values
+        return tuple(make(*(tuple(a) if isinstance(a, list) else a for a in args)))
+
+    return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema)
 
 
 def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tensor, ...]:
@@ -44,12 +47,32 @@ cp_plan = plan_op(
     "cp_plan",
     step_plan,
     "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt rank, str strategy, "
-    "SymInt stripe_size",
+    "SymInt stripe_size, int[] windows=[]",
 )
 
 
 @cp_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size):
-    spec = _spec(strategy, stripe_size)
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=()):
+    spec = _spec(strategy, stripe_size, windows)
     check_fake_tokens(num_tokens, cp_size, spec)
     return fake_plan(cu_seqlens, num_tokens, max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size))
+
+
+@torch.library.custom_op("cpcompile::window_keys", mutates_args=())
+def window_keys(
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len_causal: torch.Tensor,
+    k_len_full: torch.Tensor,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.window.narrow_keys` as an op, fed by ``cp_plan``: ``(k_start, k_len, q_pos)``,
+    each ``[P]`` int32, once per plan and window."""
+    return narrow_keys(cu_q, k_start, k_len_causal, k_len_full, window_left, window_right)
+
+
+@window_keys.register_fake
+def _(cu_q, k_start, k_len_causal, k_len_full, window_left, window_right):
+    torch._check(k_start.shape[0] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key starts for {cu_q.shape} cu_q")
+    return tuple(k_start.new_empty(k_start.shape) for _ in range(3))

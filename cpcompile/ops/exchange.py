@@ -20,8 +20,10 @@ from ..kernels.metadata.scratch import sum_layers
 
 
 def _compact(pieces: Pieces, ex: Exchange) -> Pieces:
-    """``pieces`` over the compact keys that :func:`~cpcompile.comm.exchange.fetch_keys` brings."""
-    return dataclasses.replace(pieces, k_start=ex.k_start)
+    """``pieces`` over the compact keys that :func:`~cpcompile.comm.exchange.fetch_keys` brings: a
+    piece's keys stay one range, moved, and a window's alignment (``q_pos``) moves with it."""
+    q_pos = None if pieces.q_pos is None else pieces.q_pos - pieces.k_start + ex.k_start
+    return dataclasses.replace(pieces, k_start=ex.k_start, q_pos=q_pos)
 
 
 def forward(kernel, q, k, v, ex: Exchange, pieces: Pieces, group, **kw):

@@ -26,7 +26,8 @@ from .. import kernels
 from ..comm.groups import resolve_group
 from ..comm.heads import heads_to_tokens, kv_replication, replicate, sum_replicas, tokens_to_heads
 from ..per_plan import per_plan, twinned
-from ..plan import head_step_plan, keys_read, max_pieces
+from ..plan import head_step_plan, max_pieces
+from ..reads import keys_read
 from ..strategy import Strategy, StrategySpec
 from .common import (
     agree_in_op,

@@ -9,11 +9,13 @@ from ..balanced import balanced_layout
 
 
 @torch.library.custom_op("cpcompile::balanced_layout", mutates_args=())
-def balanced_layout_op(cu_seqlens_padded: torch.Tensor, cp_size: int, num_tokens: int) -> torch.Tensor:
+def balanced_layout_op(
+    cu_seqlens_padded: torch.Tensor, cp_size: int, num_tokens: int, windows: list[int] | None = None
+) -> torch.Tensor:
     """:func:`cpcompile.balanced.balanced_layout` as an op: ``[cp_size, num_tokens / cp_size]`` int64."""
-    return balanced_layout(cu_seqlens_padded, cp_size)
+    return balanced_layout(cu_seqlens_padded, cp_size, tuple(windows or ()))
 
 
 @balanced_layout_op.register_fake
-def _(cu_seqlens_padded, cp_size, num_tokens):
+def _(cu_seqlens_padded, cp_size, num_tokens, windows=None):
     return cu_seqlens_padded.new_empty((cp_size, num_tokens // cp_size), dtype=torch.int64)

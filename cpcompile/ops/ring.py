@@ -26,7 +26,9 @@ from .. import kernels
 from ..checks import check_device
 from ..comm.groups import resolve_group
 from ..comm.ring import rotate, shift
-from ..ring_plan import block_key_ranges
+from ..per_plan import per_plan, readable
+from ..ring_plan import block_key_ranges, ring_window_plan
+from ..window import beyond_gpu
 from .common import (
     accumulation_dtype,
     agree_in_op,
@@ -55,6 +57,25 @@ def _(gather_index, k_start, k_len, cp_size):
     return tuple(k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2))
 
 
+@torch.library.custom_op("cpcompile::ring_window_plan", mutates_args=())
+def ring_window_plan_op(
+    gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cpcompile.ring_plan.ring_window_plan` as an op, fed by ``cp_plan`` and ``window_keys``:
+    ``(k_start, k_len)`` ``[cp_size, P]`` int32 and the blocks' positions ``[cp_size, T_local]`` int64."""
+    return ring_window_plan(gather_index, k_start, k_len, cp_size)
+
+
+@ring_window_plan_op.register_fake
+def _(gather_index, k_start, k_len, cp_size):
+    torch._check(
+        gather_index.shape[0] % cp_size == 0,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, not a multiple of cp_size {cp_size}",
+    )
+    ranges = [k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2)]
+    return *ranges, gather_index.new_empty((cp_size, gather_index.shape[0] // cp_size))
+
+
 def merge(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +94,27 @@ def merge(
     return out * w_old + block_out.to(out.dtype) * w_new, merged
 
 
-def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q):
-    """Per ring step, for the block in hand: ``(k_src, v_src, pieces, causal)``."""
+@per_plan
+def _live_blocks(k_len: torch.Tensor) -> list[bool]:
+    """Per block ``[cp]``, whether a piece reads a key of it (``k_len`` ``[cp, P]``): a window leaves
+    far blocks unread, and their kernel calls are skipped. Once per plan, read on the host twin
+    (a host sync where the plan has none)."""
+    return readable(k_len)[0].gt(0).any(1).tolist()
+
+
+def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos=None, k_pos=None):
+    """Per ring step, for the block in hand: ``(k_src, v_src, pieces, causal)``, with ``pieces``
+    ``None`` where no piece reads the block (its kernel call is skipped; the block still passes).
+    Only windowed calls look (their plan is the step's, with host twins): a causal call's ring plan
+    is made per call, and finding its unread blocks would cost a host sync per layer on GPUs."""
+    live = _live_blocks(k_len) if k_pos is not None else [True] * k_len.shape[0]
     for src, kv in rotate(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
         k_src, v_src = kv.split(k.shape[1], dim=1)
         own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full
-        pieces = kernels.Pieces(cu_q, k_start[src], k_len[src], max_q=max_seqlen_q, max_k=max_seqlen)
+        pieces = None
+        if live[src]:
+            positions = {} if k_pos is None else {"q_pos": q_pos, "k_pos": k_pos[src]}  # a window's alignment
+            pieces = kernels.Pieces(cu_q, k_start[src], k_len[src], max_q=max_seqlen_q, max_k=max_seqlen, **positions)
         yield k_src, v_src, pieces, causal and own
 
 
@@ -96,24 +132,35 @@ def _ring_attention(
     max_seqlen: int | None,
     max_seqlen_q: int | None,
     kernel_name: str | None,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
-    agree_in_op("cp_ring_attention (ring)", group, q, k, causal, scale, None, {"kernel": kernel_name})
-    kern = kernels.select(q, kernel_name)
+    window = (window_left, 0 if causal else window_right)
+    agree_in_op("cp_ring_attention (ring)", group, q, k, window, scale, None, {"kernel": kernel_name})
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True))
     lse_dtype = accumulation_dtype(q.dtype)
-    out = lse = None
-    scale = softmax_scale(q, scale)
-    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q)
+    out, lse = torch.zeros(q.shape, dtype=lse_dtype, device=q.device), None
+    # without positions the plan's ranges are the whole mask (causal in the own block alone)
+    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
+    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
     for k_src, v_src, pieces, step_causal in steps:
-        block = kern.forward(q, k_src, v_src, pieces, causal=step_causal, scale=scale)
-        out, lse = (block[0].to(lse_dtype), block[1]) if out is None else merge(out, lse, *block)
+        if pieces is None:
+            continue
+        block = kern.forward(q, k_src, v_src, pieces, causal=step_causal, **kw)
+        out, lse = (block[0].to(lse_dtype), block[1]) if lse is None else merge(out, lse, *block)
+    if lse is None:  # no piece reads a key
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype, device=q.device)
     return out.to(q.dtype), lse
 
 
 @_ring_attention.register_fake
-def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
+def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window):
     check_fake_qkv(q, k, v)
-    check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    positions = dict(zip(("q_pos", "k_pos"), window[:2]))
+    check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len, **positions)
     cp = resolve_group(group_name).size()
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
@@ -138,19 +185,28 @@ def _ring_attention_backward(
     max_seqlen: int | None,
     max_seqlen_q: int | None,
     kernel_name: str | None,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
-    kern = kernels.select(q, kernel_name)
+    window = (window_left, 0 if causal else window_right)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True))
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
     works = []
-    scale = softmax_scale(q, scale)
-    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q)
+    # without positions the plan's ranges are the whole mask (causal in the own block alone)
+    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
+    steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
     for step, (k_src, v_src, pieces, step_causal) in enumerate(steps):
-        dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, pieces, causal=step_causal, scale=scale)
-        dq += dq_step
-        dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
+        if pieces is None:  # no piece reads this block: its share is 0
+            dkv = torch.zeros((k.shape[0], 2 * k.shape[1], k.shape[2]), dtype=acc, device=k.device)
+        else:
+            dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, pieces, causal=step_causal, **kw)
+            dq += dq_step
+            dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
         if step > 0:
             for work in works:
                 work.wait()
@@ -171,7 +227,7 @@ def _ring_attention_backward(
 
 
 @_ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
+def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -10,13 +10,16 @@ Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by o
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
 built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
-and causal flag (the plan's key ranges as rows of every rank's block). With
+and mask (the plan's key ranges as rows of every rank's block). A sliding window
+(``window_size``, ``cpcompile.window``) is one ``cpcompile::window_keys`` per plan and window
+(each piece's keys within it), and travels in the CP op's arguments (a symbolic window is
+specialized: its graph is guarded on it). With
 ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
 ``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
 ``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
 the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. A variant the
-CP op cannot compute exactly (sliding windows, different query and key offsets,
-per-sequence key lengths, paged keys, dropout, softcap, ALiBi, a used RNG state) raises
+CP op cannot compute exactly (different query and key offsets, per-sequence key lengths,
+paged keys, dropout, softcap, ALiBi, a used RNG state, an invalid window) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
 would attend within each rank's own tokens only, and the model would train wrong.
 ``unsupported="single_device"`` leaves such calls alone instead, with one warning each,
@@ -40,8 +43,10 @@ from ..ops import cp_plan as _cp_plan  # noqa: F401  (registers cpcompile::cp_pl
 from ..ops import heads as _heads  # noqa: F401  (registers cpcompile::cp_head_plan, cp_head_attention)
 from ..ops import hybrid as _hybrid  # noqa: F401  (registers cpcompile::cp_hybrid_plan, head_all_to_all)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
+from ..ops.attention import op_window
 from ..plan import AttentionPlan, max_piece_len
 from ..strategy import StrategySpec, check_head_parallel
+from ..window import UNBANDED, check_window
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,8 @@ _REFUSED = {
     "torch_attn::_varlen_attn_out": "varlen_attn_out writes into a given output buffer; under CP call varlen_attn",
 }
 _FLASH_ATTN_2 = "flash_attn::_flash_attn_varlen_forward"
+#: The outputs of ``cpcompile::window_keys``.
+_WINDOW_KEYS = ("window_k_start", "window_k_len", "window_q_pos")
 _FLASH_ATTN_3 = "flash_attn_3::_flash_attn_forward"
 
 
@@ -68,6 +75,7 @@ class AttentionMatch:
     max_seqlen: object  # int, SymInt node or None: a launch bound, never specialized
     causal: bool
     scale: float | None
+    window: tuple[int, int] = (-1, -1)  # (left, right) of varlen_attn, causal included: (-1, 0) when causal
 
 
 @dataclasses.dataclass
@@ -218,11 +226,16 @@ def _window(a: dict) -> tuple:
 def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | Unsupported:
     """A varlen call of schema ``s`` (arguments ``a`` by name) as CP attention, or why it cannot be one."""
     window = _window(a)
-    causal = bool(_known(a.get(s.causal, False))) or window == (-1, 0)
     used = _used_outputs(node)
-    if window not in ((-1, -1), (-1, 0)):
-        shown = ", ".join(map(_shown, window))
-        return Unsupported(node, f"sliding window ({shown}) is not supported under CP")
+    try:
+        # the kernels and the plan need the window's value: a symbolic one (an int Dynamo lifted to an
+        # input) is specialized here, its graph guarded on it (another window compiles another graph)
+        window = tuple(int(w) if isinstance(w, torch.SymInt) else w for w in window)
+        check_window(window)
+    except (TypeError, ValueError) as e:
+        return Unsupported(node, str(e))
+    causal = bool(_known(a.get(s.causal, False))) or window[1] == 0  # a causal kernel ends every window at its query
+    window = (window[0], 0) if causal else window
     if a[s.cu_q] is not a[s.cu_k]:
         return Unsupported(node, f"{s.cu_q} and {s.cu_k} differ (cross attention); CP needs one set of documents")
     for name in s.absent:
@@ -236,7 +249,7 @@ def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | 
     for index, output in s.extra_outputs.items():
         if index in used:
             return Unsupported(node, f"its {output} output is used")
-    return AttentionMatch(node, a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale])
+    return AttentionMatch(node, a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale], window)
 
 
 def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
@@ -252,6 +265,7 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
             found = AttentionMatch(
                 node,
                 *(a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "causal", "scale")),
+                window=op_window(a["causal"], a["window_left"], a["window_right"]),
             )
             qkv = ("q", "k", "v")
         elif name in _VARLEN_SCHEMAS:
@@ -343,7 +357,8 @@ def rewrite_packed_attention(
         return node
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
-    ring_ranges: dict[tuple[fx.Node, fx.Node | None, bool], list[fx.Node]] = {}
+    ring_ranges: dict[tuple, list[fx.Node]] = {}
+    window_keys: dict[tuple, list[fx.Node]] = {}
     for m in matches:
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
@@ -357,14 +372,33 @@ def rewrite_packed_attention(
                     plan_args = (cp_size, spec.head_parallel, rank, *layout)
                 elif heads:  # the same plan on every rank: the layout's order, whole documents
                     target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
-                else:
-                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout)
+                else:  # a balanced layout's windows only where set: graphs without them stay as they were
+                    balance = (list(spec.windows),) if spec.windows else ()
+                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *balance)
                 plan = insert(target, (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args), target._opname, m.node)
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
+            q_pos = None
+            if m.window not in UNBANDED:
+                if heads:
+                    raise ValueError(
+                        f"{m.node.format_node()}: window_size={m.window} is not supported with head_parallel > 1"
+                    )
+                window_key = (*key, m.window)
+                if window_key not in window_keys:
+                    keys = insert(
+                        torch.ops.cpcompile.window_keys.default,
+                        (cu_q, k_start, k_len_causal, k_len_full, *m.window),
+                        "window_keys",
+                        m.node,
+                    )
+                    window_keys[window_key] = [
+                        insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)
+                    ]
+                k_start, k_len, q_pos = window_keys[window_key]
             if hybrid:
                 cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
             elif heads:
@@ -377,24 +411,30 @@ def rewrite_packed_attention(
                     m.node,
                 )
             elif spec.comm == "ring":
-                ring_key = (*key, m.causal)
+                banded = m.window not in UNBANDED
+                ring_key = (*key, m.window)
                 if ring_key not in ring_ranges:
-                    ranges = insert(
-                        torch.ops.cpcompile.ring_key_ranges.default,
-                        (gather_index, k_start, k_len, cp_size),
-                        "ring_key_ranges",
-                        m.node,
+                    # with a window, the blocks' positions too: a window is placed by them
+                    target, fields = (
+                        (torch.ops.cpcompile.ring_window_plan.default, ("start", "len", "positions"))
+                        if banded
+                        else (torch.ops.cpcompile.ring_key_ranges.default, ("start", "len"))
                     )
+                    ranges = insert(target, (gather_index, k_start, k_len, cp_size), target._opname, m.node)
                     ring_ranges[ring_key] = [
-                        insert(operator.getitem, (ranges, i), f"ring_{f}") for i, f in ((0, "start"), (1, "len"))
+                        insert(operator.getitem, (ranges, i), f"ring_{f}") for i, f in enumerate(fields)
                     ]
                 name, target = "cp_ring_attention", torch.ops.cpcompile.cp_ring_attention.default
-                plan_args = (cu_q, *ring_ranges[ring_key])
+                plan_args = (cu_q, *ring_ranges[ring_key][:2])
                 config_args = (config.kernel,)
+                if banded:
+                    config_args += (q_pos, ring_ranges[ring_key][2], *m.window)
             else:
                 name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
                 config_args = (config.kernel, config.kv_exchange, config.kv_chunks)
+                if m.window not in UNBANDED:  # bottom-right aligned when causal: no positions
+                    config_args += (None if m.causal else q_pos, *m.window)
             if not heads:
                 cp = insert(
                     target,
@@ -464,7 +504,7 @@ def shard_attention_pass(
         calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)
         raise UnsupportedAttentionError(
             f"cpcompile cannot run {len(skipped)} packed attention call(s) context-parallel exactly: {calls}. "
-            "Use a causal or full window and one cu_seqlens for queries and keys, or pass "
+            "Use one cu_seqlens for queries and keys and a valid window, or pass "
             "cpcompile.backend(..., unsupported='single_device') to run such calls over each rank's own "
             "tokens alone (not the single-device result)."
         )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ...per_plan import per_plan, twinned
-from ...plan import keys_read
+from ...reads import keys_read
 from ..triton import sum_rows
 
 if TYPE_CHECKING:

@@ -105,8 +105,8 @@ def parse_args() -> argparse.Namespace:
         help="FSDP2 fully_shard per decoder layer, the output projection and the decoder stack (cp > 1)",
     )
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
-    p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, "
-                   "without whole-pack logits (cpcompile.testing.losses; the default); "
+    p.add_argument("--loss", default="fused", choices=["fused", "hf"], help="fused: the loss from hidden states "
+                   "chunk by chunk, without whole-pack logits (cpcompile.testing.losses; the default); "
                    "hf: the model's own (logits, then transformers' loss)")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU through aot_eager, to check "
                    "this script: " + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))  # fmt: skip
@@ -122,7 +122,6 @@ def parse_args() -> argparse.Namespace:
     args.cp = args.cp or ([world] if args.real else [2] if args.cpu_smoke else [1, 2, 8])
     if min(args.cp) < 1 or (args.real and set(args.cp) - {1, world}) or min(args.ranks or [0]) < 0:
         p.error(f"--cp: sizes >= 1{f', under torchrun 1 or the world size {world}' if args.real else ''}; --ranks >= 0")
-    args.loss = args.loss or "fused"
     stripe = args.stripe_size if args.strategy == "striped" else 1
     args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe)
     try:

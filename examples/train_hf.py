@@ -66,8 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regional", action="store_true", help="compile each decoder layer, not the whole model")
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over the CP ranks (decoder layers, lm_head, the stack)")
-    p.add_argument("--loss", choices=["fused", "hf"], help="fused: the loss from hidden states chunk by chunk, no "
-                   "[T, vocab] logits (the default); hf: the model's own")  # fmt: skip
+    p.add_argument("--loss", default="fused", choices=["fused", "hf"], help="fused: the loss from hidden states "
+                   "chunk by chunk, no [T, vocab] logits (the default); hf: the model's own")  # fmt: skip
     p.add_argument("--inner", default="inductor", help="compiler after the CP pass: inductor, aot_eager, ...")
     p.add_argument("--lr", type=float, default=1e-4)
     args = p.parse_args()
@@ -94,7 +94,7 @@ def main() -> None:
         shape, args.layers, max_tokens=args.tokens, device=device, dtype=dtype, checkpointing=args.checkpointing
     )
     params = matmul_params(model)
-    fused = (args.loss or "fused") == "fused"
+    fused = args.loss == "fused"
     if fused:
         fuse_loss(model.lm_head)  # the loss in the output projection's forward, where FSDP2 gathers its weight
     if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed

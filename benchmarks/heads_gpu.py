@@ -52,6 +52,8 @@ from cpcompile.per_plan import upload  # noqa: E402
 from cpcompile.plan import AttentionPlan, make_head_plan, make_hybrid_plan, max_piece_len  # noqa: E402
 from cpcompile.testing import sample_lengths  # noqa: E402
 
+CAUSAL = (-1, 0)  # attention_gpu's steps take a window; head parallelism runs causal calls
+
 HEADING = "## Head parallelism on one GPU (benchmarks/heads_gpu.py)"
 DEFAULT_DOCLENS = REPO.parent / "shared" / "data" / "doclens" / "prolong.json"
 HEAD_SHAPES = ((32, 8), (16, 16))
@@ -115,15 +117,15 @@ def rank_steps(spec, plans, cu, padded, heads: Heads, cp: int, backward: bool, k
 
         return [run]
     if u == 1:
-        read = rank_reads(plans, cp)  # the exchange where cp_attention would take it
+        read = rank_reads(plans, cp, CAUSAL)  # the exchange where cp_attention would take it
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
         return [
-            kernel_step(kernel, q_u[: n // cp], k_u[:n], v_u[:n], p, True, max_len, backward, bound,
+            kernel_step(kernel, q_u[: n // cp], k_u[:n], v_u[:n], p, CAUSAL, max_len, backward, bound,
                         None if read is None else read[r])
             for r, p in enumerate(plans)
         ]  # fmt: skip
     # the hybrid calls cp_attention with the document bound for queries and keys, never exchanging
-    return [kernel_step(kernel, q_u[: u * n // cp], k_u[:n], v_u[:n], p, True, max_len, backward) for p in plans]
+    return [kernel_step(kernel, q_u[: u * n // cp], k_u[:n], v_u[:n], p, CAUSAL, max_len, backward) for p in plans]
 
 
 def measure(lengths, heads: Heads, cp: int, us: list[int], backward: bool, kernel_name, link: Link, dry_run: bool):
@@ -139,11 +141,13 @@ def measure(lengths, heads: Heads, cp: int, us: list[int], backward: bool, kerne
         q = torch.randn(t + pad_room, heads.q, D, device=dev, dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(t + pad_room, heads.kv, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
         cu_dev = cu.to(dev)
-        singles = {"(torch varlen_attn)": torch_varlen_step(q[:t], k[:t], v[:t], cu_dev, max_len, backward)}
+        singles = {"(torch varlen_attn)": torch_varlen_step(q[:t], k[:t], v[:t], cu_dev, max_len, backward, CAUSAL)}
         if fa4.available():
-            singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(q[:t], k[:t], v[:t], cu_dev, max_len, backward)
+            singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(
+                q[:t], k[:t], v[:t], cu_dev, max_len, backward, CAUSAL
+            )
         singles[f"[{kernel_name or 'default'}]"] = packed_step(
-            q[:t], k[:t], v[:t], cu_dev, max_len, backward, kernel_name
+            q[:t], k[:t], v[:t], cu_dev, max_len, backward, kernel_name, CAUSAL
         )
         single_ms = {what: timed(step) for what, step in singles.items()}
         rows += [{"what": f"single GPU {w}", "ms": ms, "tflops": flops / ms / 1e9} for w, ms in single_ms.items()]

@@ -265,8 +265,10 @@ def test_cp_attention_on_one_nccl_rank(kv):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_head_parallel_rank_call_is_packed_attention(kernel):
     """Pure head parallelism's call between the all-to-alls (on one NCCL rank they are identities):
-    whole documents on disjoint keys, so every kernel (FA4's backward included) runs it as it runs
-    ``packed_attention`` on the real tokens, and the padding gets nothing."""
+    whole documents on disjoint keys, so every kernel (FA4's backward included) runs it as exactly as
+    ``packed_attention`` on the real tokens (float64's error at most twice that; not bit for bit: the
+    launch bound is the padded documents' longest, and kernels may tile by it), and the padding gets
+    nothing."""
     import torch.distributed as dist
 
     from cpcompile.ops import heads  # noqa: F401  (registers the ops)
@@ -279,6 +281,7 @@ def test_head_parallel_rank_call_is_packed_attention(kernel):
         _, q, k, v, dout = _case(padded_lengths, seed=1)
         real = cpcompile.batch.physical_positions(cu, cu_p)
         for causal in (True, False):
+            ref, ref_grads = _reference(*(t[real] for t in (q, k, v, dout)), cu, causal)
             leaves = [t[real].clone().requires_grad_() for t in (q, k, v)]
             config = cpcompile.Config(kernel=kernel)
             want = cpcompile.packed_attention(*leaves, cu, causal=causal, config=config)
@@ -292,8 +295,10 @@ def test_head_parallel_rank_call_is_packed_attention(kernel):
                 *leaves, *plan, dist.group.WORLD.group_name, causal, None, max(padded_lengths), kernel
             )
             got_grads = torch.autograd.grad(got, leaves, dout)
-            for a, b in zip([got, *got_grads], [want, *want_grads]):
-                assert _same(a[real], b, kernel)
+            for name, a, b, r in zip(
+                ("out", "dq", "dk", "dv"), [got, *got_grads], [want, *want_grads], [ref, *ref_grads]
+            ):
+                assert _err(a[real], r) <= max(2 * _err(b, r), 1e-3), f"{name} {kernel} causal={causal}"
             pad = torch.ones(q.shape[0], dtype=torch.bool, device="cuda").index_fill_(0, real, False)
             assert not any(t[pad].any() for t in (got, *got_grads))
     finally:

@@ -28,11 +28,13 @@ def _prefix_pieces(seed: int):
     return cu_q, doc_start[doc].to(torch.int32), k_len.to(torch.int32), int(doc_len.sum())
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, device):
-    """On CPU torch's gathers add back, on CUDA the ``sum_rows`` kernel."""
-    cu_q, k_start, k_len, num_keys = (t.to(device) if torch.is_tensor(t) else t for t in _prefix_pieces(seed))
+    """Document prefixes and windowed bands (odd seeds). On CPU torch's gathers add back, on CUDA
+    the ``sum_rows`` kernel."""
+    pieces = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
+    cu_q, k_start, k_len, num_keys = (t.to(device) if torch.is_tensor(t) else t for t in pieces)
     s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
     q_len = (cu_q[1:] - cu_q[:-1]).tolist()
     rows = [n if m else 0 for m, n in zip(q_len, k_len.tolist())]  # pieces without query rows: no gradient
@@ -70,15 +72,53 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_layers_number_the_pieces_that_share_a_start(seed):
-    _, k_start, k_len, _ = _prefix_pieces(seed)
-    got = scratch.layers(k_start, k_len).tolist()
-    seen: dict[int, int] = {}
-    for p, (start, n) in enumerate(zip(k_start.tolist(), k_len.tolist())):
-        assert got[p] == (seen.get(start, 0) if n else 0), p
-        if n:
-            seen[start] = seen.get(start, 0) + 1
+def _band_pieces(seed: int):
+    """Random pieces as windowed plans make them: a few of each document's consecutive query runs
+    ``[a, b)``, in any order, each reading keys ``[a - left, b)`` of its document (``left``
+    random, -1: the whole prefix). Returns ``cu_q, k_start, k_len, num_keys``."""
+    g = torch.Generator().manual_seed(seed)
+    starts, lens, rows, doc_start = [], [], [], 0
+    for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+        n = int(torch.randint(1, 80, (1,), generator=g))
+        left = int(torch.randint(-1, 30, (1,), generator=g))
+        cuts = sorted({0, n, *torch.randint(0, n, (6,), generator=g).tolist()})
+        for a, b in zip(cuts, cuts[1:]):
+            if torch.rand(1, generator=g) < 0.7:
+                lo = 0 if left < 0 else max(0, a - left)
+                starts.append(doc_start + lo)
+                lens.append(b - lo)
+                rows.append(b - a)
+        doc_start += n
+    order = torch.randperm(len(starts), generator=g)
+    q_len = torch.tensor(rows)[order]
+    cu_q = torch.cat([q_len.new_zeros(1), q_len.cumsum(0)]).to(torch.int32)
+    k_start, k_len = (torch.tensor(t, dtype=torch.int32)[order] for t in (starts, lens))
+    return cu_q, k_start, k_len, doc_start
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_layers_give_overlapping_ranges_different_layers_and_no_more_than_a_key_needs(seed):
+    """Document prefixes and windowed bands: one layer's ranges are disjoint, and there are as many
+    layers as the most ranges over one key."""
+    k_start, k_len = (_prefix_pieces if seed % 2 else _band_pieces)(seed)[1:3]
+    got, proper = scratch.layers(k_start, k_len)
+    assert bool(proper)
+    ranges = [range(a, a + n) for a, n in zip(k_start.tolist(), k_len.tolist())]
+    for p, (r, layer) in enumerate(zip(ranges, got.tolist())):
+        assert layer == 0 or r, p  # pieces that read nothing: layer 0
+        clash = [q for q in range(p) if got[q] == layer and set(ranges[q]) & set(r)]
+        assert not clash, (p, clash)
+    depth = max((sum(key in r for r in ranges) for key in {k for r in ranges for k in r}), default=1)
+    assert max(got.tolist(), default=0) + 1 == depth
+
+
+def test_scratch_refuses_ranges_whose_ends_are_not_in_order():
+    """A range nested in a longer one of the same start order (no plan's) is refused, not summed wrong."""
+    k_start, k_len = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([10, 3], dtype=torch.int32)
+    assert not bool(scratch.layers(k_start, k_len)[1])
+    cu_q = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing ends"):
+        scratch.scratch_rows(cu_q, k_start, k_len, 12)
 
 
 def _chunks_case(seed: int):

@@ -55,7 +55,7 @@ def _check(got, base, want, label):
     for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
         err, base_err = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
         assert err <= max(2 * base_err, 1e-3), f"{name} {label}: {err} against twice {base_err}"
-        assert err / w.abs().max().item() < 2.5e-2, f"{name} {label}"
+        assert err <= 2.5e-2 * w.abs().max().item() or err <= 1e-3, f"{name} {label}"  # dQ of (0, 0) is 0
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)

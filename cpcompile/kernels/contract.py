@@ -31,9 +31,9 @@ may overlap (they are only read). Query head ``h`` reads key and value head
   key ranges overlap, and leaves it in that dtype: callers sum it over ranks
   before the one rounding. (The GPU kernels write each piece's part in the input
   dtype, so there it is rounded once per piece before the sum.)
-- Key ranges that overlap start at the same key (prefixes of one document's keys,
-  as in every plan): the GPU backwards' scratch relies on it
-  (``metadata.scratch.layers``).
+- Key ranges sorted by start have non-decreasing ends (prefixes of documents' keys,
+  or their ``(left, 0)`` windows, as in every plan): the GPU backwards' scratch relies
+  on it (``metadata.scratch.layers``; others raise ``ValueError``).
 - A causal piece reads no key or at least as many keys as it has rows (every
   plan's do): cuDNN leaves the statistics of rows before a piece's first key
   undefined; ``reference`` needs no such promise.

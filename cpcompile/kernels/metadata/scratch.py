@@ -4,10 +4,13 @@ Pieces of one rank may read overlapping key ranges (a document's head and tail
 chunks both read its first keys). Kernels that write dK/dV rather than add to
 them get one scratch row per (piece, key) instead, and the sums go back to the keys.
 
-Every plan's key ranges are prefixes of documents (``[doc start, ...)``), so two
-ranges either start at the same key or are disjoint. Numbering the pieces that
-share a start 0, 1, 2, ... gives *layers* whose ranges are disjoint, and each
-key's sum takes at most one row per layer, in float32, in layer order. On CUDA,
+Every plan's key ranges, sorted by start (then end), have non-decreasing ends too:
+document prefixes (``[doc start, ...)``) share their start, and under a ``(left, 0)``
+window a later piece of a document starts and ends later. The ranges that overlap
+a range from before it in that order are then the run just before it, so numbering
+the pieces in that order modulo the longest run gives *layers* whose ranges are
+disjoint (:func:`layers`), and each key's sum takes at most one row per layer, in
+float32, in layer order. On CUDA,
 ``triton.sum_rows`` adds them in one kernel that reads only the rows there are,
 several times faster than gathering every key once per layer or ``index_add_``
 layer by layer (docs/attention-kernels.md). Off CUDA or without Triton, torch gathers.
@@ -66,15 +69,27 @@ class Scratch(NamedTuple):
         return self.src.shape[0] - 1
 
 
-def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
-    """``[P]`` int64: each piece's number among the pieces whose keys start where its do
-    (0 for pieces that read none). Pieces of one layer read disjoint key ranges."""
+def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([P] int64, 0-dim bool)``: each piece's layer (0 for pieces that read no key), such that
+    pieces of one layer read disjoint key ranges, and whether that holds: the ranges, sorted by
+    start and end, have non-decreasing ends (every plan's do; checked in the caller's host sync).
+
+    In that order, the ranges before range ``i`` that overlap it are those ending after its
+    start, the run ``[f(i), i)``; numbered ``i mod L``, ``L`` the longest run plus one, two
+    overlapping ranges are fewer than ``L`` apart and get different layers. ``L`` is the most
+    ranges over one key: as many layers as any numbering needs.
+    """
     reads = k_len > 0
-    key = torch.where(reads, k_start.long(), -1)
-    sorted_key, order = torch.sort(key, stable=True)
-    position = torch.arange(key.shape[0], device=key.device)
-    number = position - torch.searchsorted(sorted_key, sorted_key)  # offset from the group's first
-    return torch.empty_like(number).scatter_(0, order, number).masked_fill_(~reads, 0)
+    never = torch.iinfo(torch.int64).max  # pieces that read nothing sort last and overlap nothing
+    start, end = k_start.long(), k_start.long() + k_len.long()
+    order = torch.sort(torch.where(reads, start * 2**32 + end, never), stable=True).indices  # keys < 2**31
+    start, end = (torch.where(reads, t, never)[order] for t in (start, end))
+    position = torch.arange(order.shape[0], device=order.device)
+    first = torch.searchsorted(end, start, right=True)  # the first range ending after each start
+    run = torch.cat([(position - first + 1).masked_fill(~reads[order], 1), position.new_ones(1)])
+    number = torch.where(reads[order], position % run.max(), 0)
+    proper = (end[1:] >= end[:-1]).all()
+    return torch.empty_like(number).scatter_(0, order, number), proper
 
 
 @per_plan
@@ -84,7 +99,7 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
 
     Made on the plan's host twins and uploaded (``twinned``), or where it has none,
     with one host sync; once per plan (``per_plan`` keeps it while the pieces live).
-    Key ranges must be disjoint or start at the same key, as every plan's are.
+    Key ranges sorted by start must have non-decreasing ends, as every plan's do (:func:`layers`).
     """
     device = k_start.device
     q_len = (cu_q[1:] - cu_q[:-1]).long()
@@ -92,12 +107,17 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     # a piece without query rows adds no gradient: it gets no rows, so every row is a live piece's
     k_len = torch.where(q_len > 0, k_len.long(), 0)
     cu = torch.cat([k_len.new_zeros(1), k_len.cumsum(0)]).to(torch.int32)  # [P + 1]
-    layer = layers(k_start, k_len)
+    layer, proper = layers(k_start, k_len)
     is_live = k_len > 0
     live_q = q_len * is_live
     sizes = [is_live.sum(), live_q.max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
-    sizes += [(live_q * live_q).sum() // live_q.sum().clamp(min=1)]
-    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows = torch.stack(sizes).tolist()  # the host sync
+    sizes += [(live_q * live_q).sum() // live_q.sum().clamp(min=1), proper.long()]
+    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper = torch.stack(sizes).tolist()  # the sync
+    if not proper:
+        raise ValueError(
+            "pieces' key ranges, sorted by start, must have non-decreasing ends (document prefixes, or "
+            "(left, 0) windows of them, as every plan's): the GPU backward's scratch cannot sum others"
+        )
     live = torch.sort((~is_live).to(torch.uint8), stable=True).indices[:num_live]
     piece = torch.repeat_interleave(torch.arange(k_len.shape[0], device=device), k_len, output_size=rows)
     row = torch.arange(rows, device=device)

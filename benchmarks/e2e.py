@@ -15,7 +15,7 @@ which sends data-dependent sizes, is turned off), or under ``torchrun`` on real 
     python benchmarks/e2e.py --cpu-smoke [--cp 1,2]      # a tiny float32 model on CPU, to check the script
 
 A step is forward, backward, the gradient all-reduce over the CP group (or FSDP2's
-reduce-scatter with ``--fsdp``) and an AdamW step (``--optimizer none``: without it). The loss
+reduce-scatter with ``--fsdp``) and an AdamW step (fused on CUDA; ``--optimizer none``: without it). The loss
 is computed from the hidden states chunk by chunk (``cpcompile.testing.losses``: at 128K
 tokens the model's own ``[T, vocab]`` float32 logits take more memory than several layers),
 except with ``--loss hf``.
@@ -270,7 +270,10 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
         hf_llama.fully_shard_llama(model)
     backend = make_backend(args, cp)
     compiled = hf_llama.compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.optimizer == "adamw" else None
+    # fused on CUDA: one pass over each parameter and its state (foreach makes several), and without
+    # FSDP2 every CP rank updates every parameter
+    adamw = {"fused": True} if cuda else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **adamw) if args.optimizer == "adamw" else None
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
     def step(inputs_and_spec):
@@ -439,6 +442,7 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advise`"
     params = f"{done[0]['params'] / 1e9:.2f}B matmul parameters, " if done else ""
     step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "gradient all-reduce over CP")
+    adamw = {"none": "", "adamw": ", AdamW" if args.cpu_smoke else ", AdamW (fused)"}[args.optimizer]
     return [
         f"`LlamaForCausalLM`: {args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "
@@ -449,7 +453,7 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         f"{', loss from hidden states in 8192-token chunks (no whole-pack logits)' if args.loss == 'fused' else ''}. "
         f"{args.packs} packs x {args.tokens} tokens from {source} ({docs:.0f} documents on average), "
         f"`{spec_name(args.spec)}`. Step: {step}{' (cp > 1)' if args.fsdp else ''}"
-        f"{', AdamW' if args.optimizer == 'adamw' else ''}; median of {args.steps} steps ({args.warmup} warm-up "
+        f"{adamw}; median of {args.steps} steps ({args.warmup} warm-up "
         "and one per pack first). Definitions: `benchmarks/e2e.py`'s docstring.",
         "",
         f"cp=1: plain `torch.compile`{' per layer' if args.regional else ''}. cp > 1: "

@@ -100,7 +100,8 @@ def main() -> None:
     if args.fsdp:  # parameters, gradients and optimizer state sharded over the CP ranks, gradients summed
         fully_shard_llama(model)
     compiled = compile_llama(model, args.backend, regional=args.regional, base=fused)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    # fused on CUDA: one pass over each parameter and its state (foreach makes several)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **({"fused": True} if cuda else {"foreach": True}))
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
     draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))
     spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy))

@@ -15,7 +15,8 @@ which sends data-dependent sizes, is turned off), or under ``torchrun`` on real 
     python benchmarks/e2e.py --cpu-smoke [--cp 1,2]      # a tiny float32 model on CPU, to check the script
 
 A step is forward, backward, the gradient all-reduce over the CP group (or FSDP2's
-reduce-scatter with ``--fsdp``) and an AdamW step (fused on CUDA; ``--optimizer none``: without it). The loss
+reduce-scatter with ``--fsdp``) and an AdamW step (fused on CUDA; ``--optimizer zero``: sharded over
+the CP ranks, ZeRO-1; ``none``: without it). The loss
 is computed from the hidden states chunk by chunk (``cpcompile.testing.losses``: at 128K
 tokens the model's own ``[T, vocab]`` float32 logits take more memory than several layers),
 except with ``--loss hf``.
@@ -96,7 +97,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ranks", type=int_list, help="the ranks to time on one GPU, e.g. 0,7 (default: all)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps (their median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps, after one step on every pack")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "zero", "none"], help="adamw: every rank updates "
+                   "every parameter; zero: AdamW sharded over the CP ranks (ZeroRedundancyOptimizer: each rank updates "
+                   "its share, then broadcasts it); none: no optimizer step")  # fmt: skip
     p.add_argument("--checkpointing", action="store_true", help="HF activation checkpointing of every layer")
     p.add_argument("--memory-budget", type=float, help="inductor's activation_memory_budget (recompute below 1)")
     p.add_argument(
@@ -116,6 +119,8 @@ def parse_args() -> argparse.Namespace:
         vars(args).update({k: v for k, v in SMOKE.items() if getattr(args, k) == p.get_default(k)})
     elif not torch.cuda.is_available():
         p.error("needs CUDA (or --cpu-smoke, a tiny configuration on CPU)")
+    if args.fsdp and args.optimizer == "zero":
+        p.error("--optimizer zero shards the optimizer over whole parameters; with --fsdp they are sharded already")
     args.inner = "aot_eager" if args.cpu_smoke else "inductor"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args.real = world > 1  # under torchrun: real ranks, one GPU each
@@ -270,10 +275,7 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
         hf_llama.fully_shard_llama(model)
     backend = make_backend(args, cp)
     compiled = hf_llama.compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
-    # fused on CUDA: one pass over each parameter and its state (foreach makes several), and without
-    # FSDP2 every CP rank updates every parameter
-    adamw = {"fused": True} if cuda else {"foreach": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **adamw) if args.optimizer == "adamw" else None
+    optimizer = make_optimizer(args.optimizer, model, cp, cuda)
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
     def step(inputs_and_spec):
@@ -332,6 +334,20 @@ def run_config(args, cp: int, ranks: list[int], packs, device) -> list[dict]:
     return rows
 
 
+def make_optimizer(kind: str, model: torch.nn.Module, cp: int, cuda: bool):
+    """``--optimizer``'s AdamW (``None`` for none), fused on CUDA: one pass over each parameter and
+    its state (foreach makes several). ``zero`` at cp > 1 shards it over the CP group (ZeRO-1:
+    parameters and gradients stay whole)."""
+    if kind == "none":
+        return None
+    adamw = {"lr": 1e-5, **({"fused": True} if cuda else {"foreach": True})}
+    if kind == "zero" and cp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    return torch.optim.AdamW(model.parameters(), **adamw)
+
+
 @contextlib.contextmanager
 def filled_collectives():
     """All-gathers and reduce-scatters on the fake group (cpcompile's, and FSDP2's through
@@ -350,7 +366,8 @@ def filled_collectives():
         def all_gather(*args, **kwargs):  # FSDP2 passes output_tensor=, input_tensor=
             work = gather(*args, **kwargs)
             out, x = _arguments(args, kwargs, "output_tensor", "input_tensor")
-            out.view(-1, *x.shape).copy_(x.unsqueeze(0).expand(out.numel() // max(x.numel(), 1), *x.shape))
+            for slot in out.view(-1, *x.shape):  # contiguous copies (a broadcast copy is several times slower)
+                slot.copy_(x)
             return work
 
         return all_gather
@@ -442,7 +459,8 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advise`"
     params = f"{done[0]['params'] / 1e9:.2f}B matmul parameters, " if done else ""
     step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "gradient all-reduce over CP")
-    adamw = {"none": "", "adamw": ", AdamW" if args.cpu_smoke else ", AdamW (fused)"}[args.optimizer]
+    fused = "" if args.cpu_smoke else " (fused)"
+    adamw = {"none": "", "adamw": f", AdamW{fused}", "zero": f", AdamW{fused} sharded over CP (ZeRO-1)"}[args.optimizer]
     return [
         f"`LlamaForCausalLM`: {args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "

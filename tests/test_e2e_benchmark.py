@@ -33,13 +33,14 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def test_cpu_smoke_prints_and_writes_its_section(tmp_path):
     output = tmp_path / "BENCHMARKS.md"
-    run = run_script("--cpu-smoke", "--cp", "1,2", "--ranks", "1", "--output", str(output))
+    run = run_script("--cpu-smoke", "--cp", "1,2", "--ranks", "1", "--optimizer", "zero", "--output", str(output))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert [(r[0], r[1]) for r in rows] == [("| 1", "0"), ("| 2", "1")], run.stdout
     assert all(r[11] == "1" for r in rows), "one graph per configuration over packs of different document counts"
     assert "cp=2: slowest rank 1 (of ranks 1 only)" in run.stdout and "CP efficiency" in run.stdout
     assert "no communication in these times" in run.stdout
+    assert "AdamW sharded over CP (ZeRO-1)" in run.stdout  # ZeroRedundancyOptimizer on the fake group
     assert output.read_text().startswith("# Benchmarks\n\n## End to end (benchmarks/e2e.py)\n")
 
 

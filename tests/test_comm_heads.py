@@ -58,6 +58,32 @@ def test_head_plan_is_the_layout_and_whole_documents(spec, cp):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("spec", LAYOUT_SPECS, ids=str)
+@pytest.mark.parametrize("lengths", [[1, 7, 0, 12, 3], [8, 4, 4], [5]])
+def test_documents_take_the_real_tokens_back_to_back_and_put_the_output_back(spec, lengths):
+    """The kernel's rows are the real tokens in physical order, taken where they are when the layout
+    pads only after them (no_load_balance), and the output goes back to the all-gather's order,
+    ``fill`` at the padding: against indexing by the plan, row by row."""
+    from cpcompile.ops.heads import _to_documents, _to_gathered, documents
+
+    cp, cu = 4, cu_seqlens(lengths)
+    plan = make_head_plan(cu, cp_size=cp, strategy=spec)
+    docs = documents(plan.gather_index, plan.k_start, plan.k_len_causal)
+    padded = pad_for_cp(cu, cp_size=cp, strategy=spec)
+    physical = [int(padded[d]) + i for d, n in enumerate(lengths) for i in range(n)]  # real rows, in order
+    gathered_row = dict(enumerate(plan.gather_index.tolist()))  # physical row -> gathered row
+    x = torch.randn(plan.gather_index.shape[0], 2, 3, dtype=torch.float64)
+    (got,) = _to_documents([x], docs)
+    assert torch.equal(got, x[[gathered_row[p] for p in physical]])
+    assert docs.in_place == ([gathered_row[p] for p in physical] == list(range(len(physical))))
+    if spec.strategy == Strategy.NO_LOAD_BALANCE:
+        assert docs.in_place
+    (back,) = _to_gathered([got * 2], docs, fill=-1.0)
+    want = torch.full_like(x, -1.0)
+    want[[gathered_row[p] for p in physical]] = x[[gathered_row[p] for p in physical]] * 2
+    assert torch.equal(back, want)
+
+
 def test_auto_keeps_head_parallel():
     cu = cu_seqlens([1, 7, 0, 12, 3])
     assert resolve_auto(StrategySpec("auto", head_parallel=2), cu, cp_size=2).head_parallel == 2

@@ -63,6 +63,9 @@ class Documents(NamedTuple):
     - ``back``: ``[T]`` int64, each gathered row's kernel row (0 for padding).
     - ``live``: ``[T]`` bool, the gathered rows that are real tokens.
     - ``cu``: ``[N + 1]`` int32, the documents' offsets among the kernel rows; ``lengths``: ``[N]`` int32.
+    - ``in_place``: the real tokens are the first ``T_real`` gathered rows, in order (a layout that
+      pads only after them, as ``no_load_balance`` does): the kernel reads them where they are,
+      and its output is padded rather than gathered back.
     """
 
     rows: torch.Tensor
@@ -70,6 +73,7 @@ class Documents(NamedTuple):
     live: torch.Tensor
     cu: torch.Tensor
     lengths: torch.Tensor
+    in_place: bool
 
 
 @per_plan
@@ -82,23 +86,32 @@ def documents(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Te
     lengths = k_len[k_len > 0]
     kernel_row = real.cumsum(0) - 1
     back = torch.empty_like(gather_index).scatter_(0, gather_index, kernel_row.clamp(min=0))
+    rows = gather_index[real]
     return Documents(
-        rows=gather_index[real],
+        rows=rows,
         back=back,
         live=torch.empty_like(real).scatter_(0, gather_index, real),
         cu=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32),
         lengths=lengths.to(torch.int32),
+        in_place=torch.equal(rows, torch.arange(rows.shape[0], device=rows.device)),
     )
 
 
 def _to_documents(xs, docs: Documents):
-    return [x.index_select(0, docs.rows) for x in xs]  # [T_real, h, D]: the documents back to back
+    """Gathered rows -> ``[T_real, h, D]``, the documents back to back (in place: the first rows)."""
+    if docs.in_place:
+        return [x[: docs.rows.shape[0]] for x in xs]
+    return [x.index_select(0, docs.rows) for x in xs]
 
 
 def _to_gathered(xs, docs: Documents, fill: float = 0.0):
-    """Kernel rows -> gathered rows, ``fill`` at the padding (a gather, then a fill where there is padding)."""
+    """Kernel rows -> gathered rows, ``fill`` at the padding (in place: the rows padded after
+    them; else a gather, then a fill where there is padding)."""
+    padding = docs.back.shape[0] - docs.rows.shape[0]
+    if docs.in_place:
+        return [torch.cat([x, x.new_full((padding, *x.shape[1:]), fill)]) if padding else x.contiguous() for x in xs]
     out = [x.index_select(0, docs.back) for x in xs]
-    if docs.rows.shape[0] < docs.back.shape[0]:
+    if padding:
         out = [x.masked_fill_(~docs.live.view(-1, *(1,) * (x.dim() - 1)), fill) for x in out]
     return out
 

@@ -39,6 +39,10 @@ Definitions of the reported numbers:
 - cold: the first step's seconds (compilation included), 2nd pack: the first step on the
   second pack (other document counts), graphs: graphs compiled over every pack once;
 - peak: ``torch.cuda.max_memory_allocated`` over the timed steps;
+- fills: on the fake group, the GPU time of the profiled step's fills of collective outputs
+  (:func:`filled_collectives`): the bytes NCCL would write into the gathered and
+  reduce-scattered buffers, so communication's, which these times otherwise exclude; each
+  CP size's line also gives its slowest rank without them;
 - CP efficiency = cp=1 step / (cp x slowest rank's step), both from the same run.
 """
 
@@ -57,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
+from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -74,6 +79,7 @@ HEADING = "## End to end (benchmarks/e2e.py)"
 PEAK_FLOPS = 989e12  # H200 dense bf16
 ATTENTION_WORDS = ("attention", "fmha", "flash", "cudnn")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+FILL_RANGE = "e2e.fake_collective_fill"  # the profiler range around each fill (the fills column)
 SMOKE = dict(
     layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, tokens=256, packs=2, steps=2, warmup=0
 )
@@ -234,7 +240,7 @@ def _family(kernel: str) -> str:
 
 def profile_step(step, inputs, cuda: bool) -> dict:
     """GPU busy share, attention kernel ms and family, and host syncs of one step (module docstring)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -251,6 +257,7 @@ def profile_step(step, inputs, cuda: bool) -> dict:
         busy += max(0.0, end - max(start, covered))
         covered = max(covered, end)
     attention = [e for e in device if any(word in e.name.lower() for word in ATTENTION_WORDS)]
+    fills = [e for e in events if e.name == FILL_RANGE and e.device_type == DeviceType.CPU]
     names = sorted({e.name[:80] for e in attention})
     print(f"  attention kernels: {names or 'none'}", file=sys.stderr, flush=True)
     families = {_family(n.lower()) for n in names}
@@ -260,6 +267,7 @@ def profile_step(step, inputs, cuda: bool) -> dict:
         "attention_ms": sum(e.time_range.elapsed_us() for e in attention) / 1e3 if cuda else None,
         "kernel": kernel if cuda else "reference",
         "syncs": sum(e.name in SYNC_CALLS for e in inside if e.device_type == DeviceType.CPU) if cuda else None,
+        "fills_ms": sum(e.device_time_total for e in fills) / 1e3 if cuda else None,  # kernels under the ranges
     }
 
 
@@ -351,23 +359,29 @@ def make_optimizer(kind: str, model: torch.nn.Module, cp: int, cuda: bool):
 @contextlib.contextmanager
 def filled_collectives():
     """All-gathers and reduce-scatters on the fake group (cpcompile's, and FSDP2's through
-    ``torch.distributed``) fill their outputs with this rank's own rows: the fake group leaves
-    them as allocated (uninitialised memory, often zeros).
+    ``torch.distributed``) fill their outputs with this rank's own rows, where the fake group
+    leaves them as allocated (uninitialised memory, often zeros): its reduce-scatters, and its
+    all-gathers in torch versions whose fake group does not copy the input into every slot
+    itself (:func:`_fake_group_gathers`; a second copy would count twice the bytes).
 
     A GPU's power draw depends on the values its matmuls multiply, and under the H200's power cap
-    so does its clock: with the gathered keys left as memory happened to hold, the ranks' matmuls
-    ran at different clocks for the same shapes (docs/end-to-end.md, "Fake data, real power").
-    With every value a real one (FSDP2's gathered weights: copies of this rank's shard), a rank's
-    step draws the power it would on real ranks. The fill is one copy per collective, of the size
-    the real collective writes.
+    so does its clock: with the reduce-scattered gradients left as memory happened to hold, the
+    ranks' matmuls ran at different clocks for the same shapes (docs/end-to-end.md, "Fake data,
+    real power"). With every value a real one (FSDP2's gathered weights: copies of this rank's
+    shard), a rank's step draws the power it would on real ranks. Each collective's output is
+    written once, as NCCL would write it; the profiler range :data:`FILL_RANGE` around the writes
+    (the fake group's own included) gives the fills column.
     """
+    copies_itself = _fake_group_gathers()
 
     def filling_gather(gather):
         def all_gather(*args, **kwargs):  # FSDP2 passes output_tensor=, input_tensor=
-            work = gather(*args, **kwargs)
-            out, x = _arguments(args, kwargs, "output_tensor", "input_tensor")
-            for slot in out.view(-1, *x.shape):  # contiguous copies (a broadcast copy is several times slower)
-                slot.copy_(x)
+            with record_function(FILL_RANGE):
+                work = gather(*args, **kwargs)
+                if not copies_itself:
+                    out, x = _arguments(args, kwargs, "output_tensor", "input_tensor")
+                    for slot in out.view(-1, *x.shape):  # contiguous copies (a broadcast copy is several times slower)
+                        slot.copy_(x)
             return work
 
         return all_gather
@@ -376,7 +390,8 @@ def filled_collectives():
         def reduce_scatter(*args, **kwargs):  # FSDP2 passes output=, input=
             work = scatter(*args, **kwargs)
             out, x = _arguments(args, kwargs, "output", "input")
-            out.copy_(x.flatten()[: out.numel()].view(out.shape))  # one rank's partial sums: values of the sum's kind
+            with record_function(FILL_RANGE):  # one rank's partial sums: values of the sum's kind
+                out.copy_(x.flatten()[: out.numel()].view(out.shape))
             return work
 
         return reduce_scatter
@@ -407,6 +422,15 @@ _NEWER = {
 }
 
 
+def _fake_group_gathers() -> bool:
+    """Whether the default (fake) group's all-gather writes the input into every slot itself, as
+    recent torch's ``FakeProcessGroup`` does (probed on a tiny tensor)."""
+    x = torch.ones(1)
+    out = torch.zeros(dist.get_world_size())
+    getattr(dist, _NEWER["all_gather_into_tensor"])(out, x)
+    return bool((out == 1).all())
+
+
 def _arguments(args: tuple, kwargs: dict, *names: str) -> list:
     """A collective's leading arguments ``names``, given by position or by name."""
     return [args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names)]
@@ -435,6 +459,7 @@ def attempt(args, cp: int, rank: int, packs, device) -> dict:
 
 COLUMNS = (
     "cp|rank|step ms|tokens/s per GPU|MFU|GPU busy|attention ms|kernel|host syncs|cold s|2nd pack s|graphs|peak GiB"
+    "|fills ms"
 ).split("|")
 
 
@@ -448,7 +473,8 @@ def row_cells(row: dict, tokens: int) -> str:
     mfu = row["flops"] / cp / s / PEAK_FLOPS
     cells = [cp, row["rank"], f"{row['ms']:.1f}", f"{tokens / cp / s:,.0f}", f"{mfu:.3f}",
              fmt(row["busy"], ".2f"), fmt(row["attention_ms"], ".1f"), row["kernel"], fmt(row["syncs"], "d"),
-             f"{row['cold']:.1f}", f"{row['second']:.2f}", row["graphs"], fmt(row["peak"], ".1f")]  # fmt: skip
+             f"{row['cold']:.1f}", f"{row['second']:.2f}", row["graphs"], fmt(row["peak"], ".1f"),
+             fmt(row.get("fills_ms"), ".1f")]  # fmt: skip
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -499,6 +525,12 @@ def efficiency(rows: list[dict]) -> list[str]:
         line = f"cp={cp}: slowest rank {slowest['rank']}{measured}, {slowest['ms']:.1f} ms"
         if single is not None:
             line += f"; CP efficiency = cp=1 step / (cp x slowest) = {single / (cp * slowest['ms']):.3f}"
+        if any(r.get("fills_ms") for r in mine):  # the fake group's stand-ins for NCCL's writes
+            bare = max(mine, key=lambda r: r["ms"] - r["fills_ms"])
+            ms = bare["ms"] - bare["fills_ms"]
+            line += f"; without the fills (communication's writes), slowest rank {bare['rank']}, {ms:.1f} ms"
+            if single is not None:
+                line += f", efficiency {single / (cp * ms):.3f}"
         lines.append(line + ".")
     return ["", *lines] if lines else []
 

@@ -50,15 +50,8 @@ def test_without_cuda_it_asks_for_cuda_or_the_smoke_run():
     assert run.returncode == 2 and "needs CUDA (or --cpu-smoke" in run.stderr
 
 
-def test_fake_group_collectives_carry_real_values():
-    # The fake group leaves a collective's output as allocated; the benchmark fills it with the rank's
-    # own rows, so that a rank's matmuls multiply values of the kinds real ranks would (power, clocks).
+def _e2e_module():
     import importlib.util
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from cpcompile.comm import collectives
 
     spec = importlib.util.spec_from_file_location("e2e_script", ROOT / "benchmarks" / "e2e.py")
     e2e = importlib.util.module_from_spec(spec)
@@ -67,9 +60,45 @@ def test_fake_group_collectives_carry_real_values():
         spec.loader.exec_module(e2e)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return e2e
+
+
+def test_efficiency_lines_give_the_slowest_rank_with_and_without_the_fills():
+    """The fills stand in for communication's writes: each CP size's line gives the slowest rank
+    with them and, apart, without them (which may be another rank)."""
+    e2e = _e2e_module()
+    rows = [
+        {"cp": 1, "rank": 0, "ms": 800.0, "fills_ms": 0.0},
+        {"cp": 8, "rank": 0, "ms": 110.0, "fills_ms": 10.0},
+        {"cp": 8, "rank": 7, "ms": 108.0, "fills_ms": 2.0},
+    ]
+    (_, line) = e2e.efficiency(rows)
+    assert line == (
+        "cp=8: slowest rank 0 (of ranks 0,7 only), 110.0 ms; CP efficiency = cp=1 step / (cp x slowest) = 0.909; "
+        "without the fills (communication's writes), slowest rank 7, 106.0 ms, efficiency 0.943."
+    )
+    rows = [{**r, "fills_ms": None} for r in rows]  # off the GPU: not measured
+    assert "without the fills" not in e2e.efficiency(rows)[1]
+
+
+@pytest.mark.parametrize("copies_itself", [True, False])
+def test_fake_group_collectives_carry_real_values(copies_itself, monkeypatch):
+    # The fake group leaves a collective's output as allocated; the benchmark fills it with the rank's
+    # own rows, so that a rank's matmuls multiply values of the kinds real ranks would (power, clocks).
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cpcompile.comm import collectives
+
+    e2e = _e2e_module()
     x = torch.arange(12.0).view(3, 4)
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     try:
+        # this torch's fake group writes every slot of an all-gather itself, so the fill leaves them;
+        # where it would not, the fill's own copies write them
+        assert e2e._fake_group_gathers()
+        if not copies_itself:
+            monkeypatch.setattr(e2e, "_fake_group_gathers", lambda: False)
         with e2e.filled_collectives():
             gathered, work = collectives.all_gather_rows(x, dist.group.WORLD, async_op=True)
             work.wait()

@@ -486,7 +486,8 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     params = f"{done[0]['params'] / 1e9:.2f}B matmul parameters, " if done else ""
     step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "gradient all-reduce over CP")
     fused = "" if args.cpu_smoke else " (fused)"
-    adamw = {"none": "", "adamw": f", AdamW{fused}", "zero": f", AdamW{fused} sharded over CP (ZeRO-1)"}[args.optimizer]
+    zero = f", AdamW{fused} (at cp > 1 sharded over CP, ZeRO-1)"
+    adamw = {"none": "", "adamw": f", AdamW{fused}", "zero": zero}[args.optimizer]
     return [
         f"`LlamaForCausalLM`: {args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "

@@ -40,7 +40,7 @@ def test_cpu_smoke_prints_and_writes_its_section(tmp_path):
     assert all(r[11] == "1" for r in rows), "one graph per configuration over packs of different document counts"
     assert "cp=2: slowest rank 1 (of ranks 1 only)" in run.stdout and "CP efficiency" in run.stdout
     assert "no communication in these times" in run.stdout
-    assert "AdamW sharded over CP (ZeRO-1)" in run.stdout  # ZeroRedundancyOptimizer on the fake group
+    assert "AdamW (at cp > 1 sharded over CP, ZeRO-1)" in run.stdout  # ZeroRedundancyOptimizer on the fake group
     assert output.read_text().startswith("# Benchmarks\n\n## End to end (benchmarks/e2e.py)\n")
 
 

@@ -263,19 +263,22 @@ def test_cp_attention_on_one_nccl_rank(kv):
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
-def test_head_parallel_rank_call_is_packed_attention(kernel):
+@pytest.mark.parametrize(
+    ("padded_lengths", "layout"), [([4, 302, 0, 80, 2], "dual_chunk_swap"), ([3, 300, 0, 77, 6], "no_load_balance")]
+)
+def test_head_parallel_rank_call_is_packed_attention(kernel, padded_lengths, layout):
     """Pure head parallelism's call between the all-to-alls (on one NCCL rank they are identities):
-    whole documents on disjoint keys, so every kernel (FA4's backward included) runs it as exactly as
-    ``packed_attention`` on the real tokens (float64's error at most twice that; not bit for bit: the
-    launch bound is the padded documents' longest, and kernels may tile by it), and the padding gets
-    nothing."""
+    whole documents on disjoint keys, so every kernel (FA4's backward included) runs it as exactly as it
+    runs ``packed_attention`` on the real tokens (float64's error at most twice that; not bit for bit:
+    the launch bound is the padded documents' longest, and kernels may tile by it), and the padding gets
+    nothing. Padded per document (the real tokens gathered) and after them (read in place)."""
     import torch.distributed as dist
 
-    from cpcompile.ops import heads  # noqa: F401  (registers the ops)
+    from cpcompile.ops import heads  # registers the ops
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
-        lengths, padded_lengths = [3, 300, 0, 77, 1], [4, 302, 0, 80, 2]
+        lengths = [3, 300, 0, 77, 1]
         cu, *_ = _case(lengths)
         cu_p = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         _, q, k, v, dout = _case(padded_lengths, seed=1)
@@ -286,9 +289,9 @@ def test_head_parallel_rank_call_is_packed_attention(kernel):
             config = cpcompile.Config(kernel=kernel)
             want = cpcompile.packed_attention(*leaves, cu, causal=causal, config=config)
             want_grads = torch.autograd.grad(want, leaves, dout[real])
-            gather_index, cu_q, k_start, *k_lens = torch.ops.cpcompile.cp_head_plan(
-                cu, cu_p, q.shape[0], 1, "dual_chunk_swap", 1
-            )
+            gather_index, cu_q, k_start, *k_lens = torch.ops.cpcompile.cp_head_plan(cu, cu_p, q.shape[0], 1, layout, 1)
+            in_place = heads.documents(gather_index, k_start, k_lens[0]).in_place
+            assert in_place == (layout == "no_load_balance")  # real tokens first: read where they are
             plan = (gather_index, cu_q, k_start, k_lens[0 if causal else 1])
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             got, _ = torch.ops.cpcompile.cp_head_attention(

@@ -112,6 +112,13 @@ def test_layers_give_overlapping_ranges_different_layers_and_no_more_than_a_key_
     assert max(got.tolist(), default=0) + 1 == depth
 
 
+def test_scratch_of_no_pieces_is_empty():
+    none = torch.zeros(0, dtype=torch.int32)
+    s = scratch.scratch_rows(torch.zeros(1, dtype=torch.int32), none, none, 5)
+    assert (s.rows, s.max_q, s.max_k, s.num_read, s.live.numel()) == (0, 0, 0, 0, 0)
+    assert torch.equal(scratch.add_back(torch.zeros(1, 2, 3), s), torch.zeros(5, 2, 3))
+
+
 def test_scratch_refuses_ranges_whose_ends_are_not_in_order():
     """A range nested in a longer one of the same start order (no plan's) is refused, not summed wrong."""
     k_start, k_len = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([10, 3], dtype=torch.int32)

@@ -55,7 +55,8 @@ def _check(got, base, want, label):
     for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
         err, base_err = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
         assert err <= max(2 * base_err, 1e-3), f"{name} {label}: {err} against twice {base_err}"
-        assert err <= 2.5e-2 * w.abs().max().item() or err <= 1e-3, f"{name} {label}"  # dQ of (0, 0) is 0
+        largest = w.abs().max().item()  # 0 for dQ under (0, 0): each query sees itself alone
+        assert err <= 2.5e-2 * largest if largest else err <= 1e-3, f"{name} {label}"
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)

@@ -99,8 +99,8 @@ def documents(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Te
 
 def _to_documents(xs, docs: Documents):
     """Gathered rows -> ``[T_real, h, D]``, the documents back to back (in place: the first rows)."""
-    if docs.in_place:
-        return [x[: docs.rows.shape[0]] for x in xs]
+    if docs.in_place:  # contiguous, as a gather would give them (the all-to-all's are views of one buffer)
+        return [x[: docs.rows.shape[0]].contiguous() for x in xs]
     return [x.index_select(0, docs.rows) for x in xs]
 
 

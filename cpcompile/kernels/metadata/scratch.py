@@ -110,7 +110,9 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     layer, proper = layers(k_start, k_len)
     is_live = k_len > 0
     live_q = q_len * is_live
-    sizes = [is_live.sum(), live_q.max(), k_len.max(), k_len.sum(), layer.max() + 1, read.sum()]
+    none = k_len.new_zeros(1)  # the maxima of no pieces
+    sizes = [is_live.sum(), torch.cat([none, live_q]).max(), torch.cat([none, k_len]).max(), k_len.sum()]
+    sizes += [torch.cat([none, layer]).max() + 1, read.sum()]
     sizes += [(live_q * live_q).sum() // live_q.sum().clamp(min=1), proper.long()]
     num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper = torch.stack(sizes).tolist()  # the sync
     if not proper:

@@ -64,8 +64,9 @@ class Documents(NamedTuple):
     - ``live``: ``[T]`` bool, the gathered rows that are real tokens.
     - ``cu``: ``[N + 1]`` int32, the documents' offsets among the kernel rows; ``lengths``: ``[N]`` int32.
     - ``in_place``: the real tokens are the first ``T_real`` gathered rows, in order (a layout that
-      pads only after them, as ``no_load_balance`` does): the kernel reads them where they are,
-      and its output is padded rather than gathered back.
+      pads only after them, as ``no_load_balance`` does): the kernel takes those rows (a plain copy
+      where they are strided views, no index gather), and its output is padded rather than
+      gathered back and filled.
     """
 
     rows: torch.Tensor

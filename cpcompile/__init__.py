@@ -13,10 +13,11 @@ from .cost import CostModel, choose_strategy, predict_rank_costs
 from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention, release_grad_buffers
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .plan import AttentionPlan, make_plan
-from .strategy import Strategy, StrategySpec, current_spec, current_strategy, strategy
+from .strategy import Capacity, Strategy, StrategySpec, current_spec, current_strategy, strategy
 
 __all__ = [
     "AttentionPlan",
+    "Capacity",
     "Config",
     "CostModel",
     "ShardedBatch",

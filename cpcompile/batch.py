@@ -17,7 +17,7 @@ from .comm.groups import resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .per_plan import upload
-from .plan import head_step_plan, step_plan
+from .plan import head_step_plan, plan_extras, step_plan
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 DEFAULT_PAD_VALUES = {"labels": -100}
@@ -96,6 +96,8 @@ def shard_batch(
         if num_real is not None and t.shape[0] != num_real:
             raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
 
+    if spec.capacity is not None:  # zero-length documents after the last: one shape for the bucket
+        cu_seqlens = _to_documents(cu_seqlens, spec.capacity)
     cu_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     num_padded = int(cu_padded[-1])
     indices = partition_indices(cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded)
@@ -107,6 +109,17 @@ def shard_batch(
         local[name] = full[indices]
     sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
     return sharded if device is None else _to_device(sharded, torch.device(device))
+
+
+def _to_documents(cu_seqlens: torch.Tensor, capacity) -> torch.Tensor:
+    """``cu_seqlens`` ``[B + 1]`` with zero-length documents after the last, ``[capacity.documents + 1]``."""
+    count = cu_seqlens.shape[0] - 1
+    if count > capacity.documents:
+        raise ValueError(
+            f"the pack has {count} documents, more than capacity.documents={capacity.documents}: "
+            "use a larger capacity (or bucket)"
+        )
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(capacity.documents - count)])
 
 
 def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
@@ -123,7 +136,7 @@ def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
     if spec.head_parallel > 1:
         head_step_plan(cu, None, cp * sharded.indices.shape[0], cp, *layout)
     else:
-        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout, spec.windows)
+        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout, *plan_extras(spec))
     return dataclasses.replace(
         sharded, tensors=tensors, cu_seqlens=cu, cu_seqlens_padded=cu_padded, indices=move(pin(sharded.indices))
     )

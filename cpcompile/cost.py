@@ -271,4 +271,4 @@ def resolve_auto(
     if spec.strategy is not Strategy.AUTO:
         return spec
     picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model)
-    return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel)
+    return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel, capacity=spec.capacity)

@@ -65,7 +65,9 @@ def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike
         ``cu_seqlens_padded``: ``[B + 1]`` int32 physical offsets. dual_chunk_swap pads
         every document to a multiple of ``2 * cp``; the others pad only the total
         (to a multiple of ``cp``, or ``cp * stripe_size``), at the end of the last document.
-        ``auto`` is rejected: resolve it first (:func:`cpcompile.choose_strategy`).
+        ``auto`` is rejected: resolve it first (:func:`cpcompile.choose_strategy`). With the
+        spec's ``capacity``, the last document's padding runs on to ``capacity.tokens``
+        (``ValueError`` where the pack does not fit).
     """
     check_cp(cp_size)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
@@ -74,10 +76,30 @@ def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike
     cu = cu_seqlens.long()
     if per_document:
         lengths = cu[1:] - cu[:-1]
-        padded = (lengths + m - 1) // m * m
-        return torch.cat([cu[:1], padded.cumsum(0)]).to(torch.int32)
-    pad = (-cu[-1:]) % m  # [1], kept as a tensor: no host read
-    return torch.cat([cu[:-1], cu[-1:] + pad]).to(torch.int32)
+        padded = torch.cat([cu[:1], ((lengths + m - 1) // m * m).cumsum(0)])
+    else:
+        pad = (-cu[-1:]) % m  # [1], kept as a tensor: no host read
+        padded = torch.cat([cu[:-1], cu[-1:] + pad])
+    if spec.capacity is not None:
+        padded = _to_capacity(padded, spec, cp_size, m)
+    return padded.to(torch.int32)
+
+
+def _to_capacity(padded: torch.Tensor, spec: StrategySpec, cp_size: int, m: int) -> torch.Tensor:
+    """``padded`` (``[B + 1]`` int64) with the last document's padding run on to ``spec.capacity.tokens``."""
+    tokens = spec.capacity.tokens
+    if tokens % m:
+        raise ValueError(
+            f"capacity.tokens={tokens} must be a multiple of {m} for {spec.strategy.value} with cp_size={cp_size}"
+        )
+    if padded.shape[0] < 2:
+        raise ValueError(f"capacity={tuple(spec.capacity)} needs a pack of at least one (possibly empty) document")
+    if data_checks_enabled(padded) and int(padded[-1]) > tokens:
+        raise ValueError(
+            f"the pack needs {int(padded[-1])} tokens with {spec.strategy.value}'s padding at cp_size={cp_size}, "
+            f"more than capacity.tokens={tokens}: use a larger capacity (or bucket)"
+        )
+    return torch.cat([padded[:-1], padded.new_full((1,), tokens)])
 
 
 def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int, num_tokens: int | None) -> None:

@@ -179,13 +179,22 @@ def make_plan(
     return plan
 
 
-def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), **kw):
+def plan_extras(spec: StrategySpec) -> tuple:
+    """The arguments after ``stripe_size`` that :func:`step_plan` (and the ``cp_plan`` op) take for
+    ``spec``: its windows, then its capacity, each only where set, so that calls without them
+    stay as they were (and the plans made ahead of the step are found by the same arguments)."""
+    if spec.capacity is not None:
+        return tuple(spec.windows), tuple(spec.capacity)
+    return (tuple(spec.windows),) if spec.windows else ()
+
+
+def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=(), **kw):
     """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
     (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
     host twins (:mod:`cpcompile.per_plan`), so that what derives from the plan reads sizes there."""
     padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
     cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows))
+    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
     plan = make(cu, *padded, strategy=spec, **kw)
     return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
 
@@ -200,6 +209,7 @@ def step_plan(
     strategy: str,
     stripe_size: int,
     windows: tuple[int, ...] = (),
+    capacity: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """:func:`make_plan` once per step, for every layer: made on the host and uploaded.
 
@@ -209,9 +219,10 @@ def step_plan(
     any case) and uploaded to ``cu_seqlens``' device with host twins, so that the
     metadata derived from it later reads its sizes without a sync
     (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
-    resolved here, alike on every rank); ``windows``: ``StrategySpec.windows``.
+    resolved here, alike on every rank); ``windows``, ``capacity``: the spec's (``()``: none).
     """
     kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens, "windows": tuple(windows)}
+    kw["capacity"] = tuple(capacity)
     plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 from collections.abc import Iterator
+from typing import NamedTuple
 
 
 class Strategy(str, enum.Enum):
@@ -52,6 +53,18 @@ def _to_enum(value: Strategy | str) -> Strategy:
     raise TypeError(f"strategy must be a Strategy, a str or None, got {type(value).__name__}")
 
 
+class Capacity(NamedTuple):
+    """A bucket of packs with one shape (``StrategySpec.capacity``): at most ``tokens`` tokens and
+    ``documents`` documents. :func:`cpcompile.shard_batch` pads a pack to exactly ``tokens`` rows
+    (the strategy's padding, then the rest after the last document, rows of no document) and
+    ``documents`` documents (zero-length ones after the last), so that every pack of the bucket
+    gives the compiled step the same shapes (one graph, one CUDA graph capture); a pack that does
+    not fit raises ``ValueError`` naming the capacity."""
+
+    tokens: int
+    documents: int
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategySpec:
     """A strategy with its parameters: what a layout function needs to know.
@@ -77,6 +90,11 @@ class StrategySpec:
     model windowed throughout, ``(1024, 1024, 1024, 1024, 1024, -1)`` for Gemma 3's pattern:
     ``balanced`` then evens the work of those layers together (a window caps each query's keys).
     ``()``: every layer causal. It changes the layout, so loader and attention must share it.
+
+    ``capacity`` (:class:`Capacity`, or a ``(tokens, documents)`` pair; ``head_parallel=1``):
+    every pack padded to one shape. The layout's padding then ends at ``capacity.tokens`` (the
+    rows past the strategy's own padding belong to the last document's padding), and attention
+    checks that the batch holds exactly that many tokens; ``None``: the least padding.
     """
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
@@ -84,6 +102,7 @@ class StrategySpec:
     comm: str = "all_gather"
     head_parallel: int = 1
     windows: tuple[int, ...] = ()
+    capacity: Capacity | None = None
 
     def __post_init__(self) -> None:
         # A plain string is accepted as its enum member; anything else is rejected here, so no
@@ -110,6 +129,22 @@ class StrategySpec:
                 f"windows={tuple(windows)} only applies to strategy 'balanced' with head_parallel=1, not "
                 f"{self.strategy.value!r} with head_parallel={u}"
             )
+        if self.capacity is not None:
+            object.__setattr__(self, "capacity", _capacity(self.capacity))
+            if u != 1:
+                raise ValueError(f"capacity={tuple(self.capacity)} is not supported with head_parallel={u} yet")
+
+
+def _capacity(value) -> Capacity:
+    """``value`` as a :class:`Capacity`, or ``ValueError`` naming what is accepted."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2
+    ok = ok and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value)
+    if not ok:
+        raise ValueError(
+            f"capacity must be a Capacity(tokens, documents) or a (tokens, documents) pair of positive ints, "
+            f"got {value!r}"
+        )
+    return Capacity(*value)
 
 
 def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = None) -> None:

@@ -24,7 +24,15 @@ from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import per_plan
-from ..plan import AttentionPlan, head_step_plan, hybrid_step_plan, make_plan, max_piece_len, step_plan
+from ..plan import (
+    AttentionPlan,
+    head_step_plan,
+    hybrid_step_plan,
+    make_plan,
+    max_piece_len,
+    plan_extras,
+    step_plan,
+)
 from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
 from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
 from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
@@ -361,7 +369,7 @@ def cp_attention(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
-                args = (cp, rank, spec.strategy.value, spec.stripe_size, spec.windows)
+                args = (cp, rank, spec.strategy.value, spec.stripe_size, *plan_extras(spec))
                 plan = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
@@ -407,6 +415,7 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,
         "windows (balanced)": spec.windows,
+        "capacity": spec.capacity,
         "comm": comm,
         "head_parallel": spec.head_parallel,
         "window": window,

@@ -18,8 +18,8 @@ from ..window import narrow_keys
 from .common import check_fake_tokens
 
 
-def _spec(strategy: str, stripe_size: int, windows=()) -> StrategySpec:
-    return StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows))
+def _spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategySpec:
+    return StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
 
 
 def plan_op(name: str, make, parameters: str):
@@ -47,14 +47,17 @@ cp_plan = plan_op(
     "cp_plan",
     step_plan,
     "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt rank, str strategy, "
-    "SymInt stripe_size, int[] windows=[]",
+    "SymInt stripe_size, int[] windows=[], int[] capacity=[]",
 )
 
 
 @cp_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=()):
-    spec = _spec(strategy, stripe_size, windows)
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=(), capacity=()):
+    spec = _spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)
+    if spec.capacity is not None:
+        tokens = spec.capacity.tokens
+        torch._check(num_tokens == tokens, lambda: f"capacity.tokens={tokens}, but the batch holds other token counts")
     return fake_plan(cu_seqlens, num_tokens, max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size))
 
 

@@ -44,7 +44,7 @@ from ..ops import heads as _heads  # noqa: F401  (registers cpcompile::cp_head_p
 from ..ops import hybrid as _hybrid  # noqa: F401  (registers cpcompile::cp_hybrid_plan, head_all_to_all)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..ops.attention import op_window
-from ..plan import AttentionPlan, max_piece_len
+from ..plan import AttentionPlan, max_piece_len, plan_extras
 from ..strategy import StrategySpec, check_head_parallel
 from ..window import UNBANDED, check_window
 
@@ -372,9 +372,9 @@ def rewrite_packed_attention(
                     plan_args = (cp_size, spec.head_parallel, rank, *layout)
                 elif heads:  # the same plan on every rank: the layout's order, whole documents
                     target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
-                else:  # a balanced layout's windows only where set: graphs without them stay as they were
-                    balance = (list(spec.windows),) if spec.windows else ()
-                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *balance)
+                else:  # windows and capacity only where set: graphs without them stay as they were
+                    extras = [list(x) for x in plan_extras(spec)]
+                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *extras)
                 plan = insert(target, (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args), target._opname, m.node)
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)

@@ -1,0 +1,163 @@
+"""Tier 1-2: capacity buckets (``StrategySpec.capacity``): every pack of a bucket padded to one shape.
+
+The layout against the least padding (the last document's padding runs on), exactness of every
+rank's pieces against float64 single-device attention (reference kernel, all ranks in one
+process), the loader's shapes and errors, and one compiled graph for packs of any composition
+with ``dynamic=False`` (the fake group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import cpcompile
+from cpcompile import Capacity, StrategySpec, kernels
+from cpcompile.batch import physical_positions
+from cpcompile.kernels import Pieces
+from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
+from tests.graphs import FakeGroupTestCase
+from tests.reference import attention_fp64
+
+STRATEGIES = [
+    StrategySpec("dual_chunk_swap"),
+    StrategySpec("no_load_balance"),
+    StrategySpec("striped", stripe_size=2),
+    StrategySpec("balanced"),
+]
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _with(spec: StrategySpec, capacity) -> StrategySpec:
+    return StrategySpec(spec.strategy, spec.stripe_size, capacity=capacity)
+
+
+@pytest.mark.parametrize("spec", STRATEGIES, ids=str)
+@pytest.mark.parametrize("lengths", [[5, 17, 1], [40], [3, 0, 9], [3, 0]])
+def test_the_last_documents_padding_runs_on_to_the_capacity(spec, lengths):
+    cu, cp = _cu(lengths), 4
+    least = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    got = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=_with(spec, (128, 4)))
+    assert torch.equal(got[:-1], least[:-1]) and int(got[-1]) == 128 and got.dtype == torch.int32
+
+
+def test_a_pack_that_does_not_fit_is_refused_naming_the_capacity():
+    cu = _cu([50, 60])
+    with pytest.raises(ValueError, match=r"needs 120 tokens .* more than capacity.tokens=104: use a larger capacity"):
+        cpcompile.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("dual_chunk_swap", capacity=(104, 4)))
+    with pytest.raises(ValueError, match="capacity.tokens=126 must be a multiple of 4 for balanced with cp_size=4"):
+        cpcompile.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("balanced", capacity=(126, 4)))
+    tensors = {"input_ids": torch.zeros(110, dtype=torch.long)}
+    with pytest.raises(ValueError, match="the pack has 2 documents, more than capacity.documents=1"):
+        cpcompile.shard_batch(tensors, cu, cp_size=2, rank=0, strategy=StrategySpec("balanced", capacity=(128, 1)))
+
+
+@pytest.mark.parametrize("value", [(0, 4), (128,), (128, 4, 1), ("128", 4), (128.0, 4), 128, (True, 4)], ids=repr)
+def test_capacity_values_are_checked(value):
+    with pytest.raises(ValueError, match=r"capacity must be a Capacity\(tokens, documents\)"):
+        StrategySpec("balanced", capacity=value)
+
+
+def test_capacity_takes_a_pair_and_refuses_head_parallelism():
+    assert StrategySpec("balanced", capacity=(64, 3)).capacity == Capacity(tokens=64, documents=3)
+    with pytest.raises(ValueError, match=r"capacity=\(64, 3\) is not supported with head_parallel=2 yet"):
+        StrategySpec("balanced", head_parallel=2, capacity=(64, 3))
+
+
+def _ranks_attention(cu, spec, cp, tokens, causal):
+    """Every rank's output and gradients over its pieces (reference kernel, float64), summed over
+    ranks where they are the keys': ``[out, dq, dk, dv]`` at physical rows, with the inputs."""
+    g = torch.Generator().manual_seed(int(cu[-1]) + cp)
+    q, k, v, dout = (torch.randn(tokens, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2, 4))
+    got = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)]
+    kernel = kernels.select(q, "reference")
+    kw = {"causal": causal, "scale": 8**-0.5}
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    held = torch.zeros(tokens, dtype=torch.long)
+    for rank in range(cp):
+        plan = cpcompile.make_plan(cu, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens)  # padded by the spec
+        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec)
+        held[idx] += 1
+        pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
+        out, lse = kernel.forward(q[idx], k, v, pieces, **kw)
+        dq, dk, dv = kernel.backward(dout[idx], q[idx], k, v, out, lse, pieces, **kw)
+        got[0][idx], got[1][idx] = out, dq
+        got[2] += dk
+        got[3] += dv
+    assert (held == 1).all(), "every row on one rank"
+    return got, (q, k, v, dout), padded
+
+
+@pytest.mark.parametrize("spec", STRATEGIES, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_ranks_compute_single_device_attention_on_packs_padded_to_the_capacity(spec, causal):
+    """Random packs (1-token and zero-length documents, single-document packs, packs that fill the
+    capacity) padded to one capacity: every rank's pieces give float64 single-device attention."""
+    g = torch.Generator().manual_seed(7)
+    cp, capacity = 4, Capacity(tokens=192, documents=9)
+    for trial in range(12):
+        docs = 1 if trial % 4 == 0 else int(torch.randint(2, 8, (1,), generator=g))
+        lengths = torch.randint(0, 24, (docs,), generator=g).tolist()
+        if trial % 3 == 1:
+            lengths[-1] = 1
+        cu = cpcompile.batch._to_documents(_cu(lengths), capacity)
+        with_capacity = _with(spec, capacity)
+        got, (q, k, v, dout), padded = _ranks_attention(cu, with_capacity, cp, capacity.tokens, causal)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=padded)
+        want = [out, *torch.autograd.grad(out, leaves, dout)]
+        real = physical_positions(cu, padded)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.allclose(a[real], b[real], atol=1e-12), f"{name} {lengths} trial {trial}"
+        pad = torch.ones(capacity.tokens, dtype=torch.bool).index_fill_(0, real, False)
+        assert not got[0][pad].any() and not got[2][pad].any(), "padding rows: no output, no key gradient"
+
+
+def test_shard_batch_gives_every_pack_of_a_bucket_one_shape():
+    capacity = Capacity(tokens=96, documents=6)
+    for lengths in ([5, 17, 1], [40], [3, 0, 9, 2, 2, 1]):
+        cu = _cu(lengths)
+        tensors = {"input_ids": torch.arange(int(cu[-1])), "labels": torch.arange(int(cu[-1]))}
+        batch = cpcompile.shard_batch(
+            tensors, cu, cp_size=2, rank=1, strategy=StrategySpec("balanced", capacity=capacity)
+        )
+        assert batch.cu_seqlens.shape == (7,) and batch.cu_seqlens_padded.shape == (7,)
+        assert (
+            torch.equal(batch.cu_seqlens[: len(lengths) + 1], cu) and (batch.cu_seqlens[len(lengths) :] == cu[-1]).all()
+        )
+        assert batch.tensors["input_ids"].shape == (48,) and int(batch.cu_seqlens_padded[-1]) == 96
+        real = physical_positions(batch.cu_seqlens, batch.cu_seqlens_padded)
+        mine = torch.isin(batch.indices, real)
+        assert (batch.tensors["labels"][~mine] == -100).all(), "padding rows carry no label"
+
+
+class OneGraphPerBucket(FakeGroupTestCase):
+    def test_packs_of_any_composition_share_one_graph_without_dynamic_shapes(self):
+        """With ``dynamic=False`` a pack's token and document counts would each compile a graph of their
+        own; padded to one capacity, every pack runs the one graph (what a CUDA graph capture needs)."""
+        cfg = GPTConfig(vocab=32, dim=32, heads=2, kv_heads=1, layers=2, max_position=256)
+        model = PackedGPT(cfg)
+        config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges
+        capacity = Capacity(tokens=128, documents=10)
+        for strategy in ("balanced", "dual_chunk_swap"):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=False)
+            g = torch.Generator().manual_seed(0)
+            spec = StrategySpec(strategy, capacity=capacity)
+            for i in range(6):
+                docs = 1 if i == 0 else int(torch.randint(2, 10, (1,), generator=g))
+                lengths = torch.randint(1, 12, (docs,), generator=g).tolist()
+                pack = synthetic_pack(lengths, cfg.vocab, g)
+                names = ("input_ids", "position_ids")
+                batch = cpcompile.shard_batch(
+                    {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1, strategy=spec
+                )
+                with cpcompile.strategy(batch.spec):
+                    out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, capacity.tokens)
+                out.sum().backward()
+            self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)

@@ -161,3 +161,44 @@ class OneGraphPerBucket(FakeGroupTestCase):
                     out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, capacity.tokens)
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)
+
+
+def _train_on_capacity(rank: int, world: int) -> None:
+    from torch._dynamo.utils import counters
+
+    from cpcompile.testing import summed_loss
+    from tests.dist import assert_matches_summed_over_ranks
+
+    cfg = GPTConfig(vocab=32, dim=32, heads=2, kv_heads=1, layers=2, max_position=256)
+    torch.manual_seed(0)
+    reference, model = PackedGPT(cfg), PackedGPT(cfg)
+    model.load_state_dict(reference.state_dict())
+    spec = StrategySpec("dual_chunk_swap", capacity=Capacity(tokens=96, documents=8))
+    counters.clear()
+    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    for step, lengths in enumerate(([5, 17, 1, 9], [40], [2, 0, 11, 1, 6, 3])):
+        pack = synthetic_pack(lengths, cfg.vocab, g)
+        reference.zero_grad()
+        want = summed_loss(reference(pack["input_ids"], pack["position_ids"], pack["cu_seqlens"], 40), pack["labels"])
+        want.backward()
+        names = ("input_ids", "labels", "position_ids")
+        batch = cpcompile.shard_batch(
+            {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=world, rank=rank, strategy=spec
+        )
+        t = batch.tensors
+        model.zero_grad()
+        with cpcompile.strategy(batch.spec):
+            logits = compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens, spec.capacity.tokens)
+        loss = summed_loss(logits, t["labels"])
+        loss.backward()
+        assert_matches_summed_over_ranks(loss, want, model, reference, f"capacity step {step}", 1e-4)
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+
+
+def test_compiled_model_trains_like_one_process_on_packs_padded_to_a_capacity():
+    """2 gloo ranks, dual_chunk_swap, ``dynamic=False``: three packs of 1-6 documents (a zero-length
+    one among them) padded to one capacity give the single-process loss and gradients, one graph."""
+    from tests.dist import run_ranks
+
+    run_ranks(_train_on_capacity, 2)

@@ -202,3 +202,24 @@ def test_compiled_model_trains_like_one_process_on_packs_padded_to_a_capacity():
     from tests.dist import run_ranks
 
     run_ranks(_train_on_capacity, 2)
+
+
+class OneGraphPerBucketHF(FakeGroupTestCase):
+    def test_hf_packs_of_a_bucket_share_one_graph_without_dynamic_shapes(self):
+        """A Hugging Face Llama through ``shard_flattened_batch`` with a capacity and a fixed
+        ``max_length``: packs of 1-4 documents run one graph under ``dynamic=False``."""
+        import cpcompile.integrations.hf as cphf
+        from tests.test_hf import flattened_batch, tiny_model
+
+        model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
+        config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=False)
+        spec = StrategySpec("balanced", capacity=Capacity(tokens=64, documents=6))
+        for step, lengths in enumerate(([7, 5], [20, 1, 3], [9, 9, 9, 2], [30])):
+            batch = flattened_batch(lengths, seed=step)
+            inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy=spec, max_length=64)
+            with cpcompile.strategy(sharded.spec):
+                compiled(**inputs).loss.backward()
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)

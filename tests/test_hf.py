@@ -182,6 +182,20 @@ def test_shard_keeps_global_metadata():
     assert inputs["position_ids"][0].tolist() == full[sharded.indices].tolist()
 
 
+def test_shard_to_a_capacity_gives_packs_one_shape_and_the_launch_bound_asked_for():
+    """With a capacity bucket and a fixed ``max_length``, every pack gives the model the same shapes
+    and ints (one graph under ``dynamic=False``); a ``max_length`` below the longest document is refused."""
+    spec = cpcompile.StrategySpec("balanced", capacity=cpcompile.Capacity(tokens=32, documents=4))
+    for lengths in ([7, 5], [20, 1, 3], [2]):
+        inputs, sharded = cphf.shard_flattened_batch(
+            flattened_batch(lengths, seed=1), cp_size=2, rank=0, strategy=spec, max_length=32
+        )
+        assert inputs["cu_seq_lens_q"].shape == (5,) and inputs["input_ids"].shape == (1, 16)
+        assert inputs["max_length_q"] == inputs["max_length_k"] == 32 and sharded.spec == spec
+    with pytest.raises(ValueError, match="max_length must be an int of at least the longest document, 20; got 8"):
+        cphf.shard_flattened_batch(flattened_batch([20, 1], seed=1), cp_size=2, rank=0, strategy=spec, max_length=8)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -187,6 +187,7 @@ def shard_flattened_batch(
     rank: int,
     strategy: StrategyLike = None,
     device: torch.device | str | None = None,
+    max_length: int | None = None,
 ) -> tuple[dict, ShardedBatch]:
     """Rank ``rank``'s part of a flattened transformers batch, ready for ``model(**inputs)``.
 
@@ -197,6 +198,10 @@ def shard_flattened_batch(
         strategy: default the active one; ``auto`` is resolved here (see the returned spec).
         device: where the model runs: the batch (on the host) comes back there, ready for a step
             that reads nothing from the GPU (``cpcompile.shard_batch``'s ``device``).
+        max_length: the ``max_length_q``/``max_length_k`` given to the model, at least the longest
+            document (``ValueError`` otherwise); default the longest. A fixed one keeps packs of a
+            capacity bucket (``StrategySpec.capacity``) in one graph with ``dynamic=False``, where
+            Dynamo specialises the model's int arguments; it is also the kernels' launch bound.
     Returns:
         ``(inputs, sharded)``. ``inputs``: ``input_ids``, ``position_ids`` ``[1, T_local]``;
         ``cu_seq_lens_q``/``cu_seq_lens_k`` ``[B + 1]`` int32 and ``max_length_q``/``max_length_k``
@@ -215,7 +220,11 @@ def shard_flattened_batch(
     tensors = {"input_ids": batch["input_ids"][0], "position_ids": batch["position_ids"][0]}
     if batch.get("labels") is not None:
         tensors["labels"] = shift_labels(batch["labels"], cu)[0]  # padded with -100 by shard_batch
-    max_length = int((cu[1:] - cu[:-1]).max())
+    longest = int((cu[1:] - cu[:-1]).max())
+    if max_length is None:
+        max_length = longest
+    elif not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < longest:
+        raise ValueError(f"max_length must be an int of at least the longest document, {longest}; got {max_length!r}")
     sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy, device=device)
     cu = sharded.cu_seqlens
     inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}

@@ -135,10 +135,30 @@ def test_shard_batch_gives_every_pack_of_a_bucket_one_shape():
         assert (batch.tensors["labels"][~mine] == -100).all(), "padding rows carry no label"
 
 
+def _static_graphs(shapes: list):
+    """An inner backend (aot_eager) that records, per graph the pass hands it, every symbolic size
+    its nodes carry (``[]``: every size a constant)."""
+
+    def inner(gm, example_inputs):
+        symbolic = []
+        for node in gm.graph.nodes:
+            vals = node.meta.get("val", node.meta.get("example_value"))
+            for val in vals if isinstance(vals, (tuple, list)) else [vals]:
+                if isinstance(val, torch.Tensor) and not all(isinstance(n, int) for n in val.shape):
+                    symbolic.append((node.name, tuple(val.shape)))
+                elif isinstance(val, torch.SymInt):
+                    symbolic.append((node.name, val))
+        shapes.append(symbolic)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    return inner
+
+
 class OneGraphPerBucket(FakeGroupTestCase):
     def test_packs_of_any_composition_share_one_graph_without_dynamic_shapes(self):
         """With ``dynamic=False`` a pack's token and document counts would each compile a graph of their
-        own; padded to one capacity, every pack runs the one graph (what a CUDA graph capture needs)."""
+        own; padded to one capacity, every pack runs the one graph (what a CUDA graph capture needs),
+        and nothing in it has a symbolic size (the plan's pieces included)."""
         cfg = GPTConfig(vocab=32, dim=32, heads=2, kv_heads=1, layers=2, max_position=256)
         model = PackedGPT(cfg)
         config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges
@@ -146,7 +166,9 @@ class OneGraphPerBucket(FakeGroupTestCase):
         for strategy in ("balanced", "dual_chunk_swap"):
             torch._dynamo.reset()
             counters.clear()
-            compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=False)
+            shapes = []
+            backend = cpcompile.backend(inner=_static_graphs(shapes), config=config)
+            compiled = torch.compile(model, backend=backend, dynamic=False)
             g = torch.Generator().manual_seed(0)
             spec = StrategySpec(strategy, capacity=capacity)
             for i in range(6):
@@ -161,6 +183,7 @@ class OneGraphPerBucket(FakeGroupTestCase):
                     out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, capacity.tokens)
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)
+            self.assertTrue(shapes and not any(shapes), shapes)
 
 
 def _train_on_capacity(rank: int, world: int) -> None:

@@ -92,8 +92,6 @@ def _to_capacity(padded: torch.Tensor, spec: StrategySpec, cp_size: int, m: int)
         raise ValueError(
             f"capacity.tokens={tokens} must be a multiple of {m} for {spec.strategy.value} with cp_size={cp_size}"
         )
-    if padded.shape[0] < 2:
-        raise ValueError(f"capacity={tuple(spec.capacity)} needs a pack of at least one (possibly empty) document")
     if data_checks_enabled(padded) and int(padded[-1]) > tokens:
         raise ValueError(
             f"the pack needs {int(padded[-1])} tokens with {spec.strategy.value}'s padding at cp_size={cp_size}, "

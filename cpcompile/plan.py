@@ -221,8 +221,8 @@ def step_plan(
     (:mod:`cpcompile.per_plan`). ``strategy``: a :class:`Strategy` value (``auto`` is
     resolved here, alike on every rank); ``windows``, ``capacity``: the spec's (``()``: none).
     """
-    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens, "windows": tuple(windows)}
-    kw["capacity"] = tuple(capacity)
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
+    kw |= {"windows": tuple(windows), "capacity": tuple(capacity)}
     plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through

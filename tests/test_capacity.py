@@ -246,3 +246,32 @@ class OneGraphPerBucketHF(FakeGroupTestCase):
             with cpcompile.strategy(sharded.spec):
                 compiled(**inputs).loss.backward()
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
+
+
+def _eager_on_capacity(rank: int, world: int) -> None:
+    from tests.fixtures import attention_case
+    from tests.reference import attention_fp64_on_rank, relative_error
+
+    cu, _, q, k, v, dout = attention_case([5, 17, 1, 9], 4, 2, 8, seed=1)
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    for comm in ("all_gather", "ring"):
+        for strategy in ("dual_chunk_swap", "balanced", "no_load_balance"):
+            for causal in (True, False):
+                spec = StrategySpec(strategy, comm=comm, capacity=Capacity(tokens=96, documents=6))
+                batch = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+                ref, *ref_grads = attention_fp64_on_rank(batch.cu_seqlens, batch, tensors, causal=causal)
+                local = [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
+                out = cpcompile.cp_attention(*local, batch.cu_seqlens, strategy=spec, causal=causal)
+                grads = torch.autograd.grad(out, local, batch.tensors["dout"])
+                label = f"rank {rank} {comm} {strategy} causal={causal}"
+                assert relative_error(out, ref) < 1e-4, f"out {label}"
+                for name, got, want in zip("qkv", grads, ref_grads):
+                    assert relative_error(got, want) < 1e-4, f"d{name} {label}"
+
+
+def test_cp_attention_on_packs_padded_to_a_capacity_all_gather_and_ring():
+    """2 gloo ranks, eager ``cp_attention`` with the capacity's spec (its plan made in the call):
+    float64 single-device attention and gradients, all-gather and ring, three layouts, both masks."""
+    from tests.dist import run_ranks
+
+    run_ranks(_eager_on_capacity, 2)

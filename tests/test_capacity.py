@@ -1,9 +1,9 @@
 """Tier 1-2: capacity buckets (``StrategySpec.capacity``): every pack of a bucket padded to one shape.
 
-The layout against the least padding (the last document's padding runs on), exactness of every
-rank's pieces against float64 single-device attention (reference kernel, all ranks in one
-process), the loader's shapes and errors, and one compiled graph for packs of any composition
-with ``dynamic=False`` (the fake group).
+The layout against the least padding (the last document's padding runs on), the loader's shapes
+and errors, one compiled graph for packs of any composition with ``dynamic=False`` (the fake
+group), and exactness on gloo ranks. Every rank's pieces on packs padded to a capacity against
+float64 single-device attention: ``tests/test_plan.py``'s simulated ranks.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import cpcompile
-from cpcompile import Capacity, StrategySpec, kernels
+from cpcompile import Capacity, StrategySpec
 from cpcompile.batch import physical_positions
-from cpcompile.kernels import Pieces
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
 from tests.graphs import FakeGroupTestCase
-from tests.reference import attention_fp64
 
 STRATEGIES = [
     StrategySpec("dual_chunk_swap"),
@@ -66,55 +64,6 @@ def test_capacity_takes_a_pair_and_refuses_head_parallelism():
     assert StrategySpec("balanced", capacity=(64, 3)).capacity == Capacity(tokens=64, documents=3)
     with pytest.raises(ValueError, match=r"capacity=\(64, 3\) is not supported with head_parallel=2 yet"):
         StrategySpec("balanced", head_parallel=2, capacity=(64, 3))
-
-
-def _ranks_attention(cu, spec, cp, tokens, causal):
-    """Every rank's output and gradients over its pieces (reference kernel, float64), summed over
-    ranks where they are the keys': ``[out, dq, dk, dv]`` at physical rows, with the inputs."""
-    g = torch.Generator().manual_seed(int(cu[-1]) + cp)
-    q, k, v, dout = (torch.randn(tokens, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2, 4))
-    got = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)]
-    kernel = kernels.select(q, "reference")
-    kw = {"causal": causal, "scale": 8**-0.5}
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    held = torch.zeros(tokens, dtype=torch.long)
-    for rank in range(cp):
-        plan = cpcompile.make_plan(cu, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens)  # padded by the spec
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec)
-        held[idx] += 1
-        pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
-        out, lse = kernel.forward(q[idx], k, v, pieces, **kw)
-        dq, dk, dv = kernel.backward(dout[idx], q[idx], k, v, out, lse, pieces, **kw)
-        got[0][idx], got[1][idx] = out, dq
-        got[2] += dk
-        got[3] += dv
-    assert (held == 1).all(), "every row on one rank"
-    return got, (q, k, v, dout), padded
-
-
-@pytest.mark.parametrize("spec", STRATEGIES, ids=str)
-@pytest.mark.parametrize("causal", [True, False])
-def test_ranks_compute_single_device_attention_on_packs_padded_to_the_capacity(spec, causal):
-    """Random packs (1-token and zero-length documents, single-document packs, packs that fill the
-    capacity) padded to one capacity: every rank's pieces give float64 single-device attention."""
-    g = torch.Generator().manual_seed(7)
-    cp, capacity = 4, Capacity(tokens=192, documents=9)
-    for trial in range(12):
-        docs = 1 if trial % 4 == 0 else int(torch.randint(2, 8, (1,), generator=g))
-        lengths = torch.randint(0, 24, (docs,), generator=g).tolist()
-        if trial % 3 == 1:
-            lengths[-1] = 1
-        cu = cpcompile.batch._to_documents(_cu(lengths), capacity)
-        with_capacity = _with(spec, capacity)
-        got, (q, k, v, dout), padded = _ranks_attention(cu, with_capacity, cp, capacity.tokens, causal)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=padded)
-        want = [out, *torch.autograd.grad(out, leaves, dout)]
-        real = physical_positions(cu, padded)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            assert torch.allclose(a[real], b[real], atol=1e-12), f"{name} {lengths} trial {trial}"
-        pad = torch.ones(capacity.tokens, dtype=torch.bool).index_fill_(0, real, False)
-        assert not got[0][pad].any() and not got[2][pad].any(), "padding rows: no output, no key gradient"
 
 
 def test_shard_batch_gives_every_pack_of_a_bucket_one_shape():

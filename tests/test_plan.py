@@ -3,6 +3,7 @@ computation (K/V gathered by hand) against the single-device float64 result."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -11,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
+from cpcompile.batch import _to_documents
 from cpcompile.kernels import Pieces, reference
+from cpcompile.partition import padding_multiple
 from cpcompile.plan import origin, step_plan
 from cpcompile.reads import keys_read, read_lengths, read_ranges
 from cpcompile.window import window_keys
@@ -70,11 +73,19 @@ def test_dual_chunk_swap_piece_slots_are_static():
     assert plan.cu_q.shape == (3 * 3 + 1,)
 
 
-@settings(max_examples=25, deadline=None)
-@given(**LAYOUT_CASE)
-def test_simulated_ranks_match_single_device(lengths, cp, spec, causal):
-    """Each rank: its pieces against K/V in physical order; outputs and dK/dV summed over ranks."""
+@settings(max_examples=40, deadline=None)
+@given(**LAYOUT_CASE, spare=st.sampled_from([None, (0, 0), (0, 3), (2, 1)]))
+def test_simulated_ranks_match_single_device(lengths, cp, spec, causal, spare):
+    """Each rank: its pieces against K/V in physical order; outputs and dK/dV summed over ranks
+    (padding rows: none). ``spare``: the pack padded to a capacity bucket (``StrategySpec.capacity``)
+    of that many more padding multiples and documents than it needs, as ``shard_batch`` pads it."""
     cu = cu_seqlens(lengths)
+    if spare is not None:
+        least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+        multiple, _ = padding_multiple(spec, cp)
+        capacity = (least + spare[0] * multiple, len(lengths) + spare[1])
+        spec = dataclasses.replace(spec, capacity=capacity)
+        cu = _to_documents(cu, spec.capacity)
     padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
     n = int(padded[-1])
     g = torch.Generator().manual_seed(sum(lengths) + cp)

@@ -13,13 +13,15 @@ and the error messages.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import cpcompile
-from tests.dist import assert_matches_summed_over_ranks, run_ranks
+from tests.dist import assert_matches_summed_over_ranks, compiled_graphs, run_ranks
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
@@ -136,6 +138,39 @@ def test_regionally_compiled_cp_training_matches_single_device():
 def test_compiled_head_parallel_training_matches_single_device():
     """Ulysses through the HF attention function: 4 query heads, 2 K/V heads over 2 ranks."""
     run_ranks(_check_cp_training, 2, ["llama"], False, cpcompile.StrategySpec("no_load_balance", head_parallel=2))
+
+
+def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
+    """Forward and backward of a Llama over ``packs`` random packs (1-12 documents of 1-24 tokens,
+    1-token documents included): each decoder layer compiled on its own runs one graph for all
+    layers and packs, the whole model compiles nothing after the first pack."""
+    rng = random.Random(7)
+    lengths = [[rng.choice([1, rng.randint(2, 24)]) for _ in range(rng.randint(1, 12))] for _ in range(packs)]
+    assert len({sum(p) for p in lengths}) > 10 and len({len(p) for p in lengths}) > 5
+    for regional in (True, False):
+        model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
+        torch._dynamo.reset()
+        counters.clear()
+        backend = cpcompile.backend(inner="aot_eager")
+        if regional:
+            for layer in model.model.layers:
+                layer.compile(backend=backend, dynamic=True)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=backend, dynamic=True)
+        for step, docs in enumerate(lengths):
+            inputs, sharded = cphf.shard_flattened_batch(flattened_batch(docs, seed=step), cp_size=world, rank=rank)
+            with cpcompile.strategy(sharded.spec):
+                compiled(**inputs).loss.backward()
+            if step == 0:
+                first = compiled_graphs()
+        assert compiled_graphs() == first, f"regional={regional}: {first} graphs after the first pack, then more"
+        if regional:
+            assert first == 1, first
+
+
+def test_one_graph_over_fifty_packs_of_varying_length_and_document_count():
+    run_ranks(_count_graphs_over_packs, 2, 50)
 
 
 def test_single_device_matches_per_document():

@@ -11,13 +11,14 @@ from .batch import ShardedBatch, shard_batch, unshard
 from .config import Config
 from .cost import CostModel, choose_strategy, predict_rank_costs
 from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention, release_grad_buffers
-from .partition import all_partition_indices, pad_for_cp, partition_indices
+from .partition import all_partition_indices, capacity_for, pad_for_cp, partition_indices
 from .plan import AttentionPlan, make_plan
 from .strategy import Capacity, Strategy, StrategySpec, current_spec, current_strategy, strategy
 
 __all__ = [
     "AttentionPlan",
     "Capacity",
+    "capacity_for",
     "Config",
     "CostModel",
     "ShardedBatch",

@@ -11,6 +11,7 @@ strategy compiles, or picks, its own graph, never the old one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,22 @@ def _inner_backend(inner: str | Backend) -> Backend:
     raise ValueError(
         f"inner must be 'inductor', 'aot_eager', another registered backend name or a callable, got {inner!r}"
     )
+
+
+def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = None, options: dict | None = None):
+    """``torch.compile(..., mode=..., options=...)`` hands a custom backend its ``mode`` and
+    ``options``: for inductor they become its config patches, as for ``backend="inductor"``
+    (``mode="reduce-overhead"``: CUDA graphs around cpcompile's ops, which are kept out of them:
+    ``ops.common.NOT_CAPTURED``); other inner compilers take neither."""
+    if mode is None and options is None:
+        return compile_inner
+    if inner != "inductor":
+        raise ValueError(f"torch.compile's mode={mode!r} and options need inner='inductor', got inner={inner!r}")
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {**list_mode_options(mode), **(options or {})}
+    return functools.partial(compile_fx, config_patches=patches)
 
 
 def _guard_on_strategy() -> None:
@@ -84,6 +101,11 @@ def backend(
             to the inserted ops as arguments, so the compiled graph holds them (default:
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
 
+    ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``: with
+    ``mode="reduce-overhead"`` inductor captures CUDA graphs around cpcompile's ops, which run as
+    they are (they read the plan on the host); on a capacity bucket (``StrategySpec.capacity``,
+    ``dynamic=False``) one capture serves every pack (docs/cuda-graphs.md).
+
     Example::
 
         model = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
@@ -94,7 +116,8 @@ def backend(
     check_unsupported(unsupported)
     config = resolve_config(config)
 
-    def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
+        compile_rest = _with_inductor_options(compile_inner, inner, **inductor)
         pg = resolve_group(group)
         if pg.size() > 1:
             _guard_on_strategy()
@@ -110,11 +133,12 @@ def backend(
             )
         if overlap_tp:
             overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
-        return compile_inner(gm, example_inputs)
+        return compile_rest(gm, example_inputs)
 
     return cpcompile_backend
 
 
-def default_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """``torch.compile(backend="cpcompile")``: the default process group, inductor."""
-    return backend()(gm, example_inputs)
+def default_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
+    """``torch.compile(backend="cpcompile")``: the default process group, inductor (with
+    ``torch.compile``'s ``mode`` and ``options``, if given)."""
+    return backend()(gm, example_inputs, **inductor)

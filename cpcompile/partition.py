@@ -22,10 +22,13 @@ auto is not a layout: it is resolved per batch to one of these from ``cu_seqlens
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+
 import torch
 
 from .checks import check_cp, check_cu_seqlens, data_checks_enabled
-from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+from .strategy import Capacity, Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
 def padding_multiple(spec: StrategySpec, cp_size: int) -> tuple[int, bool]:
@@ -98,6 +101,23 @@ def _to_capacity(padded: torch.Tensor, spec: StrategySpec, cp_size: int, m: int)
             f"more than capacity.tokens={tokens}: use a larger capacity (or bucket)"
         )
     return torch.cat([padded[:-1], padded.new_full((1,), tokens)])
+
+
+def capacity_for(packs: Iterable[torch.Tensor], *, cp_size: int, strategy: StrategyLike = None) -> Capacity:
+    """The smallest :class:`~cpcompile.strategy.Capacity` that holds every pack of ``packs`` (each
+    its ``cu_seqlens``, ``[B + 1]``) under ``strategy`` at ``cp_size``: the most tokens a pack needs
+    with the strategy's padding (a multiple of what the layout needs), and the most documents. A
+    loader that sorts its packs into buckets ahead of training gives each bucket this capacity; every
+    pack of a bucket then runs one compiled graph (and one CUDA graph capture)."""
+    check_cp(cp_size)
+    spec = dataclasses.replace(layout_spec(strategy), capacity=None)
+    tokens = documents = 0
+    for cu in packs:
+        tokens = max(tokens, int(pad_for_cp(cu, cp_size=cp_size, strategy=spec)[-1]))
+        documents = max(documents, cu.shape[0] - 1)
+    if documents == 0:
+        raise ValueError("packs must hold at least one pack of at least one document")
+    return Capacity(tokens, documents)
 
 
 def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int, num_tokens: int | None) -> None:

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import cpcompile
 from cpcompile import Capacity, StrategySpec
 from cpcompile.batch import physical_positions
+from cpcompile.partition import padding_multiple
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
 from tests.graphs import FakeGroupTestCase
 
@@ -224,3 +225,67 @@ def test_cp_attention_on_packs_padded_to_a_capacity_all_gather_and_ring():
     from tests.dist import run_ranks
 
     run_ranks(_eager_on_capacity, 2)
+
+
+def test_every_op_is_kept_out_of_cuda_graphs():
+    """Every cpcompile op carries torch's ``cudagraph_unsafe`` tag: the plan and attention ops read
+    their tensors' values on the host (a captured call would replay the pack it was captured on),
+    so inductor's ``mode="reduce-overhead"`` captures the graph around them and runs them as they
+    are (the GPU test: ``tests/test_gpu.py``, a replayed step equals the step without graphs)."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    packets = {n: getattr(torch.ops.cpcompile, n) for n in dir(torch.ops.cpcompile)}
+    packets = {n: p for n, p in packets.items() if isinstance(p, torch._ops.OpOverloadPacket)}
+    assert {"cp_plan", "cp_attention", "cp_attention_backward", "packed_attention", "ag_gemm"} <= set(packets)
+    untagged = [f"{n}.{o}" for n, p in packets.items() for o in p.overloads() if tag not in getattr(p, o).tags]
+    assert not untagged, untagged
+
+
+class TorchCompileMode(FakeGroupTestCase):
+    def test_mode_reaches_inductor_and_no_other_inner(self):
+        """``torch.compile(..., backend=cpcompile.backend(), mode="reduce-overhead")``: inductor gets
+        CUDA graphs turned on (on CPU it skips them, and counts the skip); ``aot_eager`` takes no mode."""
+
+        def f(x):
+            return (x @ x.t()).relu().sum()
+
+        x = torch.randn(8, 4)
+        torch._dynamo.reset()
+        counters.clear()
+        got = torch.compile(f, backend=cpcompile.backend(), mode="reduce-overhead")(x)
+        assert torch.allclose(got, f(x)) and counters["inductor"]["cudagraph_skips"] == 1
+        torch._dynamo.reset()
+        message = r"mode='reduce-overhead' and options need inner='inductor', got inner='aot_eager'"
+        with pytest.raises(Exception, match=message):
+            torch.compile(f, backend=cpcompile.backend(inner="aot_eager"), mode="reduce-overhead")(x)
+
+
+def _fits(cu, spec, cp) -> bool:
+    try:
+        cpcompile.shard_batch({"x": torch.zeros(int(cu[-1]))}, cu, cp_size=cp, rank=0, strategy=spec)
+    except ValueError as e:
+        assert "use a larger capacity" in str(e)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("spec", STRATEGIES, ids=str)
+def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
+    """Every pack pads to ``capacity_for``'s capacity; one needs all its tokens, one all its documents;
+    a capacity a token or a document smaller refuses a pack."""
+    cp = 4
+    packs = [_cu(lengths) for lengths in ([5, 17, 1], [40], [3, 0, 9, 1, 1], [1])]
+    capacity = cpcompile.capacity_for(packs, cp_size=cp, strategy=spec)
+    needed = [int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1]) for cu in packs]
+    assert capacity == (max(needed), 5)
+    for cu in packs:
+        sharded = cpcompile.shard_batch(
+            {"x": torch.zeros(int(cu[-1]))}, cu, cp_size=cp, rank=0, strategy=_with(spec, capacity)
+        )
+        assert sharded.tensors["x"].shape == (capacity.tokens // cp,) and sharded.cu_seqlens.shape == (6,)
+    m, _ = padding_multiple(spec, cp)
+    for smaller in (Capacity(capacity.tokens - m, 5), Capacity(capacity.tokens, 4)):
+        assert not all(_fits(cu, _with(spec, smaller), cp) for cu in packs), smaller
+    with pytest.raises(ValueError, match="packs must hold at least one pack"):
+        cpcompile.capacity_for([], cp_size=cp, strategy=spec)

@@ -423,3 +423,87 @@ def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv_ex
             assert all(t.grad is not None for t in (q, k, v))  # the fake group's garbage: no values to compare
     finally:
         dist.destroy_process_group()
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two packed-attention layers with their projections: inductor's kernels between the ops."""
+
+    def __init__(self, dim: int = 512, head_dim: int = 64, kv_heads: int = 2):
+        super().__init__()
+        kv = kv_heads * head_dim
+        self.head_dim = head_dim
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"q": torch.nn.Linear(dim, dim), "k": torch.nn.Linear(dim, kv), "v": torch.nn.Linear(dim, kv)}
+            )
+            for _ in range(2)
+        )
+
+    def forward(self, x, cu):
+        t = x.shape[0]
+        for p in self.layers:
+            q, k, v = (p[n](x).view(t, -1, self.head_dim) for n in "qkv")
+            x = x + cpcompile.packed_attention(q.relu(), k, v, cu).reshape(t, -1)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "dual_chunk_swap"])
+def test_cuda_graphs_replay_a_capacity_bucket_around_the_attention_ops(strategy, monkeypatch):
+    """``mode="reduce-overhead"`` on packs of one capacity bucket: inductor captures the graph around
+    cpcompile's ops (tagged ``cudagraph_unsafe``: they read the plan on the host) and runs them as
+    they are, so every pack's step equals the step compiled without CUDA graphs, each function is
+    captured once for the bucket, and a replayed step makes no host sync. Rank 1 of 4 on the fake
+    group: its all-gathers copy the rank's own K/V into every slot (values to compare), its
+    reduce-scatters return garbage, so the gradients compared are those no dK/dV reaches (the last
+    layer's query projection)."""
+    import copy
+    import itertools
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cp, rank = 4, 1
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *args, **kwargs):
+        recorded.append(1)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    torch.manual_seed(0)
+    model = _TwoLayers().cuda().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    spec = cpcompile.StrategySpec(strategy, capacity=cpcompile.Capacity(tokens=8192, documents=8))
+    packs = ([3000, 5, 1200, 700], [1500, 1500, 1, 2000, 64], [4100, 7, 900], [6000], [1] * 8, [2, 3000, 17])
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        graphed = torch.compile(model, backend=cpcompile.backend(), mode="reduce-overhead", dynamic=False)
+        plain = torch.compile(reference, backend=cpcompile.backend(), dynamic=False)
+        after = []
+        for i, lengths in enumerate(packs):
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            x = torch.randn(int(cu[-1]), 512, generator=torch.Generator().manual_seed(i))
+            batch = cpcompile.shard_batch({"x": x}, cu, cp_size=cp, rank=rank, strategy=spec, device="cuda")
+            x = batch.tensors["x"].to(torch.bfloat16)
+            results = []
+            for m, step in ((model, graphed), (reference, plain)):
+                m.zero_grad()
+                torch.cuda.synchronize()
+                replay = step is graphed and i == len(packs) - 1
+                with _no_sync() if replay else contextlib.nullcontext(), cpcompile.strategy(batch.spec):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    out = step(x, batch.cu_seqlens)
+                    out.float().square().sum().backward()
+                results.append((out.detach().clone(), m.layers[1]["q"].weight.grad.clone()))
+            for got, want in zip(*results):
+                assert _same(got, want, "auto"), f"pack {i} {lengths}"
+            after.append(len(recorded))
+        assert after[0] == 0 < after[1] and after[-1] == after[2], after  # warm-up, capture, then replays
+        assert counters["inductor"]["cudagraph_skips"] == 0
+    finally:
+        dist.destroy_process_group()

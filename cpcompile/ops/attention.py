@@ -37,7 +37,7 @@ from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
 from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
 from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
-from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
+from .common import NOT_CAPTURED, agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
 
 
 @per_plan
@@ -77,7 +77,7 @@ def _kernel_keywords(q, scale, window) -> dict:
 # --- packed_attention --------------------------------------------------------------
 
 
-@torch.library.custom_op("cpcompile::packed_attention", mutates_args=())
+@torch.library.custom_op("cpcompile::packed_attention", mutates_args=(), tags=NOT_CAPTURED)
 def _packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,7 +105,7 @@ def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_
     return out_and_lse(q)
 
 
-@torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=())
+@torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
 def _packed_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -198,7 +198,7 @@ def _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv
     return group, kern, ex, _kernel_keywords(q, scale, window)
 
 
-@torch.library.custom_op("cpcompile::cp_attention", mutates_args=())
+@torch.library.custom_op("cpcompile::cp_attention", mutates_args=(), tags=NOT_CAPTURED)
 def _cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -243,7 +243,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     return out_and_lse(q)
 
 
-@torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=())
+@torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
 def _cp_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -9,6 +9,15 @@ import torch
 from ..checks import agreement_enabled
 from ..comm.groups import agree, already_agreed, digest
 
+#: Tags of every cpcompile op: kept out of CUDA graphs. The attention and plan ops derive host-side
+#: data from their tensors' values (the plan, the kernels' launch bounds and scratch sizes, the
+#: exchange's counts), so a captured call would replay the pack it was captured on, silently wrong
+#: for every other; the collective ops run their own streams and peers' signals, not checked under
+#: capture. Inductor's ``mode="reduce-overhead"`` captures the rest of the graph around them (its
+#: graph partitions) and runs them as they are (docs/cuda-graphs.md). Torch without the tag has
+#: no such partitions to keep them out of.
+NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale

@@ -15,7 +15,7 @@ import torch
 from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
 from ..window import narrow_keys
-from .common import check_fake_tokens
+from .common import NOT_CAPTURED, check_fake_tokens
 
 
 def _spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategySpec:
@@ -31,7 +31,7 @@ def plan_op(name: str, make, parameters: str):
     def run(*args):  # lists (int[] arguments) as tuples: ``per_plan`` keys on the values
         return tuple(make(*(tuple(a) if isinstance(a, list) else a for a in args)))
 
-    return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema)
+    return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema, tags=NOT_CAPTURED)
 
 
 def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tensor, ...]:
@@ -61,7 +61,7 @@ def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe
     return fake_plan(cu_seqlens, num_tokens, max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size))
 
 
-@torch.library.custom_op("cpcompile::window_keys", mutates_args=())
+@torch.library.custom_op("cpcompile::window_keys", mutates_args=(), tags=NOT_CAPTURED)
 def window_keys(
     cu_q: torch.Tensor,
     k_start: torch.Tensor,

@@ -30,6 +30,7 @@ from ..plan import head_step_plan, max_pieces
 from ..reads import keys_read
 from ..strategy import Strategy, StrategySpec
 from .common import (
+    NOT_CAPTURED,
     agree_in_op,
     check_fake_qkv,
     check_fake_tokens,
@@ -195,6 +196,7 @@ _cp_head_attention = torch.library.custom_op(
     "cpcompile::cp_head_attention",
     _head_attention,
     mutates_args=(),
+    tags=NOT_CAPTURED,
     schema=f"(Tensor q, Tensor k, Tensor v, {_PLAN_SCHEMA}) -> (Tensor, Tensor)",
 )
 
@@ -231,6 +233,7 @@ _cp_head_attention_backward = torch.library.custom_op(
     "cpcompile::cp_head_attention_backward",
     _head_attention_backward,
     mutates_args=(),
+    tags=NOT_CAPTURED,
     schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_PLAN_SCHEMA}) "
     "-> (Tensor, Tensor, Tensor)",
 )

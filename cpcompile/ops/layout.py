@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..balanced import balanced_layout
+from .common import NOT_CAPTURED
 
 
-@torch.library.custom_op("cpcompile::balanced_layout", mutates_args=())
+@torch.library.custom_op("cpcompile::balanced_layout", mutates_args=(), tags=NOT_CAPTURED)
 def balanced_layout_op(
     cu_seqlens_padded: torch.Tensor, cp_size: int, num_tokens: int, windows: list[int] | None = None
 ) -> torch.Tensor:

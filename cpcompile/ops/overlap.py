@@ -20,6 +20,7 @@ from ..comm.groups import group_name as _group_name
 from ..comm.groups import resolve_group
 from ..comm.ring import TpRing, gather_ring, reduce_scatter_ring
 from ..config import Config, resolve_config
+from .common import NOT_CAPTURED
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def _wgrad_accumulator(w: torch.Tensor) -> torch.Tensor:
 # --- ag_gemm ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cpcompile::ag_gemm", mutates_args=())
+@torch.library.custom_op("cpcompile::ag_gemm", mutates_args=(), tags=NOT_CAPTURED)
 def _ag_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -71,7 +72,7 @@ def _(x, w, bias, group_name, capacity_tokens, transport):
     return x.new_empty((tp * x.shape[0], *x.shape[1:-1], w.shape[0]))
 
 
-@torch.library.custom_op("cpcompile::ag_gemm_backward", mutates_args=())
+@torch.library.custom_op("cpcompile::ag_gemm_backward", mutates_args=(), tags=NOT_CAPTURED)
 def _ag_gemm_backward(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +127,7 @@ def _gemm_rs_impl(
     return out.view(x.shape[0] // pg.size(), *x.shape[1:-1], w.shape[0])
 
 
-@torch.library.custom_op("cpcompile::gemm_rs", mutates_args=())
+@torch.library.custom_op("cpcompile::gemm_rs", mutates_args=(), tags=NOT_CAPTURED)
 def _gemm_rs(
     x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> torch.Tensor:
@@ -141,7 +142,7 @@ def _(x, w, group_name, capacity_tokens, transport):
     return x.new_empty((x.shape[0] // tp, *x.shape[1:-1], w.shape[0]))
 
 
-@torch.library.custom_op("cpcompile::gemm_rs_backward", mutates_args=())
+@torch.library.custom_op("cpcompile::gemm_rs_backward", mutates_args=(), tags=NOT_CAPTURED)
 def _gemm_rs_backward(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:

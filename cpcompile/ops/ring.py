@@ -30,6 +30,7 @@ from ..per_plan import per_plan, readable
 from ..ring_plan import block_key_ranges, ring_window_plan
 from ..window import beyond_gpu
 from .common import (
+    NOT_CAPTURED,
     accumulation_dtype,
     agree_in_op,
     check_fake_qkv,
@@ -39,7 +40,7 @@ from .common import (
 )
 
 
-@torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=())
+@torch.library.custom_op("cpcompile::ring_key_ranges", mutates_args=(), tags=NOT_CAPTURED)
 def ring_key_ranges(
     gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def _(gather_index, k_start, k_len, cp_size):
     return tuple(k_start.new_empty((cp_size, k_start.shape[0])) for _ in range(2))
 
 
-@torch.library.custom_op("cpcompile::ring_window_plan", mutates_args=())
+@torch.library.custom_op("cpcompile::ring_window_plan", mutates_args=(), tags=NOT_CAPTURED)
 def ring_window_plan_op(
     gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,7 +119,7 @@ def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, 
         yield k_src, v_src, pieces, causal and own
 
 
-@torch.library.custom_op("cpcompile::cp_ring_attention", mutates_args=())
+@torch.library.custom_op("cpcompile::cp_ring_attention", mutates_args=(), tags=NOT_CAPTURED)
 def _ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,7 +169,7 @@ def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_
     return out_and_lse(q)
 
 
-@torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=())
+@torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
 def _ring_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

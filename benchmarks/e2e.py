@@ -60,7 +60,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import record_function
 
@@ -115,12 +114,6 @@ def parse_args() -> argparse.Namespace:
         help="FSDP2 fully_shard per decoder layer, the output projection and the decoder stack (cp > 1)",
     )
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
-    p.add_argument(
-        "--cudagraphs",
-        action="store_true",
-        help='torch.compile(mode="reduce-overhead"): CUDA graphs around cpcompile\'s ops, every pack padded to one '
-        "capacity bucket (cpcompile.capacity_for over the packs)",
-    )
     p.add_argument("--loss", default="fused", choices=["fused", "hf"], help="fused: the loss from hidden states "
                    "chunk by chunk, without whole-pack logits (cpcompile.testing.losses; the default); "
                    "hf: the model's own (logits, then transformers' loss)")  # fmt: skip
@@ -132,8 +125,6 @@ def parse_args() -> argparse.Namespace:
         vars(args).update({k: v for k, v in SMOKE.items() if getattr(args, k) == p.get_default(k)})
     elif not torch.cuda.is_available():
         p.error("needs CUDA (or --cpu-smoke, a tiny configuration on CPU)")
-    if args.cudagraphs and (args.fsdp or args.cpu_smoke):
-        p.error("--cudagraphs: not with --fsdp (its hooks run between the captured graphs), and CUDA only")
     if args.fsdp and args.optimizer == "zero":
         p.error("--optimizer zero shards the optimizer over whole parameters; with --fsdp they are sharded already")
     args.inner = "aot_eager" if args.cpu_smoke else "inductor"
@@ -173,25 +164,13 @@ def pack_flops(cu: torch.Tensor, params: int, args) -> float:
     return training_flops(cu.diff().tolist(), params, args.layers, args.heads, args.hidden // args.heads)
 
 
-def model_inputs(cu: torch.Tensor, seed: int, cp: int, rank: int, args, device, bucket=None) -> tuple[dict, object]:
-    """Rank ``rank``'s share of a flattened batch over pack ``cu``, on ``device``, and its strategy spec;
-    ``bucket``: ``(capacity, max_length)``, the shapes and launch bound every pack is given."""
+def model_inputs(cu: torch.Tensor, seed: int, cp: int, rank: int, args, device) -> tuple[dict, object]:
+    """Rank ``rank``'s share of a flattened batch over pack ``cu``, on ``device``, and its strategy spec."""
     pack = synthetic_pack(cu.diff().tolist(), args.vocab, torch.Generator().manual_seed(seed))
     batch = {"input_ids": pack["input_ids"][None], "position_ids": pack["position_ids"][None], "cu_seq_lens_q": cu}
     batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
-    spec, fixed = args.spec, {}
-    if bucket is not None:
-        spec, fixed = dataclasses.replace(spec, capacity=bucket[0]), {"max_length": bucket[1]}
-    inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=spec, device=device, **fixed)
+    inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=args.spec, device=device)
     return inputs, sharded.spec
-
-
-def bucket(args, cp: int, packs: list[torch.Tensor]):
-    """With ``--cudagraphs``: the one capacity bucket of ``packs`` at ``cp`` and the longest document
-    (the launch bound fixed for the bucket); else ``None``."""
-    if not args.cudagraphs:
-        return None
-    return cpcompile.capacity_for(packs, cp_size=cp, strategy=args.spec), max(int(cu.diff().max()) for cu in packs)
 
 
 class CountingBackend:
@@ -200,8 +179,8 @@ class CountingBackend:
     def __init__(self, inner):
         self.inner, self.graphs, self.unsharded = inner, 0, 0
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **mode):
-        compiled = self.inner(gm, example_inputs, **mode)  # cpcompile's pass rewrites gm in place first
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
+        compiled = self.inner(gm, example_inputs)  # cpcompile's pass rewrites gm in place first
         self.graphs += 1
         graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
         self.unsharded += sum("packed_attention" in str(n.target) for g in graphs for n in g.nodes)
@@ -215,17 +194,7 @@ def make_backend(args, cp: int) -> CountingBackend:
     if cp == 1:
         from torch._dynamo.backends.registry import lookup_backend
 
-        inner = lookup_backend(args.inner)
-
-        def alone(gm, example_inputs, mode=None):  # torch.compile's mode, as it gives inductor its own
-            if mode is None:
-                return inner(gm, example_inputs)
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode))
-
-        return CountingBackend(alone)
+        return CountingBackend(lookup_backend(args.inner))
     config = None if args.real else dataclasses.replace(default_config(), kv_exchange="never")
     return CountingBackend(cpcompile.backend(inner=args.inner, config=config))
 
@@ -313,15 +282,12 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
     if args.fsdp and cp > 1:
         hf_llama.fully_shard_llama(model)
     backend = make_backend(args, cp)
-    mode = "reduce-overhead" if args.cudagraphs else None
-    compiled = hf_llama.compile_llama(model, backend, regional=args.regional, base=args.loss == "fused", mode=mode)
+    compiled = hf_llama.compile_llama(model, backend, regional=args.regional, base=args.loss == "fused")
     optimizer = make_optimizer(args.optimizer, model, cp, cuda)
     reduce_grads = cp > 1 and not args.fsdp  # the loss is a sum over ranks: so are its gradients
 
     def step(inputs_and_spec):
         inputs, spec = inputs_and_spec
-        if args.cudagraphs:  # the previous step's outputs may be overwritten by this one's replays
-            torch.compiler.cudagraph_mark_step_begin()
         with cpcompile.strategy(spec):
             loss = hf_llama.causal_lm_loss(compiled, model, inputs) if args.loss == "fused" else compiled(**inputs).loss
         loss.backward()
@@ -332,9 +298,7 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
             optimizer.step()
         model.zero_grad(set_to_none=True)
 
-    fixed = bucket(args, cp, packs)
-    inputs = [model_inputs(cu, seed, cp, rank, args, device, fixed) for seed, cu in enumerate(packs)]
-    skips = counters["inductor"]["cudagraph_skips"]
+    inputs = [model_inputs(cu, seed, cp, rank, args, device) for seed, cu in enumerate(packs)]
     cold = wall_s(step, inputs[0], cuda)
     if cp > 1 and backend.unsharded:
         raise SystemExit(
@@ -342,8 +306,6 @@ def measure(args, cp: int, rank: int, packs: list[torch.Tensor], device: torch.d
             "the step would not be context-parallel"
         )
     second = wall_s(step, inputs[1 % len(inputs)], cuda)
-    if args.cudagraphs and counters["inductor"]["cudagraph_skips"] > skips:
-        raise SystemExit(f"cp={cp}: inductor skipped CUDA graphs (its log says why: TORCH_LOGS=cudagraphs)")
     for pack in inputs[2:]:
         step(pack)
     graphs = backend.graphs
@@ -526,15 +488,12 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     fused = "" if args.cpu_smoke else " (fused)"
     zero = f", AdamW{fused} (at cp > 1 sharded over CP, ZeRO-1)"
     adamw = {"none": "", "adamw": f", AdamW{fused}", "zero": zero}[args.optimizer]
-    graphs = ', CUDA graphs around cpcompile\'s ops (`mode="reduce-overhead"`, the packs padded to one capacity'
-    graphs = f"{graphs} bucket per CP size)" if args.cudagraphs else ""
     return [
         f"`LlamaForCausalLM`: {args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} x {args.hidden // args.heads}, vocab {args.vocab} ({params}random "
         f'{"float32, CPU" if args.cpu_smoke else "bf16"} weights, {args.inner}), `attn_implementation="cpcompile"`'
         f"{', HF checkpointing' if args.checkpointing else ''}"
         f"{', each decoder layer compiled on its own' if args.regional else ''}"
-        f"{graphs}"
         f"{f', memory budget {args.memory_budget}' if args.memory_budget is not None else ''}"
         f"{', loss from hidden states in 8192-token chunks (no whole-pack logits)' if args.loss == 'fused' else ''}. "
         f"{args.packs} packs x {args.tokens} tokens from {source} ({docs:.0f} documents on average), "

@@ -44,9 +44,10 @@ def _inner_backend(inner: str | Backend) -> Backend:
 
 def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = None, options: dict | None = None):
     """``torch.compile(..., mode=..., options=...)`` hands a custom backend its ``mode`` and
-    ``options``: for inductor they become its config patches, as for ``backend="inductor"``
-    (``mode="reduce-overhead"``: CUDA graphs around cpcompile's ops, which are kept out of them:
-    ``ops.common.NOT_CAPTURED``); other inner compilers take neither."""
+    ``options``: for inductor they become its config patches, as for ``backend="inductor"``; other
+    inner compilers take neither. CUDA graphs (``mode="reduce-overhead"``, ``triton.cudagraphs``)
+    are refused: cpcompile's ops are kept out of captures (``ops.common.NOT_CAPTURED``), but
+    inductor's graphs around them do not yet replay correctly (docs/cuda-graphs.md, issue 28)."""
     if mode is None and options is None:
         return compile_inner
     if inner != "inductor":
@@ -54,7 +55,13 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**list_mode_options(mode), **(options or {})}
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    if patches.get("triton.cudagraphs"):
+        raise ValueError(
+            f"torch.compile's mode={mode!r} with options={options!r} turns on CUDA graphs, which cpcompile's ops do "
+            "not support yet (docs/cuda-graphs.md); accepted: mode 'default', 'max-autotune-no-cudagraphs' or "
+            "None, and options without triton.cudagraphs"
+        )
     return functools.partial(compile_fx, config_patches=patches)
 
 
@@ -101,10 +108,8 @@ def backend(
             to the inserted ops as arguments, so the compiled graph holds them (default:
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
 
-    ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``: with
-    ``mode="reduce-overhead"`` inductor captures CUDA graphs around cpcompile's ops, which run as
-    they are (they read the plan on the host); on a capacity bucket (``StrategySpec.capacity``,
-    ``dynamic=False``) one capture serves every pack (docs/cuda-graphs.md).
+    ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``, except CUDA graphs
+    (``mode="reduce-overhead"``), refused with a ``ValueError`` for now (docs/cuda-graphs.md).
 
     Example::
 

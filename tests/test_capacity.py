@@ -230,8 +230,7 @@ def test_cp_attention_on_packs_padded_to_a_capacity_all_gather_and_ring():
 def test_every_op_is_kept_out_of_cuda_graphs():
     """Every cpcompile op carries torch's ``cudagraph_unsafe`` tag: the plan and attention ops read
     their tensors' values on the host (a captured call would replay the pack it was captured on),
-    so inductor's ``mode="reduce-overhead"`` captures the graph around them and runs them as they
-    are (the GPU test: ``tests/test_gpu.py``, a replayed step equals the step without graphs)."""
+    so inductor's graph partitions leave them out of any CUDA graph (docs/cuda-graphs.md)."""
     tag = getattr(torch.Tag, "cudagraph_unsafe", None)
     if tag is None:
         pytest.skip("this torch has no cudagraph_unsafe tag")
@@ -243,22 +242,36 @@ def test_every_op_is_kept_out_of_cuda_graphs():
 
 
 class TorchCompileMode(FakeGroupTestCase):
-    def test_mode_reaches_inductor_and_no_other_inner(self):
-        """``torch.compile(..., backend=cpcompile.backend(), mode="reduce-overhead")``: inductor gets
-        CUDA graphs turned on (on CPU it skips them, and counts the skip); ``aot_eager`` takes no mode."""
+    def test_mode_and_options_reach_inductor_cuda_graphs_are_refused(self):
+        """``torch.compile(..., backend=cpcompile.backend(), mode=..., options=...)``: inductor gets
+        them as config patches; CUDA graphs are refused before anything runs; ``aot_eager`` takes
+        neither."""
+        from unittest import mock
+
+        import torch._inductor.compile_fx as inductor
 
         def f(x):
             return (x @ x.t()).relu().sum()
 
-        x = torch.randn(8, 4)
+        x, seen = torch.randn(8, 4), []
+        compile_fx = inductor.compile_fx
+
+        def recording(gm, example_inputs, config_patches=None, **kwargs):
+            seen.append(config_patches)
+            return compile_fx(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+        with mock.patch.object(inductor, "compile_fx", recording):
+            torch._dynamo.reset()
+            got = torch.compile(f, backend=cpcompile.backend(), options={"max_autotune_gemm": False})(x)
+        assert torch.allclose(got, f(x)) and seen[0] == {"max_autotune_gemm": False}  # then it calls itself
+        for kwargs in ({"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}):
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match="turns on CUDA graphs, which cpcompile's ops do not support yet"):
+                torch.compile(f, backend=cpcompile.backend(), **kwargs)(x)
         torch._dynamo.reset()
-        counters.clear()
-        got = torch.compile(f, backend=cpcompile.backend(), mode="reduce-overhead")(x)
-        assert torch.allclose(got, f(x)) and counters["inductor"]["cudagraph_skips"] == 1
-        torch._dynamo.reset()
-        message = r"mode='reduce-overhead' and options need inner='inductor', got inner='aot_eager'"
+        message = r"mode='max-autotune-no-cudagraphs' and options need inner='inductor', got inner='aot_eager'"
         with pytest.raises(Exception, match=message):
-            torch.compile(f, backend=cpcompile.backend(inner="aot_eager"), mode="reduce-overhead")(x)
+            torch.compile(f, backend=cpcompile.backend(inner="aot_eager"), mode="max-autotune-no-cudagraphs")(x)
 
 
 def _fits(cu, spec, cp) -> bool:

@@ -13,9 +13,8 @@ from ..comm.groups import agree, already_agreed, digest
 #: data from their tensors' values (the plan, the kernels' launch bounds and scratch sizes, the
 #: exchange's counts), so a captured call would replay the pack it was captured on, silently wrong
 #: for every other; the collective ops run their own streams and peers' signals, not checked under
-#: capture. Inductor's ``mode="reduce-overhead"`` captures the rest of the graph around them (its
-#: graph partitions) and runs them as they are (docs/cuda-graphs.md). Torch without the tag has
-#: no such partitions to keep them out of.
+#: capture. Inductor's graph partitions leave tagged ops out of its CUDA graphs and capture what lies
+#: between them (the backend still refuses CUDA graphs: docs/cuda-graphs.md).
 NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 

@@ -102,19 +102,16 @@ def fully_shard_llama(model: torch.nn.Module, mesh=None, dp_size: int = 1) -> No
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def compile_llama(
-    model: torch.nn.Module, backend, *, regional: bool = False, base: bool = False, mode: str | None = None
-) -> torch.nn.Module:
+def compile_llama(model: torch.nn.Module, backend, *, regional: bool = False, base: bool = False) -> torch.nn.Module:
     """``model`` compiled whole, or with ``regional`` each decoder layer on its own, as torchtitan
     compiles per block: the layers share one code object, so one graph serves every layer and the
     compile time does not grow with depth. Returns what to call: the ``LlamaForCausalLM``, or with
-    ``base`` its decoder stack ``model.model`` (for :func:`causal_lm_loss`). ``mode``: torch.compile's
-    (``"reduce-overhead"``: CUDA graphs, for packs of one capacity bucket)."""
+    ``base`` its decoder stack ``model.model`` (for :func:`causal_lm_loss`)."""
     target = model.model if base else model
     if not regional:
-        return torch.compile(target, backend=backend, dynamic=True, mode=mode)
+        return torch.compile(target, backend=backend, dynamic=True)
     for layer in model.model.layers:
-        layer.compile(backend=backend, dynamic=True, mode=mode)
+        layer.compile(backend=backend, dynamic=True)
     return target
 
 

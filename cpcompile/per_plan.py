@@ -11,8 +11,8 @@ every layer, and the GPU then waited for the host's metadata work
 A step can use several plans in turn: the ring attends over one key block per
 step (``k_start[src]``: a new view of the same plan every call), and ``auto``
 sizes cuDNN's backward before it may fall back to flash's. So a tensor is known
-by its memory (address, layout, version), not by its Python object, and an entry
-lives as long as its argument tensors (or the tensors they are views of) do: a
+by its storage and memory (address, layout, version), not by its Python object,
+and an entry lives as long as its argument tensors (or the tensors they are views of) do: a
 step's plans stay cached through all its layers, and go, with what was derived
 from them, when the step drops them. ``ENTRIES`` only bounds the cache. The cache is one
 for all threads: on CUDA the autograd engine runs the backward on a thread of its
@@ -51,14 +51,26 @@ ENTRIES = 64
 def _key(a):
     if not isinstance(a, torch.Tensor):
         return a
-    # Views of one storage share its version counter; an in-place change bumps it.
-    return (a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+    # Views of one storage share its version counter; an in-place change bumps it. The storage's
+    # identity tells apart another tensor over the same memory with a storage and version counter
+    # of its own (``torch.from_numpy`` of a refilled buffer), and is shared by views and detached
+    # aliases; an entry goes when its owner is freed, and a live owner keeps its storage.
+    return (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``t``'s memory: ``t``, or the tensor it is a view of."""
+    return t if t._base is None else t._base
 
 
 def token(t: torch.Tensor):
     """What :func:`per_plan` knows ``t`` by: its memory key, and a weak reference to the tensor
     that owns the memory (``t`` or the tensor it is a view of), for :func:`same_plan`."""
-    return _key(t), weakref.ref(t if t._base is None else t._base)
+    return _key(t), weakref.ref(_owner(t))
 
 
 def same_plan(known, t: torch.Tensor) -> bool:
@@ -89,7 +101,7 @@ class _Cache:
             with self.lock:
                 self.entries.pop(key, None)
 
-        owners = {id(t): t for t in (a if a._base is None else a._base for a in tensors)}  # a view's base
+        owners = {id(t): t for t in map(_owner, tensors)}
         with self.lock:
             self.entries[key] = ([weakref.ref(o, forget) for o in owners.values()], value)
             if self.bound is not None and len(self.entries) > self.bound:
@@ -97,12 +109,13 @@ class _Cache:
 
 
 def per_plan(fn):
-    """Memoize ``fn`` for its recent argument sets: tensors by memory and version, the rest by value.
+    """Memoize ``fn`` for its recent argument sets: tensors by storage, memory and version, the rest by value.
 
     An entry goes when an argument tensor (or the tensor it is a view of) is freed,
     so its memory is not reused while the entry exists. A tensor is assumed to
-    change only through itself or its views (which bump its version), not through
-    another alias of its memory (``torch.from_numpy``, say). Inference tensors have
+    change only through itself or its views (which bump its version); another tensor
+    over the same memory (``torch.from_numpy`` of a reused buffer) is another key,
+    but writes through it do not reach this tensor's version. Inference tensors have
     no version counter: calls with them are not cached. ``fn`` must not communicate:
     which entries a rank keeps depends on when it frees tensors, so ranks would not
     miss alike.
@@ -212,7 +225,7 @@ def _memory_key(t: torch.Tensor):
     # Inference tensors have no version counter: known by their memory alone, which holds
     # as long as nothing writes a plan tensor in place (nothing does).
     if t.is_inference():
-        return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
+        return (_storage(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
     return _key(t)
 
 

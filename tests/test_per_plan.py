@@ -161,3 +161,27 @@ def test_attached_values_go_with_their_tensor_and_its_uploads():
     attach(frozen, "inference tensors are known by their memory")
     assert attached(frozen) == "inference tensors are known by their memory"
     assert twin(frozen_dev) is None and attached(frozen_dev) is None
+
+
+def test_another_tensor_over_the_same_memory_is_another_plan():
+    """A loader that refills one buffer and wraps it anew (``torch.from_numpy``) hands over a new
+    tensor at the old address, its version counter at 0 again: per_plan must not take it for the
+    plan it cached, nor a twin lookup for the tensor uploaded before (``meta``: every upload at
+    address 0)."""
+    import numpy as np
+
+    calls = []
+
+    @per_plan
+    def total(t):
+        calls.append(1)
+        return int(t.sum())
+
+    buffer = np.array([0, 3, 8], dtype=np.int32)
+    first = torch.from_numpy(buffer)
+    assert total(first) == 11 and total(first.detach()) == 11 and len(calls) == 1  # an alias of it: the same
+    buffer[1] = 5
+    assert total(torch.from_numpy(buffer)) == 13 and len(calls) == 2
+    hosts = torch.tensor([0, 1, 2]), torch.tensor([0, 5, 9])
+    uploaded = [upload(h, "meta") for h in hosts]
+    assert [twin(u) is h for u, h in zip(uploaded, hosts)] == [True, True]

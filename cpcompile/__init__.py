@@ -18,7 +18,6 @@ from .strategy import Capacity, Strategy, StrategySpec, current_spec, current_st
 __all__ = [
     "AttentionPlan",
     "Capacity",
-    "capacity_for",
     "Config",
     "CostModel",
     "ShardedBatch",
@@ -27,6 +26,7 @@ __all__ = [
     "ag_gemm",
     "all_partition_indices",
     "backend",
+    "capacity_for",
     "choose_strategy",
     "cp_attention",
     "current_spec",

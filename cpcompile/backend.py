@@ -45,24 +45,31 @@ def _inner_backend(inner: str | Backend) -> Backend:
 def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = None, options: dict | None = None):
     """``torch.compile(..., mode=..., options=...)`` hands a custom backend its ``mode`` and
     ``options``: for inductor they become its config patches, as for ``backend="inductor"``; other
-    inner compilers take neither. CUDA graphs (``mode="reduce-overhead"``, ``triton.cudagraphs``)
-    are refused: cpcompile's ops are kept out of captures (``ops.common.NOT_CAPTURED``), but
-    inductor's graphs around them do not yet replay correctly (docs/cuda-graphs.md, issue 28)."""
-    if mode is None and options is None:
-        return compile_inner
+    inner compilers take neither. CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``,
+    ``triton.cudagraphs`` in ``options`` or in inductor's config) are refused: cpcompile's ops are
+    kept out of inductor's captures (``ops.common.NOT_CAPTURED``), but the graphs around them do not
+    yet replay correctly (docs/cuda-graphs.md, issue 28)."""
     if inner != "inductor":
-        raise ValueError(f"torch.compile's mode={mode!r} and options need inner='inductor', got inner={inner!r}")
-    from torch._inductor import list_mode_options
+        if mode is not None or options is not None:
+            raise ValueError(
+                f"torch.compile's mode={mode!r} and options={options!r} need inner='inductor', got inner={inner!r}: "
+                "use inner='inductor', or leave mode and options out"
+            )
+        return compile_inner
+    from torch._inductor import config, list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-    if patches.get("triton.cudagraphs"):
+    given = {key.replace("-", "_"): value for key, value in (options or {}).items()}  # as torch.compile reads them
+    patches = {**(list_mode_options(mode) if mode else {}), **given}
+    with config.patch(patches):
+        cudagraphs = config.triton.cudagraphs
+    if cudagraphs:
         raise ValueError(
-            f"torch.compile's mode={mode!r} with options={options!r} turns on CUDA graphs, which cpcompile's ops do "
-            "not support yet (docs/cuda-graphs.md); accepted: mode 'default', 'max-autotune-no-cudagraphs' or "
-            "None, and options without triton.cudagraphs"
+            f"CUDA graphs are on (torch.compile's mode={mode!r}, options={options!r}, or inductor's config "
+            "triton.cudagraphs), which cpcompile's ops do not support yet (docs/cuda-graphs.md); accepted: mode "
+            "'default', 'max-autotune-no-cudagraphs' or None, and options and config without triton.cudagraphs"
         )
-    return functools.partial(compile_fx, config_patches=patches)
+    return functools.partial(compile_fx, config_patches=patches) if patches else compile_inner
 
 
 def _guard_on_strategy() -> None:
@@ -109,7 +116,8 @@ def backend(
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``, except CUDA graphs
-    (``mode="reduce-overhead"``), refused with a ``ValueError`` for now (docs/cuda-graphs.md).
+    (``mode="reduce-overhead"``, ``triton.cudagraphs``), refused for now: the first call fails with
+    Dynamo's ``BackendCompilerFailed`` around a ``ValueError`` (docs/cuda-graphs.md).
 
     Example::
 

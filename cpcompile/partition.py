@@ -108,15 +108,23 @@ def capacity_for(packs: Iterable[torch.Tensor], *, cp_size: int, strategy: Strat
     its ``cu_seqlens``, ``[B + 1]``) under ``strategy`` at ``cp_size``: the most tokens a pack needs
     with the strategy's padding (a multiple of what the layout needs), and the most documents. A
     loader that sorts its packs into buckets ahead of training gives each bucket this capacity; every
-    pack of a bucket then runs one compiled graph (and one CUDA graph capture)."""
+    pack of a bucket then runs one compiled graph under ``dynamic=False``."""
     check_cp(cp_size)
-    spec = dataclasses.replace(layout_spec(strategy), capacity=None)
+    spec = resolve_strategy(strategy)
+    if spec.strategy is Strategy.AUTO:
+        raise ValueError(
+            "capacity_for needs the layout the bucket's packs will use, got strategy 'auto' (it picks one per "
+            "pack): pass that layout's strategy"
+        )
+    if spec.head_parallel > 1:
+        raise ValueError(f"capacity buckets are not supported with head_parallel={spec.head_parallel} yet")
+    spec = dataclasses.replace(spec, capacity=None)
     tokens = documents = 0
     for cu in packs:
         tokens = max(tokens, int(pad_for_cp(cu, cp_size=cp_size, strategy=spec)[-1]))
         documents = max(documents, cu.shape[0] - 1)
     if documents == 0:
-        raise ValueError("packs must hold at least one pack of at least one document")
+        raise ValueError("packs must hold at least one pack, got none")
     return Capacity(tokens, documents)
 
 

@@ -8,6 +8,8 @@ float64 single-device attention: ``tests/test_plan.py``'s simulated ranks.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -231,9 +233,9 @@ def test_every_op_is_kept_out_of_cuda_graphs():
     """Every cpcompile op carries torch's ``cudagraph_unsafe`` tag: the plan and attention ops read
     their tensors' values on the host (a captured call would replay the pack it was captured on),
     so inductor's graph partitions leave them out of any CUDA graph (docs/cuda-graphs.md)."""
-    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
-    if tag is None:
-        pytest.skip("this torch has no cudagraph_unsafe tag")
+    import cpcompile.ops.layout  # noqa: F401  (registered where balanced first lays out a pack)
+
+    tag = torch.Tag.cudagraph_unsafe
     packets = {n: getattr(torch.ops.cpcompile, n) for n in dir(torch.ops.cpcompile)}
     packets = {n: p for n, p in packets.items() if isinstance(p, torch._ops.OpOverloadPacket)}
     assert {"cp_plan", "cp_attention", "cp_attention_backward", "packed_attention", "ag_gemm"} <= set(packets)
@@ -244,11 +246,13 @@ def test_every_op_is_kept_out_of_cuda_graphs():
 class TorchCompileMode(FakeGroupTestCase):
     def test_mode_and_options_reach_inductor_cuda_graphs_are_refused(self):
         """``torch.compile(..., backend=cpcompile.backend(), mode=..., options=...)``: inductor gets
-        them as config patches; CUDA graphs are refused before anything runs; ``aot_eager`` takes
+        them as config patches (option names spelled with ``-`` too, as torch.compile takes them);
+        CUDA graphs, however turned on, are refused before anything runs; ``aot_eager`` takes
         neither."""
         from unittest import mock
 
         import torch._inductor.compile_fx as inductor
+        from torch._dynamo.exc import BackendCompilerFailed
 
         def f(x):
             return (x @ x.t()).relu().sum()
@@ -262,15 +266,21 @@ class TorchCompileMode(FakeGroupTestCase):
 
         with mock.patch.object(inductor, "compile_fx", recording):
             torch._dynamo.reset()
-            got = torch.compile(f, backend=cpcompile.backend(), options={"max_autotune_gemm": False})(x)
-        assert torch.allclose(got, f(x)) and seen[0] == {"max_autotune_gemm": False}  # then it calls itself
-        for kwargs in ({"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}):
+            got = torch.compile(f, backend=cpcompile.backend(), options={"max-autotune-gemm": False})(x)
+        assert torch.allclose(got, f(x)) and {"max_autotune_gemm": False} in seen, seen
+        refused = "CUDA graphs are on .* which cpcompile's ops do not support yet"
+        for kwargs in ({"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}, {}):
             torch._dynamo.reset()
-            with pytest.raises(Exception, match="turns on CUDA graphs, which cpcompile's ops do not support yet"):
+            on = (
+                contextlib.nullcontext()
+                if kwargs
+                else mock.patch.object(torch._inductor.config.triton, "cudagraphs", True)
+            )
+            with on, pytest.raises(BackendCompilerFailed, match=refused):
                 torch.compile(f, backend=cpcompile.backend(), **kwargs)(x)
         torch._dynamo.reset()
-        message = r"mode='max-autotune-no-cudagraphs' and options need inner='inductor', got inner='aot_eager'"
-        with pytest.raises(Exception, match=message):
+        message = r"mode='max-autotune-no-cudagraphs' and options=None need inner='inductor', got inner='aot_eager'"
+        with pytest.raises(BackendCompilerFailed, match=message):
             torch.compile(f, backend=cpcompile.backend(inner="aot_eager"), mode="max-autotune-no-cudagraphs")(x)
 
 
@@ -285,8 +295,8 @@ def _fits(cu, spec, cp) -> bool:
 
 @pytest.mark.parametrize("spec", STRATEGIES, ids=str)
 def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
-    """Every pack pads to ``capacity_for``'s capacity; one needs all its tokens, one all its documents;
-    a capacity a token or a document smaller refuses a pack."""
+    """Every pack pads to ``capacity_for``'s capacity; a capacity one padding multiple or one document
+    smaller refuses a pack; auto, head parallelism and no packs are refused."""
     cp = 4
     packs = [_cu(lengths) for lengths in ([5, 17, 1], [40], [3, 0, 9, 1, 1], [1])]
     capacity = cpcompile.capacity_for(packs, cp_size=cp, strategy=spec)
@@ -300,5 +310,13 @@ def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
     m, _ = padding_multiple(spec, cp)
     for smaller in (Capacity(capacity.tokens - m, 5), Capacity(capacity.tokens, 4)):
         assert not all(_fits(cu, _with(spec, smaller), cp) for cu in packs), smaller
-    with pytest.raises(ValueError, match="packs must hold at least one pack"):
+    with pytest.raises(ValueError, match="packs must hold at least one pack, got none"):
         cpcompile.capacity_for([], cp_size=cp, strategy=spec)
+    with pytest.raises(
+        ValueError, match="capacity_for needs the layout the bucket's packs will use, got strategy 'auto'"
+    ):
+        cpcompile.capacity_for(packs, cp_size=cp, strategy="auto")
+    with pytest.raises(ValueError, match="capacity buckets are not supported with head_parallel=2 yet"):
+        cpcompile.capacity_for(
+            packs, cp_size=cp, strategy=StrategySpec(spec.strategy, spec.stripe_size, head_parallel=2)
+        )

@@ -26,6 +26,7 @@ from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
 cphf = pytest.importorskip("cpcompile.integrations.hf")
+from cpcompile.testing.hf_llama import compile_llama  # noqa: E402  (needs transformers)
 
 TOLERANCE = 1e-4
 VOCAB = 48
@@ -93,13 +94,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
             ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
             return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
-        backend = cpcompile.backend(inner=inner)
-        if regional:
-            for layer in model.model.layers:
-                layer.compile(backend=backend, dynamic=True)
-            compiled = model
-        else:
-            compiled = torch.compile(model, backend=backend, dynamic=True)
+        compiled = compile_llama(model, cpcompile.backend(inner=inner), regional=regional)
         graphs_after_first = None
         for step, lengths in enumerate(PACKS):
             batch = flattened_batch(lengths, seed=step)
@@ -142,31 +137,20 @@ def test_compiled_head_parallel_training_matches_single_device():
 
 def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
     """Forward and backward of a Llama over ``packs`` random packs (1-12 documents of 1-24 tokens,
-    1-token documents included): each decoder layer compiled on its own runs one graph for all
-    layers and packs, the whole model compiles nothing after the first pack."""
+    1-token documents included), each decoder layer compiled on its own (as the README's GPU job
+    runs it): one graph for all layers and packs."""
     rng = random.Random(7)
     lengths = [[rng.choice([1, rng.randint(2, 24)]) for _ in range(rng.randint(1, 12))] for _ in range(packs)]
     assert len({sum(p) for p in lengths}) > 10 and len({len(p) for p in lengths}) > 5
-    for regional in (True, False):
-        model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
-        torch._dynamo.reset()
-        counters.clear()
-        backend = cpcompile.backend(inner="aot_eager")
-        if regional:
-            for layer in model.model.layers:
-                layer.compile(backend=backend, dynamic=True)
-            compiled = model
-        else:
-            compiled = torch.compile(model, backend=backend, dynamic=True)
-        for step, docs in enumerate(lengths):
-            inputs, sharded = cphf.shard_flattened_batch(flattened_batch(docs, seed=step), cp_size=world, rank=rank)
-            with cpcompile.strategy(sharded.spec):
-                compiled(**inputs).loss.backward()
-            if step == 0:
-                first = compiled_graphs()
-        assert compiled_graphs() == first, f"regional={regional}: {first} graphs after the first pack, then more"
-        if regional:
-            assert first == 1, first
+    model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_llama(model, cpcompile.backend(inner="aot_eager"), regional=True)
+    for step, docs in enumerate(lengths):
+        inputs, sharded = cphf.shard_flattened_batch(flattened_batch(docs, seed=step), cp_size=world, rank=rank)
+        with cpcompile.strategy(sharded.spec):
+            compiled(**inputs).loss.backward()
+    assert compiled_graphs() == 1, compiled_graphs()
 
 
 def test_one_graph_over_fifty_packs_of_varying_length_and_document_count():

@@ -14,8 +14,9 @@ from ..comm.groups import agree, already_agreed, digest
 #: exchange's counts), so a captured call would replay the pack it was captured on, silently wrong
 #: for every other; the collective ops run their own streams and peers' signals, not checked under
 #: capture. Inductor's graph partitions leave tagged ops out of its CUDA graphs and capture what lies
-#: between them (the backend still refuses CUDA graphs: docs/cuda-graphs.md).
-NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+#: between them (the backend still refuses them: docs/cuda-graphs.md); a capture made by hand
+#: (``torch.cuda.graph``) does not read tags.
+NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,)
 
 
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:

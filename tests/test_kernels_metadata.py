@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompile.kernels import Pieces, reference
+from cpcompile.kernels import KeyGrads, Pieces, reference, varlen
 from cpcompile.kernels.metadata import chunks, scratch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
@@ -172,3 +172,72 @@ def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
         results.append((out, *reference.backward(dout, q, k, v, out, lse, plan, **kw)))
     for whole, by_chunks in zip(*results):
         torch.testing.assert_close(by_chunks, whole, rtol=1e-12, atol=1e-12)
+
+
+def _in_place_backward_call(calls: list):
+    """A varlen backward call with FA4's contract for ``VarlenKernel``, on the reference kernel: entries
+    ``[cu_q[b], cu_q[b + 1])`` over keys ``[cu_k[b], cu_k[b + 1])``, or with ``seqused_q``/``seqused_k``
+    only their first rows and keys, written into ``dq``/``dk``/``dv`` (other rows left as they are).
+    It checks what the kernel needs: ``cu_k`` monotone, entries' used keys disjoint. Records each call."""
+
+    def call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
+        calls.append(rows)
+        used_q = rows.get("seqused_q", cu_q[1:] - cu_q[:-1])
+        used_k = rows.get("seqused_k", cu_k[1:] - cu_k[:-1])
+        assert bool((cu_k[1:] >= cu_k[:-1]).all()) and bool((cu_k[:-1] + used_k <= cu_k[1:]).all())
+        pieces = Pieces(cu_q, cu_k[:-1], torch.where(used_q > 0, used_k, 0))
+        dq, dk, dv = reference.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=scale, window=window)
+        if not rows:
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        q_rows = torch.repeat_interleave(used_q > 0, cu_q[1:] - cu_q[:-1], output_size=q.shape[0])
+        rows["dq"][q_rows] = dq[q_rows].to(q.dtype)
+        k_rows = scratch.keys_read(cu_k[:-1], torch.where(used_q > 0, used_k, 0), k.shape[0])
+        rows["dk"][k_rows], rows["dv"][k_rows] = dk[k_rows].to(k.dtype), dv[k_rows].to(v.dtype)
+        return rows["dq"], rows["dk"], rows["dv"]
+
+    return call
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, monkeypatch):
+    """A kernel whose backward takes used rows (FA4's) runs one call per layer of pieces over the keys in
+    place, and sums to the reference's gradients (float64), into new tensors or into ``KeyGrads``; rows
+    it leaves unwritten hold NaN (torch's fill of uninitialized memory), so reading one would show.
+    Pieces out of key order (shuffled ones) or in more layers than ``IN_PLACE_LAYERS`` take the copies."""
+    cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
+    if seed % 4 < 2:  # in key order, as plans make them
+        by_key = torch.sort(k_start, stable=True).indices
+        q_len = (cu_q[1:] - cu_q[:-1])[by_key]
+        cu_q, k_start, k_len = torch.cat([q_len.new_zeros(1), q_len.cumsum(0)]).int(), k_start[by_key], k_len[by_key]
+    if seed in (8, 9):  # one layer: the pieces of the first read their keys, the others none
+        k_len = torch.where(scratch.layers(k_start, k_len)[0] == 0, k_len, 0)
+    if seed % 3 == 0 or seed in (8, 9):  # only the keys that pieces read, as the sparse exchange brings them
+        read = scratch.keys_read(k_start, k_len, num_keys)
+        k_start = (read.cumsum(0) - 1).clamp(min=0)[k_start.long().clamp(max=num_keys - 1)].int()
+        num_keys = int(read.sum())
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(cu_q[-1]), 4, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(num_keys, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    p, kw = Pieces(cu_q, k_start, k_len), {"causal": True, "scale": 0.3}
+    out, lse = reference.forward(q, k, v, p, **kw)
+    want = reference.backward(dout, q, k, v, out, lse, p, **kw)
+    s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
+    assert s.ordered or seed % 4 >= 2
+    in_place = s.ordered and s.num_layers <= varlen.IN_PLACE_LAYERS
+    calls: list = []
+    kernel = varlen.VarlenKernel("test", None, _in_place_backward_call(calls), in_place_backward=True)
+    order = torch.randperm(num_keys, generator=g)
+    buffers = [torch.zeros(num_keys, 2, 8, dtype=torch.float64) for _ in range(2)]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # with this, torch.empty fills with NaN
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    try:
+        for grads, at in ((None, slice(None)), (KeyGrads(order, *buffers), order)):
+            calls.clear()
+            got = kernel.backward(dout, q, k, v, out, lse, p, grads=grads, **kw)
+            assert len(calls) == (s.num_layers if in_place else 1) and all(bool(c) == in_place for c in calls)
+            for name, a, b in zip(("dq", "dk", "dv"), got, (want[0], want[1][at], want[2][at]), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)

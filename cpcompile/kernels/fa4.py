@@ -3,8 +3,10 @@ kernel contract (``contract``), arranged as every flash-style varlen kernel is (
 
 FA4 is the fastest attention kernel on Hopper and Blackwell (docs/attention-kernels.md).
 Its forward reads each piece's keys in place (``cu_seqlens_k`` not monotone,
-``seqused_k``); its backward writes dK/dV per entry, which is wrong for pieces whose
-key ranges overlap or decrease, so it gets each piece's own copy of its keys
+``seqused_k``). Its backward writes dK/dV per entry, which is wrong for pieces whose
+key ranges overlap or decrease; it takes each entry's used rows (``seqused_q``,
+``seqused_k``) and output buffers, so it runs in place where the pieces form one layer
+of disjoint, increasing ranges, and on each piece's own copy of its keys otherwise
 (``varlen``). FA4 compiles each kernel variant on first use (seconds), keyed on
 dtypes, head dims, causality and tile sizes, not on token counts: packs of any
 size reuse it. It calls no host sync. Its functions are called inside cpcompile's
@@ -84,11 +86,11 @@ def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, sequ
     return out, lse
 
 
-def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window):
+def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
     kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
-    dq, dk, dv, *_ = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, **kw)
+    dq, dk, dv, *_ = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, **kw, **rows)
     return dq, dk, dv
 
 
-FA4 = VarlenKernel("fa4", _forward_call, _backward_call)
+FA4 = VarlenKernel("fa4", _forward_call, _backward_call, in_place_backward=True)
 forward, backward = FA4.forward, FA4.backward

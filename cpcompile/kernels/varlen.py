@@ -12,6 +12,17 @@ holds ``sum(k_len)`` rows: about ``T`` for dual_chunk_swap and no_load_balance,
 more for small stripes; its size is read on the host once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
 single-device attention), the backward is one plain call with no copies.
+
+A backward that takes each entry's used rows (``seqused_q``, ``seqused_k``) and
+output buffers (FA4's: ``in_place_backward``) copies no key either: the pieces fall
+into layers whose key ranges are disjoint and increasing (``metadata.scratch.layers``;
+one for no_load_balance and for balanced under a window, two for balanced and
+dual_chunk_swap), and one call per layer reads the keys in place, the other layers'
+pieces given no rows, writing dQ into one buffer and each layer's dK/dV into its own,
+which are then added (or, for one layer reading every key, kept as they are). Up to
+``IN_PLACE_LAYERS`` layers, more take the copies in one call: a second call's own pre-
+and postprocessing over every query and key row costs about what the copies save
+(docs/attention-kernels.md, "FlashAttention-4").
 """
 
 from __future__ import annotations
@@ -22,8 +33,11 @@ import torch
 
 from ..per_plan import per_plan
 from .contract import Pieces, check_options, gpu_window
-from .metadata.scratch import add_back_grads, place_grads, scratch_rows
+from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows
 from .triton import dead_rows
+
+#: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``).
+IN_PLACE_LAYERS = 1
 
 
 class ForwardCall(Protocol):
@@ -34,8 +48,13 @@ class ForwardCall(Protocol):
 
 
 class BackwardCall(Protocol):
-    def __call__(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window):
-        """The gradients ``(dq, dk, dv)`` of one plain varlen call (``cu_k`` monotone, entries disjoint)."""
+    def __call__(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, **rows
+    ):  # fmt: skip
+        """The gradients ``(dq, dk, dv)`` of one plain varlen call (``cu_k`` monotone, entries disjoint).
+        ``rows`` (an ``in_place_backward`` kernel's only): ``seqused_q``, ``seqused_k`` ``[B]`` int32,
+        each entry's used query rows and keys (``cu_k[b] + seqused_k[b] <= cu_k[b + 1]``), and
+        ``dq``, ``dk``, ``dv``, the buffers to write (rows outside the used ones are left as they are)."""
 
 
 @per_plan
@@ -49,8 +68,9 @@ class VarlenKernel:
     """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
     forward call and one varlen backward call (module docstring)."""
 
-    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall):
+    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, in_place_backward=False):
         self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
+        self._in_place = in_place_backward
 
     def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
@@ -84,6 +104,19 @@ class VarlenKernel:
             return dq, *place_grads(dk, dv, k_start, k_len, grads)
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
+        if self._in_place and scratch.ordered and scratch.num_layers <= IN_PLACE_LAYERS:
+            calls = layer_calls(cu_q, k_start, k_len, k.shape[0], scratch.num_layers)
+            n = k.shape[0]
+            dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
+            dks, dvs = (t.new_empty((scratch.num_layers * n + 1, *t.shape[1:])) for t in (k, v))
+            for i in range(scratch.num_layers):
+                rows = {"seqused_q": calls.used_q[i], "seqused_k": calls.used_k[i], "dq": dq}
+                rows |= {"dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+                call(dout, q, k, v, out, lse, cu_q, calls.cu_k[i], max_q, max_k, causal, scale, band, **rows)
+            dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
+            if scratch.num_layers == 1 and grads is None and scratch.live_read == n:
+                return dq, dks[:n], dvs[:n]  # each key's gradient is one piece's, written: nothing to add
+            return dq, *add_back_grads(dks, dvs, scratch, grads, calls.index)
         src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
         # each copy ends at its piece's last query, as the keys did: the band stays in place
         dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)

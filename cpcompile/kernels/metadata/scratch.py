@@ -15,6 +15,11 @@ float32, in layer order. On CUDA,
 several times faster than gathering every key once per layer or ``index_add_``
 layer by layer (docs/attention-kernels.md). Off CUDA or without Triton, torch gathers.
 
+A kernel whose backward takes each entry's used rows (``seqused_q``, ``seqused_k``: FA4's)
+needs no copies at all: one call per layer, each over the keys in place, with the other
+layers' pieces given no rows (:func:`layer_calls`), writes each layer's dK/dV to a buffer
+of its own, and those are added back the same way (one row per layer and key).
+
 The scratch holds ``sum(k_len)`` rows; that size and the layer count are read on
 the plan's host twins (``per_plan.twinned``; a host sync where it has none), once
 per plan (``per_plan``: every layer reuses the scratch, and ``auto`` its size for
@@ -52,6 +57,10 @@ class Scratch(NamedTuple):
     - ``max_q``, ``max_k``: the live pieces' longest query rows and key range.
     - ``piece_rows``: the query rows of the live piece a query row lies in, averaged over the
       rows (``sum(q_len^2) / sum(q_len)``): how long the pieces holding the work are.
+    - ``ordered``: the live pieces' key starts never fall in piece order (every plan's), so each
+      layer's ranges increase with the pieces, as a kernel reading them in place needs.
+    - ``live_read``: the keys that live pieces read (``num_read`` less those read only by
+      pieces without query rows).
     """
 
     cu: torch.Tensor
@@ -63,10 +72,16 @@ class Scratch(NamedTuple):
     max_q: int
     max_k: int
     piece_rows: int
+    ordered: bool
+    live_read: int
 
     @property
     def rows(self) -> int:
         return self.src.shape[0] - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.index.shape[0]
 
 
 def layers(k_start: torch.Tensor, k_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +129,11 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     sizes = [is_live.sum(), torch.cat([none, live_q]).max(), torch.cat([none, k_len]).max(), k_len.sum()]
     sizes += [torch.cat([none, layer]).max() + 1, read.sum()]
     sizes += [(live_q * live_q).sum() // live_q.sum().clamp(min=1), proper.long()]
-    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper = torch.stack(sizes).tolist()  # the sync
+    live_start = torch.where(is_live, k_start.long(), -1)
+    risen = torch.cat([live_start.new_full((1,), -1), live_start.cummax(0).values[:-1]])  # the starts before
+    sizes += [(~is_live | (live_start >= risen)).all().long(), keys_read(k_start, k_len, num_keys).sum()]
+    sizes = torch.stack(sizes).tolist()  # the sync
+    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper, ordered, live_read = sizes
     if not proper:
         raise ValueError(
             "pieces' key ranges, sorted by start, must have non-decreasing ends (document prefixes, or "
@@ -126,13 +145,67 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     src = k_start.long()[piece] + row - cu[:-1].long()[piece]
     index = torch.full((num_layers, num_keys), rows, dtype=torch.int64, device=device)
     index[layer[piece], src] = row  # one writer per (layer, key)
-    return Scratch(cu, torch.cat([src, src.new_zeros(1)]), index, live, read, num_read, max_q, max_k, piece_rows)
+    return Scratch(
+        cu, torch.cat([src, src.new_zeros(1)]), index, live, read, num_read, max_q, max_k, piece_rows, bool(ordered),
+        live_read,
+    )  # fmt: skip
+
+
+class LayerCalls(NamedTuple):
+    """One backward call per layer (:func:`layers`) of ``P`` pieces over ``Tk`` keys in place, ``L`` layers.
+
+    - ``cu_k``: ``[L, P + 1]`` int32, per layer each piece's first key: the layer's pieces'
+      own, the others' set where the layer's ranges before them end, so that every row
+      is non-decreasing and each entry's ``[cu_k, cu_k + used_k)`` ends before the next begins.
+    - ``used_q``, ``used_k``: ``[L, P]`` int32, per layer the query rows and keys of each
+      piece: its own in its layer, 0 elsewhere (and 0 for pieces without query rows).
+    - ``index``: ``[L, Tk]`` int64, per layer, the row of the layers' stacked gradients
+      (``[L Tk + 1]``, layer ``l``'s rows ``[l Tk, (l + 1) Tk)``) holding each key's
+      partial gradient, ``L Tk`` (the spare row) where no piece of the layer reads the key.
+    """
+
+    cu_k: torch.Tensor
+    used_q: torch.Tensor
+    used_k: torch.Tensor
+    index: torch.Tensor
+
+
+@per_plan
+@twinned
+def layer_calls(
+    cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int, num_layers: int
+) -> LayerCalls:
+    """:class:`LayerCalls` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of
+    ``num_keys`` in ``num_layers`` layers (``Scratch.num_layers``), whose live pieces' starts never
+    fall (``Scratch.ordered``); once per plan, on the host twins where the plan has them. No sync."""
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    k_len = torch.where(q_len > 0, k_len.long(), 0)
+    layer, _ = layers(k_start, k_len)
+    start, end = k_start.long(), k_start.long() + k_len
+    mine = (layer == torch.arange(num_layers, device=layer.device)[:, None]) & (k_len > 0)  # [L, P]
+    # each layer's ranges increase with the pieces: where they have ended so far, for the others
+    ended = torch.where(mine, end, 0).cummax(1).values
+    before = torch.cat([ended.new_zeros(num_layers, 1), ended[:, :-1]], 1)
+    cu_k = torch.cat([torch.where(mine, start, before), ended.new_full((num_layers, 1), num_keys)], 1)
+    used_k = torch.where(mine, k_len, 0)
+    reads = torch.stack([keys_read(k_start, n, num_keys) for n in used_k])  # [L, Tk]
+    key = torch.arange(num_keys, device=layer.device)
+    rows = torch.arange(num_layers, device=layer.device)[:, None] * num_keys + key
+    index = torch.where(reads, rows, num_layers * num_keys)
+    return LayerCalls(cu_k.int(), torch.where(mine, q_len, 0).int(), used_k.int(), index)
 
 
 def add_back(
-    partial: torch.Tensor, scratch: Scratch, key_order: torch.Tensor | None = None, out: torch.Tensor | None = None
+    partial: torch.Tensor,
+    scratch: Scratch,
+    key_order: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``partial [rows + 1, H, D]`` per-scratch-row gradients -> ``[Tk, H, D]`` float32 sums.
+
+    ``index``: the rows of ``partial`` per layer and key to sum instead of the scratch's
+    (``LayerCalls.index``); either way the last row of ``partial`` is the spare one.
 
     Row ``i`` sums key ``key_order[i]`` (``[Tk]`` int64, default: key ``i``), written
     there directly: the index is reordered once per plan, not the sums. With ``out``
@@ -144,17 +217,19 @@ def add_back(
     Deterministic: each key's rows are added in layer order. The torch way zeroes
     the spare row ``partial[rows]`` and reads it where a layer has no row.
     """
-    index = scratch.index if key_order is None else _columns(scratch.index, key_order)
+    index = scratch.index if index is None else index
+    index = index if key_order is None else _columns(index, key_order)
     rows = None if out is None else _rows(scratch.read, key_order, scratch.num_read)
-    return sum_layers(partial, index, scratch.rows, out, rows)
+    return sum_layers(partial, index, partial.shape[0] - 1, out, rows)
 
 
 def add_back_grads(
-    dk: torch.Tensor, dv: torch.Tensor, scratch: Scratch, grads: KeyGrads | None = None
+    dk: torch.Tensor, dv: torch.Tensor, scratch: Scratch, grads: KeyGrads | None = None, index=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_back` of per-scratch-row dK and dV, in the order and buffers ``grads`` asks for."""
+    """:func:`add_back` of per-scratch-row (or with ``index``, per-layer) dK and dV, in the order and
+    buffers ``grads`` asks for."""
     order, dk_out, dv_out = _destination(grads)
-    return add_back(dk, scratch, order, dk_out), add_back(dv, scratch, order, dv_out)
+    return add_back(dk, scratch, order, dk_out, index), add_back(dv, scratch, order, dv_out, index)
 
 
 def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None) -> torch.Tensor:

@@ -126,6 +126,12 @@ def test_compiled_cp_training_matches_single_device():
     run_ranks(_check_cp_training, 2, ["llama", "qwen2", "qwen2_sliding"])
 
 
+def test_alternating_windows_train_exactly_under_balanced_told_them():
+    """balanced told each layer's window (``layer_windows``: the sliding layer's 3, the global one's -1)."""
+    windows = cphf.layer_windows(tiny_model("qwen2_sliding", "eager").config)
+    run_ranks(_check_cp_training, 2, ["qwen2_sliding"], False, cpcompile.StrategySpec("balanced", windows=windows))
+
+
 def test_regionally_compiled_cp_training_matches_single_device():
     run_ranks(_check_cp_training, 2, ["llama"], True)
 
@@ -180,6 +186,20 @@ def test_sliding_layers_get_their_window():
         want = torch.cat([reference(input_ids=batch["input_ids"][:, a:b]).logits[0] for a, b in zip(cu, cu[1:])])
         error = relative_error(got, want)
         assert error < TOLERANCE if name == "windowed" else error > 100 * TOLERANCE, (name, error)
+
+
+def test_layer_windows_follow_the_config():
+    """Each layer's window as balanced takes them: alternating models by ``layer_types``, Mistral-like
+    ones (no ``layer_types``) on every layer, none for models without windows."""
+    assert cphf.layer_windows(tiny_model("qwen2_sliding", "eager").config) == (3, -1)
+    assert cphf.layer_windows(tiny_model("qwen2", "eager").config) == ()
+    assert cphf.layer_windows(tiny_model("llama", "eager").config) == ()
+    mistral = transformers.MistralConfig(num_hidden_layers=3, sliding_window=32)
+    assert cphf.layer_windows(mistral) == (31, 31, 31)
+    gemma = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=16)
+    assert cphf.layer_windows(gemma) == (15,) * 5 + (-1,)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1, got 0"):
+        cphf.layer_windows(transformers.MistralConfig(num_hidden_layers=1, sliding_window=0))
 
 
 def test_shift_labels_stay_inside_documents():

@@ -141,6 +141,25 @@ def hf_window(sliding_window: object, causal: bool, layer: str = "attention") ->
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
+def layer_windows(config: object) -> tuple[int, ...]:
+    """Every layer's window as ``StrategySpec("balanced", windows=...)`` takes them, from a transformers
+    config: ``sliding_window - 1`` (:func:`hf_window`'s left side) for a sliding layer, -1 for a global
+    one; ``()`` for a model without windows, whose balance counts causal work.
+
+    A config with ``layer_types`` (Gemma 2/3, GPT-OSS, Qwen2 and the other alternating models of
+    transformers 5) gives the window to its ``"sliding_attention"`` layers; one without (Mistral)
+    gives ``sliding_window`` to every layer, where it is set.
+    """
+    sliding = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if sliding is None or (kinds is not None and "sliding_attention" not in kinds):
+        return ()
+    left = hf_window(sliding, True, f"{type(config).__name__}")[0]
+    if kinds is None:
+        return (left,) * int(config.num_hidden_layers)
+    return tuple(left if kind == "sliding_attention" else -1 for kind in kinds)
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpcompile_attention_forward)
 
 

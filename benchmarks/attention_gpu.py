@@ -78,8 +78,9 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
 def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
-    rank reads, dK/dV for those alone; else over all the keys (all-gathered), the backward
-    writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
+    rank reads, dK/dV for those alone, into float32 buffers as the exchange's backward passes
+    them; else over all the keys (all-gathered), the backward writing dK/dV sums in the
+    all-gather's order into the buffers the reduce-scatter reads."""
     k_start, k_len, _ = window_keys(*plan[1:], window)  # (w, 0): bottom-right aligned, no positions
     kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window}
     bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
@@ -87,8 +88,9 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
         k, v = k[read.rows], v[read.rows]
         pieces = kernels.Pieces(plan.cu_q, read.k_start, k_len, **bounds)
 
-        def sums():
-            return {"pack_keys": plan.gather_index.shape[0]}
+        def sums():  # float32 buffers of the keys read, as the exchange's backward gives the kernel
+            dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+            return {"pack_keys": plan.gather_index.shape[0], "grads": kernels.KeyGrads(dk=dk, dv=dv)}
     else:
         pieces = kernels.Pieces(plan.cu_q, k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)

@@ -198,6 +198,8 @@ def test_layer_windows_follow_the_config():
     assert cphf.layer_windows(mistral) == (31, 31, 31)
     gemma = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=16)
     assert cphf.layer_windows(gemma) == (15,) * 5 + (-1,)
+    multimodal = transformers.Gemma3Config(text_config={"num_hidden_layers": 6, "sliding_window": 16})
+    assert cphf.layer_windows(multimodal) == (15,) * 5 + (-1,)
     with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1, got 0"):
         cphf.layer_windows(transformers.MistralConfig(num_hidden_layers=1, sliding_window=0))
 

@@ -198,20 +198,24 @@ def _in_place_backward_call(calls: list):
     return call
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, monkeypatch):
+@pytest.mark.parametrize("in_place_layers", [1, 16])
+@pytest.mark.parametrize("seed", range(16))
+def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, in_place_layers, monkeypatch):
     """A kernel whose backward takes used rows (FA4's) runs one call per layer of pieces over the keys in
     place, and sums to the reference's gradients (float64), into new tensors or into ``KeyGrads``; rows
     it leaves unwritten hold NaN (torch's fill of uninitialized memory), so reading one would show.
-    Pieces out of key order (shuffled ones) or in more layers than ``IN_PLACE_LAYERS`` take the copies."""
+    Pieces out of key order (shuffled), in more layers than ``IN_PLACE_LAYERS``, or leaving more keys
+    unread than they copy take the copies. Cases: in key order or shuffled, one layer or several, all
+    the keys or only those read (as the exchange brings them)."""
+    monkeypatch.setattr(varlen, "IN_PLACE_LAYERS", in_place_layers)
     cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
     if seed % 4 < 2:  # in key order, as plans make them
         by_key = torch.sort(k_start, stable=True).indices
         q_len = (cu_q[1:] - cu_q[:-1])[by_key]
         cu_q, k_start, k_len = torch.cat([q_len.new_zeros(1), q_len.cumsum(0)]).int(), k_start[by_key], k_len[by_key]
-    if seed in (8, 9):  # one layer: the pieces of the first read their keys, the others none
+    if seed % 8 >= 4:  # one layer: the pieces of the first read their keys, the others none
         k_len = torch.where(scratch.layers(k_start, k_len)[0] == 0, k_len, 0)
-    if seed % 3 == 0 or seed in (8, 9):  # only the keys that pieces read, as the sparse exchange brings them
+    if seed % 3 == 0:  # only the keys that pieces read, as the sparse exchange brings them
         read = scratch.keys_read(k_start, k_len, num_keys)
         k_start = (read.cumsum(0) - 1).clamp(min=0)[k_start.long().clamp(max=num_keys - 1)].int()
         num_keys = int(read.sum())
@@ -224,7 +228,8 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
     want = reference.backward(dout, q, k, v, out, lse, p, **kw)
     s = scratch.scratch_rows(cu_q, k_start, k_len, num_keys)
     assert s.ordered or seed % 4 >= 2
-    in_place = s.ordered and s.num_layers <= varlen.IN_PLACE_LAYERS
+    few_unread = num_keys - s.live_read <= s.rows
+    in_place = s.ordered and s.num_layers <= in_place_layers and few_unread
     calls: list = []
     kernel = varlen.VarlenKernel("test", None, _in_place_backward_call(calls), in_place_backward=True)
     order = torch.randperm(num_keys, generator=g)
@@ -237,6 +242,9 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
             calls.clear()
             got = kernel.backward(dout, q, k, v, out, lse, p, grads=grads, **kw)
             assert len(calls) == (s.num_layers if in_place else 1) and all(bool(c) == in_place for c in calls)
+            # the kernel's own dK (a view of its layers' buffer) only where one layer reads every key
+            kept = in_place and s.num_layers == 1 and grads is None and s.live_read == num_keys
+            assert (got[1]._base is not None) == kept
             for name, a, b in zip(("dq", "dk", "dv"), got, (want[0], want[1][at], want[2][at]), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
     finally:

@@ -148,13 +148,15 @@ def layer_windows(config: object) -> tuple[int, ...]:
 
     A config with ``layer_types`` (Gemma 2/3, GPT-OSS, Qwen2 and the other alternating models of
     transformers 5) gives the window to its ``"sliding_attention"`` layers; one without (Mistral)
-    gives ``sliding_window`` to every layer, where it is set.
+    gives ``sliding_window`` to every layer, where it is set. A multimodal config's text config
+    (``get_text_config``) holds them.
     """
+    config = config.get_text_config(decoder=True)  # a multimodal model's: its language model's
     sliding = getattr(config, "sliding_window", None)
     kinds = getattr(config, "layer_types", None)
     if sliding is None or (kinds is not None and "sliding_attention" not in kinds):
         return ()
-    left = hf_window(sliding, True, f"{type(config).__name__}")[0]
+    left = hf_window(sliding, True, type(config).__name__)[0]
     if kinds is None:
         return (left,) * int(config.num_hidden_layers)
     return tuple(left if kind == "sliding_attention" else -1 for kind in kinds)

@@ -210,7 +210,8 @@ class AttentionKernel(Protocol):
         Returns:
             ``dq`` ``[Tq, Hq, D]`` in ``q``'s dtype (0 for rows that see no key); ``dk``,
             ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
-            over all pieces (with ``disjoint_keys``, where there is nothing to add, they
-            may come in ``k``'s dtype), or ``grads``' buffers.
+            over all pieces (where each key's gradient is one piece's, so there is nothing
+            to add, they may come in ``k``'s dtype: ``disjoint_keys``, or pieces whose key
+            ranges are disjoint and cover every key), or ``grads``' buffers.
         """
         ...

@@ -19,10 +19,12 @@ into layers whose key ranges are disjoint and increasing (``metadata.scratch.lay
 one for no_load_balance and for balanced under a window, two for balanced and
 dual_chunk_swap), and one call per layer reads the keys in place, the other layers'
 pieces given no rows, writing dQ into one buffer and each layer's dK/dV into its own,
-which are then added (or, for one layer reading every key, kept as they are). Up to
-``IN_PLACE_LAYERS`` layers, more take the copies in one call: a second call's own pre-
-and postprocessing over every query and key row costs about what the copies save
-(docs/attention-kernels.md, "FlashAttention-4").
+which are then added into the caller's buffers (``KeyGrads``, as the CP ops pass them),
+or kept as they are where there are none and one layer reads every key. Up to
+``IN_PLACE_LAYERS`` layers, and where the keys no piece reads are fewer than the copies
+(the kernel's accumulators span every key); else the copies, in one call. Two layers
+in turn, or side by side, measured slower than the copies (docs/attention-kernels.md,
+"FlashAttention-4").
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class VarlenKernel:
     """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
     forward call and one varlen backward call (module docstring)."""
 
-    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, in_place_backward=False):
+    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, *, in_place_backward=False):
         self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
         self._in_place = in_place_backward
 
@@ -104,9 +106,13 @@ class VarlenKernel:
             return dq, *place_grads(dk, dv, k_start, k_len, grads)
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
-        if self._in_place and scratch.ordered and scratch.num_layers <= IN_PLACE_LAYERS:
-            calls = layer_calls(cu_q, k_start, k_len, k.shape[0], scratch.num_layers)
-            n = k.shape[0]
+        n = k.shape[0]
+        # in place, the kernel's float32 dK/dV accumulators span every key, read or not; copied,
+        # only the copies: take the copies where they are fewer than the keys no piece reads
+        # (an all-gather's rank reading a small part of the pack)
+        few_unread = n - scratch.live_read <= scratch.rows
+        if self._in_place and scratch.ordered and scratch.num_layers <= IN_PLACE_LAYERS and few_unread:
+            calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers)
             dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
             dks, dvs = (t.new_empty((scratch.num_layers * n + 1, *t.shape[1:])) for t in (k, v))
             for i in range(scratch.num_layers):

@@ -42,8 +42,9 @@ none). So its ``pieces``, ``short_cuts`` are its group's, and ``pairs``, ``tiles
 the rank's own (projections and MLP see them alone), and ``keys_read``/``keys_remote``
 are the group's keys and those of them other groups hold.
 
-``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost)
-and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
+``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost; with
+the model's layer windows, ``StrategySpec.windows``, its cost summed over the layers, each
+under its window) and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
 no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced,
 compared as sequence CP; the pick keeps the requested ``head_parallel``
 (:func:`resolve_auto`). ``auto`` never changes ``head_parallel`` itself: the cost above
@@ -242,14 +243,19 @@ def choose_strategy(
     cp_size: int,
     model: CostModel | None = None,
     candidates: tuple[StrategySpec, ...] | None = None,
+    windows: tuple[int, ...] = (),
 ) -> StrategySpec:
     """The ``auto`` rule: the candidate with the lowest predicted step; ties go to the earlier one.
 
-    A pure function of ``(cu_seqlens, cp_size, model)``: every rank gets the same answer.
+    A pure function of ``(cu_seqlens, cp_size, model, windows)``: every rank gets the same answer.
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
         candidates: concrete specs to choose from (default :func:`auto_candidates`).
+        windows: the model's layers' sliding windows (``StrategySpec.windows``; ``()``: one layer
+            as ``model`` counts it). A candidate's step is then its slowest rank's cost summed over
+            those layers, each counted under its window (``model.window`` replaced), and
+            ``balanced`` candidates are told them.
     Returns:
         The chosen :class:`cpcompile.StrategySpec`. ``python -m cpcompile.advise`` prints the
         predictions behind it for a whole length distribution.
@@ -257,18 +263,38 @@ def choose_strategy(
     check_cp(cp_size)
     model = CostModel() if model is None else model
     candidates = check_candidates(auto_candidates(model) if candidates is None else candidates)
-    steps = [predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=c, model=model).step for c in candidates]
+    if windows:  # balanced told the windows (which StrategySpec checks)
+        told = [
+            dataclasses.replace(c, windows=tuple(windows)) if c.strategy is Strategy.BALANCED else c for c in candidates
+        ]
+        candidates = tuple(told)
+    steps = [_step(cu_seqlens, cp_size, c, model, tuple(windows)) for c in candidates]
     return candidates[steps.index(min(steps))]
+
+
+def _step(
+    cu_seqlens: torch.Tensor, cp_size: int, spec: StrategySpec, model: CostModel, windows: tuple[int, ...]
+) -> int:
+    """``spec``'s predicted step: its slowest rank's cost under ``model``, or with ``windows`` summed
+    over the layers, each under its window (a window occurring ``m`` times counted once, ``m``-fold)."""
+    if not windows:
+        return predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=model).step
+    total = torch.zeros(cp_size, dtype=torch.long)
+    for w in sorted(set(windows)):  # integer sums: their order does not matter
+        layer = dataclasses.replace(model, window=w)
+        total += windows.count(w) * predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=layer).cost
+    return int(total.max())
 
 
 def resolve_auto(
     spec: StrategySpec, cu_seqlens: torch.Tensor, *, cp_size: int, model: CostModel | None = None
 ) -> StrategySpec:
-    """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks,
-    keeping the requested ``comm`` and ``head_parallel`` (the layout choice does not change how
-    K/V travel). The layouts are compared as sequence CP (``head_parallel`` 1), whatever was
-    requested: the plan ops, which get only the layout's name, resolve ``auto`` alike."""
+    """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks under the
+    spec's ``windows``, keeping the requested ``comm`` and ``head_parallel`` (the layout choice
+    does not change how K/V travel). The layouts are compared as sequence CP (``head_parallel``
+    1), whatever was requested: the plan ops, which get only the layout's name and the windows,
+    resolve ``auto`` alike."""
     if spec.strategy is not Strategy.AUTO:
         return spec
-    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model)
+    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model, windows=spec.windows)
     return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel, capacity=spec.capacity)

@@ -85,11 +85,13 @@ class StrategySpec:
     unused); ``1 < u < cp`` the hybrid (``cpcompile.ops.hybrid``: heads inside groups of ``u``
     consecutive ranks, the all-gather between the groups).
 
-    ``windows`` (``balanced`` only): the model's attention layers' sliding windows, the left side
-    of each layer's ``window_size=(w, 0)``, -1 for a global (causal) layer, e.g. ``(4096,)`` for a
-    model windowed throughout, ``(1024, 1024, 1024, 1024, 1024, -1)`` for Gemma 3's pattern:
-    ``balanced`` then evens the work of those layers together (a window caps each query's keys).
-    ``()``: every layer causal. It changes the layout, so loader and attention must share it.
+    ``windows`` (``balanced`` and ``auto``): the model's attention layers' sliding windows, the left
+    side of each layer's ``window_size=(w, 0)``, -1 for a global (causal) layer, e.g. ``(4096,)``
+    for a model windowed throughout, ``(1024, 1024, 1024, 1024, 1024, -1)`` for Gemma 3's pattern:
+    ``balanced`` then evens the work of those layers together (a window caps each query's keys),
+    and ``auto`` weighs every candidate's work under them (``cost.choose_strategy``), telling
+    ``balanced`` them where it picks it. ``()``: every layer causal. It changes the layout, so
+    loader and attention must share it.
 
     ``capacity`` (:class:`Capacity`, or a ``(tokens, documents)`` pair; ``head_parallel=1``):
     every pack padded to one shape. The layout's padding then ends at ``capacity.tokens`` (the
@@ -124,10 +126,10 @@ class StrategySpec:
         ):
             raise ValueError(f"windows must be a tuple of ints >= -1 (-1: a global layer), got {windows!r}")
         object.__setattr__(self, "windows", tuple(windows))
-        if windows and (self.strategy is not Strategy.BALANCED or u != 1):
+        if windows and (self.strategy not in (Strategy.BALANCED, Strategy.AUTO) or u != 1):
             raise ValueError(
-                f"windows={tuple(windows)} only applies to strategy 'balanced' with head_parallel=1, not "
-                f"{self.strategy.value!r} with head_parallel={u}"
+                f"windows={tuple(windows)} only applies to strategies 'balanced' and 'auto' with head_parallel=1, "
+                f"not {self.strategy.value!r} with head_parallel={u}"
             )
         if self.capacity is not None:
             object.__setattr__(self, "capacity", _capacity(self.capacity))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost import CostModel, predict_rank_costs
+from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs, resolve_auto
 from cpcompile.window import check_window, resolve_window, window_keys
 from tests.fixtures import LAYOUT_SPECS, attention_case, cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error, window_mask
@@ -72,10 +72,13 @@ def test_window_keys_are_the_union_of_the_rows_windows(lengths, cp, spec, left, 
                 assert int(q_pos[p]) == idx[a]
 
 
-def test_windows_go_with_balanced_alone():
+def test_windows_go_with_balanced_and_auto_alone():
     assert StrategySpec("balanced", windows=[4, -1]).windows == (4, -1)
-    with pytest.raises(ValueError, match=r"windows=\(4,\) only applies to strategy 'balanced'"):
+    assert StrategySpec("auto", windows=(4,)).windows == (4,)
+    with pytest.raises(ValueError, match=r"windows=\(4,\) only applies to strategies 'balanced' and 'auto'"):
         StrategySpec("no_load_balance", windows=(4,))
+    with pytest.raises(ValueError, match=r"with head_parallel=1, not 'auto' with head_parallel=2"):
+        StrategySpec("auto", windows=(4,), head_parallel=2)
     with pytest.raises(ValueError, match=r"windows must be a tuple of ints >= -1 \(-1: a global layer\), got \(-3,\)"):
         StrategySpec("balanced", windows=(-3,))
 
@@ -88,6 +91,40 @@ def test_windowed_balanced_layout_holds_every_position_once(lengths, cp, windows
     layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
     assert sorted(layout.reshape(-1).tolist()) == list(range(int(padded[-1])))
     assert bool((layout.diff(dim=1) > 0).all())  # each rank's positions ascending
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=pack_lengths_st, cp=st.sampled_from([2, 3, 4]), windows=st.lists(SIDES, min_size=1, max_size=3))
+def test_auto_weighs_the_layers_windows(lengths, cp, windows):
+    """``auto`` told the layers' windows picks the candidate whose slowest rank's cost, summed over the
+    layers each under its window, is least (brute force over the candidates, balanced told the
+    windows), keeps the windows where it picks balanced, and every plan resolves it alike."""
+    windows = tuple(windows)
+    cu = cu_seqlens(lengths)
+    candidates = [
+        StrategySpec(c.strategy, c.stripe_size, windows=windows if c.strategy is Strategy.BALANCED else ())
+        for c in auto_candidates()
+    ]
+
+    def step(spec):
+        per_layer = [predict_rank_costs(cu, cp_size=cp, strategy=spec, model=CostModel(window=w)).cost for w in windows]
+        return int(torch.stack(per_layer).sum(0).max())
+
+    steps = [step(c) for c in candidates]
+    want = candidates[steps.index(min(steps))]
+    spec = StrategySpec("auto", windows=windows)
+    got = resolve_auto(spec, cu, cp_size=cp)
+    assert got == want and got.windows == (windows if got.strategy is Strategy.BALANCED else ())
+    assert choose_strategy(cu, cp_size=cp, windows=windows) == want
+    # the plan ops resolve it alike: the same pieces, then the empty slots auto's piece count leaves
+    resolved = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
+    direct = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=want)
+    p = direct.k_start.shape[0]
+    assert torch.equal(resolved.gather_index, direct.gather_index) and torch.equal(resolved.cu_q[: p + 1], direct.cu_q)
+    for a, b in zip(resolved[2:], direct[2:], strict=True):
+        assert torch.equal(a[:p], b)
+    assert not resolved.k_len_causal[p:].any() and not resolved.k_len_full[p:].any()
+    assert bool((resolved.cu_q[p:] == direct.cu_q[-1]).all())
 
 
 def test_balanced_evens_windowed_work():

@@ -414,7 +414,7 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
         "dtype": str(q.dtype),
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,
-        "windows (balanced)": spec.windows,
+        "windows": spec.windows,
         "capacity": spec.capacity,
         "comm": comm,
         "head_parallel": spec.head_parallel,

@@ -76,15 +76,19 @@ def shard_batch(
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
         pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
         device: where the step runs (default: where the inputs are).
-        strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.choose_strategy`)
-            and ``ShardedBatch.spec`` holds the strategy it picked.
+        strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.cost.resolve_auto`:
+            under the spec's ``windows``) and ``ShardedBatch.spec`` holds the strategy it picked.
     """
     check_cp(cp_size, rank)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
-    # auto: the strategy picked for this batch, recorded in the result for attention to use
-    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
+    requested = resolve_strategy(strategy)
+    if requested.capacity is not None:  # zero-length documents after the last: one shape for the bucket
+        cu_seqlens = _to_documents(cu_seqlens, requested.capacity)
+    # auto: the strategy picked for this batch, recorded in the result for attention to use; picked
+    # from the documents the plan ops see (ShardedBatch.cu_seqlens), which resolve it alike from them
+    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
     unknown = set(pad_values or {}) - set(tensors)
     if unknown:
@@ -96,8 +100,6 @@ def shard_batch(
         if num_real is not None and t.shape[0] != num_real:
             raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
 
-    if spec.capacity is not None:  # zero-length documents after the last: one shape for the bucket
-        cu_seqlens = _to_documents(cu_seqlens, spec.capacity)
     cu_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     num_padded = int(cu_padded[-1])
     indices = partition_indices(cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded)

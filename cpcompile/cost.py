@@ -43,8 +43,8 @@ the rank's own (projections and MLP see them alone), and ``keys_read``/``keys_re
 are the group's keys and those of them other groups hold.
 
 ``auto`` rule: evaluate every candidate's predicted step (the slowest rank's cost; with
-the model's layer windows, ``StrategySpec.windows``, its cost summed over the layers, each
-under its window) and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
+the model's layer windows, ``StrategySpec.windows``, the sum over the layers of each layer's
+slowest rank under its window) and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
 no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced,
 compared as sequence CP; the pick keeps the requested ``head_parallel``
 (:func:`resolve_auto`). ``auto`` never changes ``head_parallel`` itself: the cost above
@@ -253,9 +253,9 @@ def choose_strategy(
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
         candidates: concrete specs to choose from (default :func:`auto_candidates`).
         windows: the model's layers' sliding windows (``StrategySpec.windows``; ``()``: one layer
-            as ``model`` counts it). A candidate's step is then its slowest rank's cost summed over
-            those layers, each counted under its window (``model.window`` replaced), and
-            ``balanced`` candidates are told them.
+            as ``model`` counts it). A candidate's step is then the sum over those layers of each
+            layer's slowest rank, counted under its window (``model.window`` replaced), and
+            ``balanced`` candidates (with ``head_parallel`` 1) are told them.
     Returns:
         The chosen :class:`cpcompile.StrategySpec`. ``python -m cpcompile.advise`` prints the
         predictions behind it for a whole length distribution.
@@ -263,11 +263,9 @@ def choose_strategy(
     check_cp(cp_size)
     model = CostModel() if model is None else model
     candidates = check_candidates(auto_candidates(model) if candidates is None else candidates)
-    if windows:  # balanced told the windows (which StrategySpec checks)
-        told = [
-            dataclasses.replace(c, windows=tuple(windows)) if c.strategy is Strategy.BALANCED else c for c in candidates
-        ]
-        candidates = tuple(told)
+    if windows:  # balanced told the windows (which StrategySpec checks), where it splits tokens
+        told = (c.strategy is Strategy.BALANCED and c.head_parallel == 1 for c in candidates)
+        candidates = tuple(dataclasses.replace(c, windows=tuple(windows)) if t else c for c, t in zip(candidates, told))
     steps = [_step(cu_seqlens, cp_size, c, model, tuple(windows)) for c in candidates]
     return candidates[steps.index(min(steps))]
 
@@ -275,15 +273,16 @@ def choose_strategy(
 def _step(
     cu_seqlens: torch.Tensor, cp_size: int, spec: StrategySpec, model: CostModel, windows: tuple[int, ...]
 ) -> int:
-    """``spec``'s predicted step: its slowest rank's cost under ``model``, or with ``windows`` summed
-    over the layers, each under its window (a window occurring ``m`` times counted once, ``m``-fold)."""
+    """``spec``'s predicted step: its slowest rank's cost under ``model``, or with ``windows`` the sum
+    over the layers of each layer's slowest rank under its window (every layer's collectives wait for
+    its slowest rank; a window occurring ``m`` times is costed once, ``m``-fold)."""
     if not windows:
         return predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=model).step
-    total = torch.zeros(cp_size, dtype=torch.long)
-    for w in sorted(set(windows)):  # integer sums: their order does not matter
-        layer = dataclasses.replace(model, window=w)
-        total += windows.count(w) * predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=layer).cost
-    return int(total.max())
+    layer = {w: dataclasses.replace(model, window=w) for w in set(windows)}
+    return sum(
+        m * predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=layer[w]).step
+        for w, m in ((w, windows.count(w)) for w in sorted(layer))
+    )
 
 
 def resolve_auto(

@@ -17,7 +17,7 @@ Layouts (``T`` = padded token count, ``T_local = T / cp``):
   work (:func:`cpcompile.balanced.balanced_layout`); padding only to a multiple of cp.
 
 auto is not a layout: it is resolved per batch to one of these from ``cu_seqlens``
-(:func:`cpcompile.choose_strategy`), so these functions reject it.
+(:func:`cpcompile.cost.resolve_auto`), so these functions reject it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def layout_spec(strategy: StrategyLike) -> StrategySpec:
     if spec.strategy is Strategy.AUTO:
         raise ValueError(
             "strategy 'auto' has no layout of its own: it is picked per batch from cu_seqlens; pass the "
-            "concrete spec of cpcompile.choose_strategy(cu_seqlens, cp_size=...) or ShardedBatch.spec"
+            "concrete spec of cpcompile.cost.resolve_auto(spec, cu_seqlens, cp_size=...) or ShardedBatch.spec"
         )
     return spec
 
@@ -68,7 +68,7 @@ def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike
         ``cu_seqlens_padded``: ``[B + 1]`` int32 physical offsets. dual_chunk_swap pads
         every document to a multiple of ``2 * cp``; the others pad only the total
         (to a multiple of ``cp``, or ``cp * stripe_size``), at the end of the last document.
-        ``auto`` is rejected: resolve it first (:func:`cpcompile.choose_strategy`). With the
+        ``auto`` is rejected: resolve it first (:func:`cpcompile.cost.resolve_auto`). With the
         spec's ``capacity``, the last document's padding runs on to ``capacity.tokens``
         (``ValueError`` where the pack does not fit).
     """

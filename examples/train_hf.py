@@ -105,8 +105,10 @@ def main() -> None:
     peak = next((f for name, f in PEAK_FLOPS.items() if cuda and name in torch.cuda.get_device_name()), None)
     draw = args.draw or BUILTIN_MIX.sampler(torch.Generator().manual_seed(0))
     strategy = cpcompile.Strategy(args.strategy)
-    # balanced evens the work of the model's layers as they run: sliding windows (none in Llama) cap it
-    windows = cphf.layer_windows(model.config) if strategy is cpcompile.Strategy.BALANCED else ()
+    # balanced evens, and auto weighs, the work of the model's layers as they run: sliding windows
+    # (none in Llama) cap it
+    told = strategy in (cpcompile.Strategy.BALANCED, cpcompile.Strategy.AUTO)
+    windows = cphf.layer_windows(model.config) if told else ()
     spec = cpcompile.StrategySpec(strategy, windows=windows)
 
     start, tokens, flops = time.perf_counter(), 0, 0.0

@@ -17,7 +17,9 @@ from torch._dynamo.utils import counters
 import cpcompile
 from cpcompile import Capacity, StrategySpec
 from cpcompile.batch import physical_positions
+from cpcompile.cost import resolve_auto
 from cpcompile.partition import padding_multiple
+from cpcompile.plan import plan_extras, step_plan
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
 from tests.graphs import FakeGroupTestCase
 
@@ -67,6 +69,29 @@ def test_capacity_takes_a_pair_and_refuses_head_parallelism():
     assert StrategySpec("balanced", capacity=(64, 3)).capacity == Capacity(tokens=64, documents=3)
     with pytest.raises(ValueError, match=r"capacity=\(64, 3\) is not supported with head_parallel=2 yet"):
         StrategySpec("balanced", head_parallel=2, capacity=(64, 3))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "cp", "spec"),
+    [
+        ([30, 23, 0, 12, 25], 4, StrategySpec("auto", windows=(11, 1, 7), capacity=(96, 8))),
+        ([22, 9, 14, 22, 10, 15], 3, StrategySpec("auto", capacity=(93, 9))),
+    ],
+)
+def test_auto_picks_from_the_documents_the_plan_ops_see(lengths, cp, spec):
+    """With a capacity, the loader resolves auto over the pack with the bucket's empty documents, as
+    the plan ops do from ``ShardedBatch.cu_seqlens`` when the model runs under the unresolved spec:
+    these packs pick another layout without them (the layouts then disagree silently)."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tensors = {"x": torch.arange(int(cu[-1]))}
+    sharded = cpcompile.shard_batch(tensors, cu, cp_size=cp, rank=0, strategy=spec)
+    assert resolve_auto(spec, sharded.cu_seqlens, cp_size=cp) == sharded.spec
+    assert resolve_auto(spec, cu, cp_size=cp).strategy is not sharded.spec.strategy  # the case in point
+    plan = step_plan(sharded.cu_seqlens, None, int(sharded.cu_seqlens_padded[-1]), cp, 0, "auto", 1, *plan_extras(spec))
+    direct = cpcompile.make_plan(
+        sharded.cu_seqlens, sharded.cu_seqlens_padded, cp_size=cp, rank=0, strategy=sharded.spec
+    )
+    assert torch.equal(plan.gather_index, direct.gather_index)
 
 
 def test_shard_batch_gives_every_pack_of_a_bucket_one_shape():

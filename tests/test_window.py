@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs, resolve_auto
+from cpcompile.plan import plan_extras, step_plan
 from cpcompile.window import check_window, resolve_window, window_keys
 from tests.fixtures import LAYOUT_SPECS, attention_case, cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error, window_mask
@@ -95,10 +96,11 @@ def test_windowed_balanced_layout_holds_every_position_once(lengths, cp, windows
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=pack_lengths_st, cp=st.sampled_from([2, 3, 4]), windows=st.lists(SIDES, min_size=1, max_size=3))
+@example(lengths=[29, 20, 3, 5, 20], cp=4, windows=[0, 10])  # the windows change the pick
 def test_auto_weighs_the_layers_windows(lengths, cp, windows):
-    """``auto`` told the layers' windows picks the candidate whose slowest rank's cost, summed over the
-    layers each under its window, is least (brute force over the candidates, balanced told the
-    windows), keeps the windows where it picks balanced, and every plan resolves it alike."""
+    """``auto`` told the layers' windows picks the candidate whose sum over the layers of each layer's
+    slowest rank (under its window) is least (brute force over the candidates, balanced told the
+    windows), keeps the windows where it picks balanced, and the plan ops resolve it alike."""
     windows = tuple(windows)
     cu = cu_seqlens(lengths)
     candidates = [
@@ -107,8 +109,7 @@ def test_auto_weighs_the_layers_windows(lengths, cp, windows):
     ]
 
     def step(spec):
-        per_layer = [predict_rank_costs(cu, cp_size=cp, strategy=spec, model=CostModel(window=w)).cost for w in windows]
-        return int(torch.stack(per_layer).sum(0).max())
+        return sum(predict_rank_costs(cu, cp_size=cp, strategy=spec, model=CostModel(window=w)).step for w in windows)
 
     steps = [step(c) for c in candidates]
     want = candidates[steps.index(min(steps))]
@@ -116,8 +117,12 @@ def test_auto_weighs_the_layers_windows(lengths, cp, windows):
     got = resolve_auto(spec, cu, cp_size=cp)
     assert got == want and got.windows == (windows if got.strategy is Strategy.BALANCED else ())
     assert choose_strategy(cu, cp_size=cp, windows=windows) == want
-    # the plan ops resolve it alike: the same pieces, then the empty slots auto's piece count leaves
-    resolved = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
+    if (lengths, cp, windows) == ([29, 20, 3, 5, 20], 4, (0, 10)):
+        assert want.strategy is Strategy.BALANCED and choose_strategy(cu, cp_size=cp).strategy is not Strategy.BALANCED
+    # the plan ops resolve it alike (as the cp_plan op calls them): the same pieces, then the empty
+    # slots auto's piece count leaves
+    tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=want)[-1])
+    resolved = step_plan(cu, None, tokens, cp, cp - 1, "auto", 1, *plan_extras(spec))
     direct = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=want)
     p = direct.k_start.shape[0]
     assert torch.equal(resolved.gather_index, direct.gather_index) and torch.equal(resolved.cu_q[: p + 1], direct.cu_q)

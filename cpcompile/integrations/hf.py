@@ -142,7 +142,7 @@ def hf_window(sliding_window: object, causal: bool, layer: str = "attention") ->
 
 
 def layer_windows(config: object) -> tuple[int, ...]:
-    """Every layer's window as ``StrategySpec("balanced", windows=...)`` takes them, from a transformers
+    """Every layer's window as ``StrategySpec("balanced" or "auto", windows=...)`` takes them, from a transformers
     config: ``sliding_window - 1`` (:func:`hf_window`'s left side) for a sliding layer, -1 for a global
     one; ``()`` for a model without windows, whose balance counts causal work.
 

@@ -278,11 +278,13 @@ def _step(
     its slowest rank; a window occurring ``m`` times is costed once, ``m``-fold)."""
     if not windows:
         return predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=model).step
-    layer = {w: dataclasses.replace(model, window=w) for w in set(windows)}
-    return sum(
-        m * predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=layer[w]).step
-        for w, m in ((w, windows.count(w)) for w in sorted(layer))
-    )
+    steps = {
+        w: predict_rank_costs(
+            cu_seqlens, cp_size=cp_size, strategy=spec, model=dataclasses.replace(model, window=w)
+        ).step
+        for w in set(windows)
+    }
+    return sum(steps[w] for w in windows)
 
 
 def resolve_auto(

@@ -43,33 +43,65 @@ def _inner_backend(inner: str | Backend) -> Backend:
 
 
 def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = None, options: dict | None = None):
-    """``torch.compile(..., mode=..., options=...)`` hands a custom backend its ``mode`` and
-    ``options``: for inductor they become its config patches, as for ``backend="inductor"``; other
-    inner compilers take neither. CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``,
-    ``triton.cudagraphs`` in ``options`` or in inductor's config) are refused: cpcompile's ops are
-    kept out of inductor's captures (``ops.common.NOT_CAPTURED``), but the graphs around them do not
-    yet replay correctly (docs/cuda-graphs.md, issue 28)."""
+    """``(compile, cuda_graphs)``. ``torch.compile(..., mode=..., options=...)`` hands a custom backend
+    its ``mode`` and ``options``: for inductor they become its config patches, as for
+    ``backend="inductor"``; other inner compilers take neither. With CUDA graphs on
+    (``mode="reduce-overhead"``, ``triton.cudagraphs`` in ``options`` or inductor's config), inductor's
+    graph partitions are turned on: cpcompile's ops (``ops.common.NOT_CAPTURED``) run between the
+    captured parts, which cudagraph trees replay (docs/cuda-graphs.md)."""
     if inner != "inductor":
         if mode is not None or options is not None:
             raise ValueError(
                 f"torch.compile's mode={mode!r} and options={options!r} need inner='inductor', got inner={inner!r}: "
                 "use inner='inductor', or leave mode and options out"
             )
-        return compile_inner
+        return compile_inner, False
     from torch._inductor import config, list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     given = {key.replace("-", "_"): value for key, value in (options or {}).items()}  # as torch.compile reads them
     patches = {**(list_mode_options(mode) if mode else {}), **given}
     with config.patch(patches):
-        cudagraphs = config.triton.cudagraphs
+        cudagraphs = bool(config.triton.cudagraphs)
     if cudagraphs:
+        if not hasattr(config, "graph_partition"):
+            raise ValueError(
+                f"CUDA graphs (mode={mode!r}, options={options!r}) need inductor's graph partitions, which this torch "
+                f"{torch.__version__} lacks: use torch 2.9 or later, or leave CUDA graphs off"
+            )
+        patches["graph_partition"] = True
+    return (functools.partial(compile_fx, config_patches=patches) if patches else compile_inner), cudagraphs
+
+
+#: The ops that lay out a pack over the ranks (``passes.shard_attention``), as ``str(node.target)`` begins.
+_PLAN_OPS = ("cpcompile.cp_plan.", "cpcompile.cp_hybrid_plan.", "cpcompile.cp_head_plan.")
+
+
+def _check_capturable(gm: torch.fx.GraphModule, spec) -> None:
+    """Raise unless every pack of a bucket replays one capture: every size in the graph fixed
+    (``dynamic=False``; a symbolic one is recorded anew for each value, pytorch#188150) and, where
+    the pass made attention context-parallel, packs padded to a capacity bucket
+    (``StrategySpec.capacity``: else the plan's pieces follow each pack's documents)."""
+    symbolic = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        shape = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in shape):
+            symbolic.append(node.name)
+    if symbolic:
         raise ValueError(
-            f"CUDA graphs are on (torch.compile's mode={mode!r}, options={options!r}, or inductor's config "
-            "triton.cudagraphs), which cpcompile's ops do not support yet (docs/cuda-graphs.md); accepted: mode "
-            "'default', 'max-autotune-no-cudagraphs' or None, and options and config without triton.cudagraphs"
+            f"CUDA graphs need fixed sizes (one capture per bucket of packs), got symbolic sizes in the graph's inputs "
+            f"{symbolic[:4]}: compile with torch.compile(..., dynamic=False) and pad packs to a capacity "
+            "(cpcompile.StrategySpec(..., capacity=cpcompile.capacity_for(packs, ...)))"
         )
-    return functools.partial(compile_fx, config_patches=patches) if patches else compile_inner
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]  # checkpointed bodies too
+    sharded = any(str(n.target).startswith(_PLAN_OPS) for g in graphs for n in g.nodes if n.op == "call_function")
+    if sharded and spec.capacity is None:
+        raise ValueError(
+            f"CUDA graphs need packs padded to a capacity bucket, so that packs of any composition share one capture; "
+            f"the active strategy {spec} has none: set StrategySpec(..., capacity=cpcompile.capacity_for(packs, ...)) "
+            "and shard the batch under it"
+        )
 
 
 def _guard_on_strategy() -> None:
@@ -115,9 +147,12 @@ def backend(
             to the inserted ops as arguments, so the compiled graph holds them (default:
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
 
-    ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``, except CUDA graphs
-    (``mode="reduce-overhead"``, ``triton.cudagraphs``), refused for now: the first call fails with
-    Dynamo's ``BackendCompilerFailed`` around a ``ValueError`` (docs/cuda-graphs.md).
+    ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
+    (``mode="reduce-overhead"``, ``triton.cudagraphs``) everything but cpcompile's ops is captured
+    once per bucket of packs and replayed; the ops run between the replays. They need
+    ``dynamic=False`` and, under CP, packs padded to a capacity (``StrategySpec.capacity``); else the
+    first call fails with Dynamo's ``BackendCompilerFailed`` around a ``ValueError`` saying so
+    (docs/cuda-graphs.md).
 
     Example::
 
@@ -130,11 +165,11 @@ def backend(
     config = resolve_config(config)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
-        compile_rest = _with_inductor_options(compile_inner, inner, **inductor)
+        compile_rest, cuda_graphs = _with_inductor_options(compile_inner, inner, **inductor)
         pg = resolve_group(group)
+        spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
         if pg.size() > 1:
             _guard_on_strategy()
-            spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
             shard_attention_pass(
                 gm,
                 group_name=pg.group_name,
@@ -144,6 +179,8 @@ def backend(
                 unsupported=unsupported,
                 config=config,
             )
+        if cuda_graphs:
+            _check_capturable(gm, spec)
         if overlap_tp:
             overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
         return compile_rest(gm, example_inputs)

@@ -58,6 +58,14 @@ def _key(a):
     return (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
 
 
+def replayed(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is a view of) is an output of a CUDA graph replay (inductor's
+    cudagraph trees): each replay hands out the same memory, address and version with new values,
+    so nothing may be known by its key; :func:`per_plan` recomputes and :func:`twin` finds none.
+    (A detached alias of such an output is not recognised: nothing in cpcompile makes one.)"""
+    return torch._C._is_cached_tensor(t) or (t._base is not None and torch._C._is_cached_tensor(t._base))
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -116,7 +124,8 @@ def per_plan(fn):
     change only through itself or its views (which bump its version); another tensor
     over the same memory (``torch.from_numpy`` of a reused buffer) is another key,
     but writes through it do not reach this tensor's version. Inference tensors have
-    no version counter: calls with them are not cached. ``fn`` must not communicate:
+    no version counter, and CUDA graph replays' outputs (:func:`replayed`) change with the same
+    version: calls with them are not cached. ``fn`` must not communicate:
     which entries a rank keeps depends on when it frees tensors, so ranks would not
     miss alike.
     """
@@ -124,7 +133,7 @@ def per_plan(fn):
 
     @functools.wraps(fn)
     def wrapper(*args):
-        if any(isinstance(a, torch.Tensor) and a.is_inference() for a in args):
+        if any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
             return fn(*args)
         key = tuple(_key(a) for a in args)
         hit, result = cache.get(key)
@@ -163,7 +172,7 @@ def twin(t: torch.Tensor) -> torch.Tensor | None:
     uploaded from (:func:`upload`) while ``t`` is unchanged; ``None`` when there is none."""
     if t.device.type == "cpu":
         return t
-    if t.is_inference():  # uploaded as a plain copy (no version to key a twin by)
+    if t.is_inference() or replayed(t):  # a plain copy (no version to key a twin by); a replay's output
         return None
     return _TWINS.get(_key(t))[1]
 
@@ -234,7 +243,7 @@ def attach(t: torch.Tensor, value) -> None:
     from, for derivations that need more than its values (:func:`attached`). ``value`` must
     not hold ``t`` (the entry would keep it alive). Nothing is remembered of fake and meta
     tensors, or while tracing: they have no memory to know them by."""
-    if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta":
+    if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta" or replayed(t):
         return
     _ATTACHED.put(_memory_key(t), [t], value)
 
@@ -242,7 +251,7 @@ def attach(t: torch.Tensor, value) -> None:
 def attached(t: torch.Tensor):
     """The value :func:`attach` gave ``t``, or else its twin (a plan made on the host and
     uploaded carries what it was made from); ``None`` when there is none."""
-    if torch.compiler.is_compiling() or is_fake(t):
+    if torch.compiler.is_compiling() or is_fake(t) or replayed(t):
         return None
     for x in (t, twin(t)):
         if x is not None and x.device.type != "meta":

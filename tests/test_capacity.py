@@ -269,11 +269,10 @@ def test_every_op_is_kept_out_of_cuda_graphs():
 
 
 class TorchCompileMode(FakeGroupTestCase):
-    def test_mode_and_options_reach_inductor_cuda_graphs_are_refused(self):
+    def test_mode_and_options_reach_inductor(self):
         """``torch.compile(..., backend=cpcompile.backend(), mode=..., options=...)``: inductor gets
         them as config patches (option names spelled with ``-`` too, as torch.compile takes them);
-        CUDA graphs, however turned on, are refused before anything runs; ``aot_eager`` takes
-        neither."""
+        ``aot_eager`` takes neither."""
         from unittest import mock
 
         import torch._inductor.compile_fx as inductor
@@ -293,20 +292,62 @@ class TorchCompileMode(FakeGroupTestCase):
             torch._dynamo.reset()
             got = torch.compile(f, backend=cpcompile.backend(), options={"max-autotune-gemm": False})(x)
         assert torch.allclose(got, f(x)) and {"max_autotune_gemm": False} in seen, seen
-        refused = "CUDA graphs are on .* which cpcompile's ops do not support yet"
-        for kwargs in ({"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}, {}):
-            torch._dynamo.reset()
-            on = (
-                contextlib.nullcontext()
-                if kwargs
-                else mock.patch.object(torch._inductor.config.triton, "cudagraphs", True)
-            )
-            with on, pytest.raises(BackendCompilerFailed, match=refused):
-                torch.compile(f, backend=cpcompile.backend(), **kwargs)(x)
         torch._dynamo.reset()
         message = r"mode='max-autotune-no-cudagraphs' and options=None need inner='inductor', got inner='aot_eager'"
         with pytest.raises(BackendCompilerFailed, match=message):
             torch.compile(f, backend=cpcompile.backend(inner="aot_eager"), mode="max-autotune-no-cudagraphs")(x)
+
+    def test_cuda_graphs_take_graph_partitions_fixed_sizes_and_a_capacity(self):
+        """CUDA graphs, however turned on (``mode="reduce-overhead"``, ``triton.cudagraphs`` in
+        ``options`` or in inductor's config), reach inductor with its graph partitions on, so that
+        cpcompile's ops run between the captured parts. A step that would be captured anew per pack
+        is refused before anything runs, naming the remedy: symbolic sizes (``dynamic=True``), or CP
+        attention on packs without a capacity bucket. (Inductor itself is stood in for by
+        ``aot_eager``: the CPU has no CUDA graphs, and the GPU run is ``benchmarks/cuda_graphs.py``.)"""
+        from unittest import mock
+
+        import torch._inductor.compile_fx as inductor
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        seen = []
+
+        def recording(gm, example_inputs, config_patches=None, **kwargs):
+            seen.append(config_patches)
+            return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+        cfg = GPTConfig(vocab=32, dim=16, heads=2, kv_heads=1, layers=1, max_position=64)
+        model = PackedGPT(cfg)
+        pack = synthetic_pack([5, 9, 2], cfg.vocab, torch.Generator().manual_seed(0))
+        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
+
+        def step(spec, dynamic, **kwargs):
+            torch._dynamo.reset()
+            names = ("input_ids", "position_ids")
+            batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
+                                          strategy=spec)  # fmt: skip
+            compiled = torch.compile(model, backend=backend, dynamic=dynamic, **kwargs)
+            with cpcompile.strategy(batch.spec):
+                compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
+
+        bucket = StrategySpec("balanced", capacity=Capacity(tokens=32, documents=4))
+        turned_on = [
+            ({"mode": "reduce-overhead"}, contextlib.nullcontext()),
+            ({"options": {"triton.cudagraphs": True}}, contextlib.nullcontext()),
+            ({}, mock.patch.object(torch._inductor.config.triton, "cudagraphs", True)),
+        ]
+        with mock.patch.object(inductor, "compile_fx", recording):
+            for kwargs, on in turned_on:
+                seen.clear()
+                with on:
+                    step(bucket, False, **kwargs)
+                assert seen and all(p["graph_partition"] and p.get("triton.cudagraphs", True) for p in seen), seen
+            fixed = "CUDA graphs need fixed sizes .* compile with torch.compile\\(..., dynamic=False\\)"
+            with pytest.raises(BackendCompilerFailed, match=fixed):
+                step(bucket, True, mode="reduce-overhead")
+            bucket_needed = "CUDA graphs need packs padded to a capacity bucket"
+            with pytest.raises(BackendCompilerFailed, match=bucket_needed):
+                step(StrategySpec("balanced"), False, mode="reduce-overhead")
+            step(StrategySpec("balanced"), True)  # without CUDA graphs: neither is needed
 
 
 def _fits(cu, spec, cp) -> bool:

@@ -185,3 +185,32 @@ def test_another_tensor_over_the_same_memory_is_another_plan():
     hosts = torch.tensor([0, 1, 2]), torch.tensor([0, 5, 9])
     uploaded = [upload(h, "meta") for h in hosts]
     assert [twin(u) is h for u, h in zip(uploaded, hosts)] == [True, True]
+
+
+def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
+    """Inductor's cudagraph trees hand out the same output tensor (memory, address, version) at
+    every replay, new values written into it; they mark it a cached tensor. A plan op reading such
+    a tensor (``cu_seqlens`` computed inside a captured part of the model) must derive its plan
+    anew each time, never from the replay before. Simulated on CPU: values changed behind the
+    version counter, as a replay writes them."""
+    calls = []
+
+    @per_plan
+    def total(t):
+        calls.append(1)
+        return int(t.sum())
+
+    out = torch.tensor([0, 3, 8], dtype=torch.int32)
+    enabled = torch._C._set_cached_tensors_enabled
+    enabled(True)
+    torch._C._add_cached_tensor(out)
+    try:
+        assert total(out) == 11 and total(out[1:]) == 11 and len(calls) == 2  # a view of it too
+        out.numpy()[1] = 5  # the next replay's values, version unchanged
+        assert out._version == 0 and total(out) == 13 and len(calls) == 3
+        attach(out, "a plan")
+        assert attached(out) is None and twin(out) is out  # on the CPU a tensor is its own twin
+    finally:
+        torch._C._remove_cached_tensor(out)
+        enabled(False)
+    assert total(out) == 13 and total(out) == 13 and len(calls) == 4  # an ordinary tensor again: cached

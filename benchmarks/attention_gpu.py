@@ -157,10 +157,19 @@ def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window):
 
 
 def measure(
-    lengths: list[int], hq: int, hkv: int, cps: list[int], backward: bool, names: list[str], window: int = -1
+    lengths: list[int],
+    hq: int,
+    hkv: int,
+    cps: list[int],
+    backward: bool,
+    names: list[str],
+    window: int = -1,
+    strategies: list[str] | None = None,
+    rounds: int = 1,
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
-    ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal)."""
+    ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
+    (default all); ``rounds``: each layout's reference and ranks timed that many times in turn, medians kept."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -173,6 +182,7 @@ def measure(
     band = (window, 0)
     model = cpcompile.CostModel(window=window)
     specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
+    specs = [s for s in specs if strategies is None or s.strategy.value in strategies]
 
     # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)
@@ -202,12 +212,14 @@ def measure(
         read = rank_reads(plans, cp, band)
         q_local = q[: n // cp]  # values do not matter, sizes and pieces do
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
-        reference = timed(best)  # in the GPU's power state of the ranks' timings (docs/measurement.md)
-        per_rank = []
-        for rank, plan in enumerate(plans):
-            read_r = None if read is None else read[rank]
-            step = kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, read_r)
-            per_rank.append(timed(step))
+        steps = [
+            kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads)
+            for plan, reads in zip(plans, read or [None] * cp)
+        ]
+        timings = []  # per round: the reference, in the GPU's power state of the ranks' timings, then the ranks
+        for _ in range(rounds):
+            timings.append([timed(best)] + [timed(step) for step in steps])
+        reference, *per_rank = (statistics.median(column) for column in zip(*timings))
         predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model)
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
@@ -276,11 +288,12 @@ def table(title: str, rows: list[dict], fits: dict[str, float], ranks: int, back
     ]
 
 
-def intro(tokens: int, source: str, packs: int) -> list[str]:
+def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
     """What the tables hold, below the section's header."""
+    repeat = f"; the reference and each rank timed in {rounds} rounds in turn, each their median" if rounds > 1 else ""
     return [
         f"{tokens} tokens per pack from `{source}`; each cell the median over {packs} packs of a median of 5 timed "
-        "runs, each queued behind an untimed call. Single GPU = `cpcompile.packed_attention` (or torch's "
+        f"runs, each queued behind an untimed call{repeat}. Single GPU = `cpcompile.packed_attention` (or torch's "
         "`varlen_attn`) on the whole pack; efficiency = best single-GPU time / (cp x slowest rank), that reference "
         "timed again right before each layout's ranks; max/mean = slowest rank over the mean; short = pieces per "
         "rank under 128 query rows; K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads "
@@ -303,17 +316,26 @@ def main() -> None:
     default_kernels += ["auto"] if cudnn.available() else []
     parser.add_argument("--kernels", nargs="+", default=default_kernels, choices=["flash", "cudnn", "fa4", "auto"])
     parser.add_argument("--window", type=int, default=-1, help="a sliding window (W, 0) throughout; -1: causal")
+    parser.add_argument("--strategies", nargs="+", choices=[s.strategy.value for s in STRATEGIES], help="the layouts "
+                        "timed (default: all; balanced includes balanced told the window)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="each layout's reference and ranks timed this many "
+                        "times in turn, medians kept (the spread between runs: docs/measurement.md)")  # fmt: skip
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
-    heading = HEADING if args.window < 0 else f"{HEADING[:-1]} --window {args.window})"
-    lines = [*header(heading), *intro(args.tokens, args.doclens.name, args.packs)]
+    options = [f"--window {args.window}"] if args.window >= 0 else []  # a section of its own per selection
+    options += [f"--strategies {' '.join(args.strategies)}"] if args.strategies else []
+    options += [f"--rounds {args.rounds}"] if args.rounds > 1 else []
+    heading = f"{HEADING[:-1]} {' '.join(options)})" if options else HEADING
+    lines = [*header(heading), *intro(args.tokens, args.doclens.name, args.packs, args.rounds)]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
             per_pack, samples = [], {}
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
-                rows, pack_samples = measure(lengths, hq, hkv, args.cp, backward, args.kernels, args.window)
+                rows, pack_samples = measure(
+                    lengths, hq, hkv, args.cp, backward, args.kernels, args.window, args.strategies, args.rounds
+                )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():
                     samples[name] = samples.get(name, []) + pairs

@@ -9,7 +9,7 @@ all-gather path, as the sparse exchange's sizes would need real ranks). The deco
 with ``dynamic=False``: without CUDA graphs, and with ``mode="reduce-overhead"``, where inductor
 captures everything between cpcompile's ops (which stay outside: docs/cuda-graphs.md).
 
-    python benchmarks/cuda_graphs.py [--layers 8] [--tokens-per-rank 4096,16384,65536] [--packs 50,50,10]
+    python benchmarks/cuda_graphs.py [--layers 8] [--tokens-per-rank 4096,16384,65536] [--packs 50]
                                      [--cp 8] [--rank 0] [--doclens FILE] [--output BENCHMARKS.md]
     python benchmarks/cuda_graphs.py --cpu-smoke     # a tiny float32 model on CPU (no graphs there), to check it
 
@@ -18,15 +18,17 @@ compiled) and the backward; no optimizer step and no gradient reduction (the sam
 graphs, outside the compiled code). Reported per size:
 
 - compiled graphs: Dynamo's, without / with CUDA graphs (one serves every pack of the bucket);
-- step ms: median of ``--steps`` steps run back to back over the packs, after one step on every pack
-  (CUDA events, each step timed from the end of the one before);
+- step ms: median of ``--steps`` steps run back to back, after one step on every pack, on fresh copies
+  of the packs (none of their plans cached, as for a new pack in training; CUDA
+  events, each step timed from the end of the one before);
 - captures: CUDA graphs recorded (cudagraph trees' recordings: one per captured part of the forward
-  and of the backward), in all and after the first pass over the packs (a re-capture per pack would
-  show there);
+  and of the backward), in all and after the second pack (cudagraph trees run the first call of each
+  part without a graph and record on the second: any recording after that is a re-capture);
 - loss, grad: the largest relative difference over the packs between the two compilations, of the loss
-  and of each parameter's gradient norm; noise: the same for the model without graphs run twice on its
-  first pack (the attention backward's atomics make bf16 gradients differ between runs);
-- host syncs: whether a replayed step passes ``torch.cuda.set_sync_debug_mode("error")``;
+  and of each parameter's gradient norm; noise: the same between two passes of the model without
+  graphs over the same packs (the attention backward's atomics make bf16 gradients differ between runs);
+- no host sync: whether a replayed step on a fresh copy of a pack passes
+  ``torch.cuda.set_sync_debug_mode("error")`` (and the step without graphs too);
 - GPU busy: the union of GPU activity over one profiled step's wall time (``benchmarks/e2e.py``).
 """
 
@@ -153,8 +155,8 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
     data = [inputs(i, cu) for i, cu in enumerate(packs)]
     config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run the exchange's data-dependent sizes
     row = {"size": size, "packs": count, "docs": [cu.shape[0] - 1 for cu in packs], "capacity": spec.capacity}
-    runs = {}
-    for graphs in (False, True):
+    runs, noise = {}, None
+    for graphs in (False, True):  # without graphs first: the reference and its noise floor
         torch._dynamo.reset()
         if cuda:  # what the run without graphs cached, free for the graphs' own memory pool
             torch.cuda.empty_cache()
@@ -174,34 +176,30 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
             loss.backward()
             return loss
 
-        def first_pass():
-            results = []
+        def first_pass(captures):
+            """Each pack's loss and gradient norms, and the captures made so far after each pack."""
+            results, counts = [], []
             for batch in data:
                 loss = step(batch).item()
                 results.append((loss, [float(p.grad.float().norm()) for p in params]))
                 model.zero_grad(set_to_none=True)  # a replay's gradients are its outputs: never accumulated into
-            return results
+                counts.append(captures.count)
+            return results, counts
 
         counters["stats"].clear()
         with Captures() as captures, filled_collectives():
-            start = time.perf_counter()
-            results = first_pass()
-            first_s = time.perf_counter() - start
-            after_first = captures.count
-            if not graphs:  # the noise floor: the first pack once more
-                loss = step(data[0]).item()
-                again = (loss, [float(p.grad.float().norm()) for p in params])
-                model.zero_grad(set_to_none=True)
-                noise = _differences([results[0]], [again])
-            times = _step_times(step, model, data, args.steps, cuda)
-            syncs_ok = _passes_sync_check(step, model, data[0]) if cuda else None
+            runs[graphs], counts = first_pass(captures)  # cudagraph trees warm up on pack 0, record on pack 1
+            if not graphs:  # the noise floor: the same model over the same packs once more
+                noise = _differences(runs[False], first_pass(captures)[0])
+            # fresh copies of the packs: the per-plan caches hold none of them, as in training
+            fresh = [inputs(i, packs[i % count]) for i in range(args.steps)]
+            times = _step_times(step, model, fresh, args.steps, cuda)
+            syncs_ok = _passes_sync_check(step, model, inputs(count, packs[0])) if cuda else None
             busy = profile_step(lambda b: (step(b), model.zero_grad(set_to_none=True)), data[1 % count], cuda)["busy"]
-        runs[graphs] = results
         row[graphs] = {
             "ms": statistics.median(times),
             "captures": captures.count,
-            "later": captures.count - after_first,
-            "first_s": first_s,
+            "after_second": captures.count - counts[min(1, count - 1)],
             "syncs_ok": syncs_ok,
             "busy": busy,
             "graphs": counters["stats"]["unique_graphs"],  # Dynamo's: one for every pack of the bucket
@@ -256,7 +254,7 @@ def _passes_sync_check(step, model, batch) -> bool:
 
 
 COLUMNS = (
-    "tokens/rank|packs|documents|compiled graphs|step ms|with graphs|speedup|captures (after 1st pass)|loss diff"
+    "tokens/rank|packs|documents|compiled graphs|step ms|with graphs|speedup|captures (after 2nd pack)|loss diff"
     "|grad diff"
     "|noise (loss, grad)|no host sync|GPU busy"
 ).split("|")
@@ -272,7 +270,7 @@ def row_cells(row: dict) -> str:
         f"{plain['ms']:.1f}",
         f"{graphs['ms']:.1f}",
         f"{plain['ms'] / graphs['ms']:.3f}",
-        f"{graphs['captures']} ({graphs['later']})",
+        f"{graphs['captures']} ({graphs['after_second']})",
         f"{row['loss']:.1e}",
         f"{row['grad']:.1e}",
         f"{row['noise_loss']:.0e}, {row['noise_grad']:.1e}",

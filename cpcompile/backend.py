@@ -62,12 +62,26 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
     given = {key.replace("-", "_"): value for key, value in (options or {}).items()}  # as torch.compile reads them
     patches = {**(list_mode_options(mode) if mode else {}), **given}
     with config.patch(patches):
-        cudagraphs = bool(config.triton.cudagraphs)
+        cudagraphs, trees = bool(config.triton.cudagraphs), config.triton.cudagraph_trees
+        partitions = getattr(config, "graph_partition", None)
     if cudagraphs:
-        if not hasattr(config, "graph_partition"):
+        on = f"CUDA graphs (mode={mode!r}, options={options!r})"
+        if partitions is None:
             raise ValueError(
-                f"CUDA graphs (mode={mode!r}, options={options!r}) need inductor's graph partitions, which this torch "
-                f"{torch.__version__} lacks: use torch 2.9 or later, or leave CUDA graphs off"
+                f"{on} need inductor's graph partitions, which this torch {torch.__version__} lacks: use torch 2.9 or "
+                "later, or leave CUDA graphs off"
+            )
+        if not partitions:
+            raise ValueError(
+                f"{on} need inductor's graph_partition=True (cpcompile's ops run between the captured parts), got "
+                "False: leave graph_partition out of options and inductor's config, or leave CUDA graphs off"
+            )
+        if not trees:
+            # the plain cudagraphify hands back the same output tensors unmarked: a plan op reading one
+            # could be served the previous pack's plan from the per-plan caches (per_plan.replayed)
+            raise ValueError(
+                f"{on} need inductor's cudagraph trees (triton.cudagraph_trees=True), got False: leave "
+                "triton.cudagraph_trees on, or CUDA graphs off"
             )
         patches["graph_partition"] = True
     return (functools.partial(compile_fx, config_patches=patches) if patches else compile_inner), cudagraphs
@@ -82,6 +96,14 @@ def _check_capturable(gm: torch.fx.GraphModule, spec) -> None:
     (``dynamic=False``; a symbolic one is recorded anew for each value, pytorch#188150) and, where
     the pass made attention context-parallel, packs padded to a capacity bucket
     (``StrategySpec.capacity``: else the plan's pieces follow each pack's documents)."""
+    from torch._dynamo import config as dynamo
+
+    if dynamo.automatic_dynamic_shapes:  # False only under torch.compile(..., dynamic=False)
+        raise ValueError(
+            "CUDA graphs need torch.compile(..., dynamic=False): with dynamic=None (the default) or True, Dynamo "
+            "makes sizes symbolic (at once, or when a pack of another size comes), and each value is captured anew "
+            "(pytorch#188150); pad packs to a capacity (cpcompile.StrategySpec(..., capacity=...)) instead"
+        )
     symbolic = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value", node.meta.get("val"))
@@ -96,6 +118,11 @@ def _check_capturable(gm: torch.fx.GraphModule, spec) -> None:
         )
     graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]  # checkpointed bodies too
     sharded = any(str(n.target).startswith(_PLAN_OPS) for g in graphs for n in g.nodes if n.op == "call_function")
+    if sharded and spec.head_parallel > 1:
+        raise ValueError(
+            f"CUDA graphs need head_parallel=1 under CP (capacity buckets do not take head parallelism yet), got "
+            f"head_parallel={spec.head_parallel}: use a sequence layout, or leave CUDA graphs off"
+        )
     if sharded and spec.capacity is None:
         raise ValueError(
             f"CUDA graphs need packs padded to a capacity bucket, so that packs of any composition share one capture; "

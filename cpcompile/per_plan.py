@@ -62,7 +62,9 @@ def replayed(t: torch.Tensor) -> bool:
     """Whether ``t`` (or the tensor it is a view of) is an output of a CUDA graph replay (inductor's
     cudagraph trees): each replay hands out the same memory, address and version with new values,
     so nothing may be known by its key; :func:`per_plan` recomputes and :func:`twin` finds none.
-    (A detached alias of such an output is not recognised: nothing in cpcompile makes one.)"""
+    Not recognised: a tensor over such an output's memory made as a new tensor rather than a view
+    (cudagraph trees hand out aliased outputs that way, and inductor's ``reinterpret_tensor``): a
+    plan op must not read a tensor computed inside a captured part of the model (docs/cuda-graphs.md)."""
     return torch._C._is_cached_tensor(t) or (t._base is not None and torch._C._is_cached_tensor(t._base))
 
 
@@ -85,7 +87,7 @@ def same_plan(known, t: torch.Tensor) -> bool:
     """Whether ``t`` is the plan tensor of ``known`` (a :func:`token`): the same memory, still
     owned by the same live tensor, unchanged since. Views of it count as it."""
     key, owner = known
-    return owner() is not None and key == _key(t)
+    return owner() is not None and not replayed(t) and key == _key(t)
 
 
 class _Cache:

@@ -301,8 +301,9 @@ class TorchCompileMode(FakeGroupTestCase):
         """CUDA graphs, however turned on (``mode="reduce-overhead"``, ``triton.cudagraphs`` in
         ``options`` or in inductor's config), reach inductor with its graph partitions on, so that
         cpcompile's ops run between the captured parts. A step that would be captured anew per pack
-        is refused before anything runs, naming the remedy: symbolic sizes (``dynamic=True``), or CP
-        attention on packs without a capacity bucket. (Inductor itself is stood in for by
+        is refused before anything runs, naming the remedy: sizes Dynamo may make symbolic (``dynamic``
+        True or None), CP attention on packs without a capacity bucket; so are graph partitions or
+        cudagraph trees turned off. (Inductor itself is stood in for by
         ``aot_eager``: the CPU has no CUDA graphs, and the GPU run is ``benchmarks/cuda_graphs.py``.)"""
         from unittest import mock
 
@@ -341,12 +342,16 @@ class TorchCompileMode(FakeGroupTestCase):
                 with on:
                     step(bucket, False, **kwargs)
                 assert seen and all(p["graph_partition"] and p.get("triton.cudagraphs", True) for p in seen), seen
-            fixed = "CUDA graphs need fixed sizes .* compile with torch.compile\\(..., dynamic=False\\)"
-            with pytest.raises(BackendCompilerFailed, match=fixed):
-                step(bucket, True, mode="reduce-overhead")
+            fixed = "CUDA graphs need torch.compile\\(..., dynamic=False\\)"
+            for dynamic in (True, None):  # None: static at first, symbolic at the first pack of another size
+                with pytest.raises(BackendCompilerFailed, match=fixed):
+                    step(bucket, dynamic, mode="reduce-overhead")
             bucket_needed = "CUDA graphs need packs padded to a capacity bucket"
             with pytest.raises(BackendCompilerFailed, match=bucket_needed):
                 step(StrategySpec("balanced"), False, mode="reduce-overhead")
+            for option, needed in (("graph_partition", "graph_partition=True"), ("triton.cudagraph_trees", "trees")):
+                with pytest.raises(BackendCompilerFailed, match=f"CUDA graphs .* need inductor's .*{needed}"):
+                    step(bucket, False, options={"triton.cudagraphs": True, option: False})
             step(StrategySpec("balanced"), True)  # without CUDA graphs: neither is needed
 
 

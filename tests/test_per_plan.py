@@ -8,7 +8,19 @@ import weakref
 
 import torch
 
-from cpcompile.per_plan import ENTRIES, attach, attached, on_host, per_plan, readable, twin, twinned, upload
+from cpcompile.per_plan import (
+    ENTRIES,
+    attach,
+    attached,
+    on_host,
+    per_plan,
+    readable,
+    same_plan,
+    token,
+    twin,
+    twinned,
+    upload,
+)
 
 
 def test_per_plan_builds_once_for_the_same_plan_tensors():
@@ -201,7 +213,7 @@ def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
         return int(t.sum())
 
     out = torch.tensor([0, 3, 8], dtype=torch.int32)
-    enabled = torch._C._set_cached_tensors_enabled
+    enabled = torch._C._set_cached_tensors_enabled  # off again after: no CUDA graph lives in this process
     enabled(True)
     torch._C._add_cached_tensor(out)
     try:
@@ -210,6 +222,7 @@ def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
         assert out._version == 0 and total(out) == 13 and len(calls) == 3
         attach(out, "a plan")
         assert attached(out) is None and twin(out) is out  # on the CPU a tensor is its own twin
+        assert not same_plan(token(out), out)  # the K/V gather's kept buffers are zeroed anew
     finally:
         torch._C._remove_cached_tensor(out)
         enabled(False)

@@ -14,7 +14,7 @@ from ..comm.groups import agree, already_agreed, digest
 #: exchange's counts), so a captured call would replay the pack it was captured on, silently wrong
 #: for every other; the collective ops run their own streams and peers' signals, not checked under
 #: capture. Inductor's graph partitions leave tagged ops out of its CUDA graphs and capture what lies
-#: between them (the backend still refuses them: docs/cuda-graphs.md); a capture made by hand
+#: between them (``mode="reduce-overhead"`` through cpcompile's backend: docs/cuda-graphs.md); a capture made by hand
 #: (``torch.cuda.graph``) does not read tags.
 NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,)
 

@@ -123,7 +123,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
 
 
 def test_compiled_cp_training_matches_single_device():
-    run_ranks(_check_cp_training, 2, ["llama", "qwen2", "qwen2_sliding"])
+    run_ranks(_check_cp_training, 2, ["llama", "qwen2_sliding"])  # Qwen2's architecture, its window too
 
 
 def test_alternating_windows_train_exactly_under_balanced_told_them():

@@ -11,6 +11,7 @@ import torch
 
 from cpcompile.kernels import KeyGrads, Pieces, reference, varlen
 from cpcompile.kernels.metadata import chunks, scratch
+from tests.emulated import in_place_backward_call
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 
@@ -174,30 +175,6 @@ def test_row_chunks_attend_as_their_pieces_do(seed, monkeypatch):
         torch.testing.assert_close(by_chunks, whole, rtol=1e-12, atol=1e-12)
 
 
-def _in_place_backward_call(calls: list):
-    """A varlen backward call with FA4's contract for ``VarlenKernel``, on the reference kernel: entries
-    ``[cu_q[b], cu_q[b + 1])`` over keys ``[cu_k[b], cu_k[b + 1])``, or with ``seqused_q``/``seqused_k``
-    only their first rows and keys, written into ``dq``/``dk``/``dv`` (other rows left as they are).
-    It checks what the kernel needs: ``cu_k`` monotone, entries' used keys disjoint. Records each call."""
-
-    def call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
-        calls.append(rows)
-        used_q = rows.get("seqused_q", cu_q[1:] - cu_q[:-1])
-        used_k = rows.get("seqused_k", cu_k[1:] - cu_k[:-1])
-        assert bool((cu_k[1:] >= cu_k[:-1]).all()) and bool((cu_k[:-1] + used_k <= cu_k[1:]).all())
-        pieces = Pieces(cu_q, cu_k[:-1], torch.where(used_q > 0, used_k, 0))
-        dq, dk, dv = reference.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=scale, window=window)
-        if not rows:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        q_rows = torch.repeat_interleave(used_q > 0, cu_q[1:] - cu_q[:-1], output_size=q.shape[0])
-        rows["dq"][q_rows] = dq[q_rows].to(q.dtype)
-        k_rows = scratch.keys_read(cu_k[:-1], torch.where(used_q > 0, used_k, 0), k.shape[0])
-        rows["dk"][k_rows], rows["dv"][k_rows] = dk[k_rows].to(k.dtype), dv[k_rows].to(v.dtype)
-        return rows["dq"], rows["dk"], rows["dv"]
-
-    return call
-
-
 @pytest.mark.parametrize("in_place_layers", [1, 16])
 @pytest.mark.parametrize("seed", range(16))
 def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, in_place_layers, monkeypatch):
@@ -231,7 +208,7 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
     few_unread = num_keys - s.live_read <= s.rows
     in_place = s.ordered and s.num_layers <= in_place_layers and few_unread
     calls: list = []
-    kernel = varlen.VarlenKernel("test", None, _in_place_backward_call(calls), in_place_backward=True)
+    kernel = varlen.VarlenKernel("test", None, in_place_backward_call(calls), in_place_backward=True)
     order = torch.randperm(num_keys, generator=g)
     buffers = [torch.zeros(num_keys, 2, 8, dtype=torch.float64) for _ in range(2)]
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -8,6 +8,7 @@ balances them (:func:`predict_rank_costs`, :func:`choose_strategy`), the data-lo
 
 from .backend import backend
 from .batch import ShardedBatch, shard_batch, unshard
+from .capture import CapturedStep
 from .config import Config
 from .cost import CostModel, choose_strategy, predict_rank_costs
 from .ops import ag_gemm, cp_attention, gemm_rs, packed_attention, release_grad_buffers
@@ -18,6 +19,7 @@ from .strategy import Capacity, Strategy, StrategySpec, current_spec, current_st
 __all__ = [
     "AttentionPlan",
     "Capacity",
+    "CapturedStep",
     "Config",
     "CostModel",
     "ShardedBatch",

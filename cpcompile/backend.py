@@ -47,8 +47,10 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
     its ``mode`` and ``options``: for inductor they become its config patches, as for
     ``backend="inductor"``; other inner compilers take neither. With CUDA graphs on
     (``mode="reduce-overhead"``, ``triton.cudagraphs`` in ``options`` or inductor's config), inductor's
-    graph partitions are turned on: cpcompile's ops (``ops.common.NOT_CAPTURED``) run between the
-    captured parts, which cudagraph trees replay (docs/cuda-graphs.md)."""
+    graph partitions are turned on: the attention calls that can be captured become
+    ``cp_attention_captured`` (``ops.captured``), and cpcompile's other ops (``ops.common.NOT_CAPTURED``:
+    the plan, attention that sizes its work on the host) run between the captured parts, which
+    cudagraph trees replay (docs/cuda-graphs.md)."""
     if inner != "inductor":
         if mode is not None or options is not None:
             raise ValueError(
@@ -150,6 +152,7 @@ def backend(
     tp_capacity_tokens: int | None = None,
     unsupported: str = "raise",
     config: Config | None = None,
+    captured_step: bool = False,
 ) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
@@ -173,10 +176,16 @@ def backend(
         config: kernel, K/V transport and TP transport (:class:`cpcompile.Config`), passed
             to the inserted ops as arguments, so the compiled graph holds them (default:
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
+        captured_step: the compiled model runs inside :class:`cpcompile.CapturedStep` (a whole step
+            captured as one CUDA graph by hand): attention becomes the captured op where it can
+            (``ops.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
+            capacity); attention that cannot be captured raises when the step is captured.
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
-    (``mode="reduce-overhead"``, ``triton.cudagraphs``) everything but cpcompile's ops is captured
-    once per bucket of packs and replayed; the ops run between the replays. They need
+    (``mode="reduce-overhead"``, ``triton.cudagraphs``) the forward and the backward are each
+    captured once per bucket of packs and replayed, attention included where it can be
+    (``ops.captured``: FA4, all-gather, balanced, dual_chunk_swap or no_load_balance, no window);
+    the plan op, and attention that cannot, run between the replays. They need
     ``dynamic=False`` and, under CP, packs padded to a capacity (``StrategySpec.capacity``); else the
     first call fails with Dynamo's ``BackendCompilerFailed`` around a ``ValueError`` saying so
     (docs/cuda-graphs.md).
@@ -186,6 +195,8 @@ def backend(
         model = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
     """
     compile_inner = _inner_backend(inner)
+    if not isinstance(captured_step, bool):
+        raise TypeError(f"captured_step must be a bool, got {captured_step!r}")
     if comm is not None:
         check_comm(comm)
     check_unsupported(unsupported)
@@ -193,6 +204,7 @@ def backend(
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
         compile_rest, cuda_graphs = _with_inductor_options(compile_inner, inner, **inductor)
+        cuda_graphs = cuda_graphs or captured_step
         pg = resolve_group(group)
         spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
         if pg.size() > 1:
@@ -205,6 +217,7 @@ def backend(
                 spec=spec,
                 unsupported=unsupported,
                 config=config,
+                captured=cuda_graphs and spec.capacity is not None,
             )
         if cuda_graphs:
             _check_capturable(gm, spec)

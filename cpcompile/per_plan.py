@@ -32,11 +32,18 @@ The sparse exchange needs every rank's reads, which follow from the whole pack's
 layout (which every rank holds) but not from one rank's plan. :func:`attach` remembers
 such a value with the tensor, and :func:`attached` finds it again, also through an
 uploaded tensor's twin.
+
+Under a CUDA graph capture (a captured CP step: docs/cuda-graphs.md) nothing is cached or
+looked up: a capture records kernels, not host work, so a value found on the host would be
+the one replayed for every later pack. Derivations then run on the device in the capture
+(:func:`capturing`), and an upload from the host, which would replay the captured pack's
+values, raises.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import weakref
@@ -56,6 +63,42 @@ def _key(a):
     # of its own (``torch.from_numpy`` of a refilled buffer), and is shared by views and detached
     # aliases; an entry goes when its owner is freed, and a live owner keeps its storage.
     return (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph: :func:`per_plan` then caches
+    nothing, :func:`twin` and :func:`attached` find nothing, and :func:`upload` raises."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture(what: str) -> None:
+    """Raise ``RuntimeError`` while a CUDA graph is captured: ``what`` (an op that derives host-side sizes
+    from its tensors' values) would be replayed with the captured pack's sizes for every pack."""
+    if capturing():
+        raise RuntimeError(
+            f"cpcompile's {what} cannot run inside a CUDA graph capture: it sizes its work on the host from the "
+            "pack, which every replay would repeat. Compile with torch.compile(..., mode='reduce-overhead') "
+            "(cpcompile's backend keeps such ops between the captured parts), or capture with "
+            "cpcompile.CapturedStep a model compiled with cpcompile.backend(..., captured_step=True), whose "
+            "attention is captured (docs/cuda-graphs.md)"
+        )
+
+
+_uncached = threading.local()
+
+
+@contextlib.contextmanager
+def uncached():
+    """Within: :func:`per_plan` caches nothing (this thread). For calls whose memory belongs to a CUDA
+    graph's pool, also when they run without a capture (cudagraph trees run each part once
+    without one first, in the pool): a cached tensor would outlive the call there, which cudagraph
+    trees refuse ("tensors in the cudagraph pool not tracked as outputs")."""
+    before = getattr(_uncached, "on", False)
+    _uncached.on = True
+    try:
+        yield
+    finally:
+        _uncached.on = before
 
 
 def replayed(t: torch.Tensor) -> bool:
@@ -127,7 +170,8 @@ def per_plan(fn):
     over the same memory (``torch.from_numpy`` of a reused buffer) is another key,
     but writes through it do not reach this tensor's version. Inference tensors have
     no version counter, and CUDA graph replays' outputs (:func:`replayed`) change with the same
-    version: calls with them are not cached. ``fn`` must not communicate:
+    version: calls with them are not cached, nor calls while a CUDA graph is captured
+    (:func:`capturing`: each capture derives its own, on the device). ``fn`` must not communicate:
     which entries a rank keeps depends on when it frees tensors, so ranks would not
     miss alike.
     """
@@ -135,7 +179,8 @@ def per_plan(fn):
 
     @functools.wraps(fn)
     def wrapper(*args):
-        if any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
+        uncacheable = getattr(_uncached, "on", False) or capturing()
+        if uncacheable or any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
             return fn(*args)
         key = tuple(_key(a) for a in args)
         hit, result = cache.get(key)
@@ -161,6 +206,11 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cpu":
         return host
+    if capturing():
+        raise RuntimeError(
+            "a plan derivation uploaded host values while a CUDA graph was captured: every replay would read the "
+            "captured pack's values; derive it on the device (per_plan.capturing)"
+        )
     if host.is_inference():  # no version counter to key a twin by: a plain copy
         return host.to(device)
     pinned = host.pin_memory() if device.type == "cuda" else host
@@ -174,7 +224,7 @@ def twin(t: torch.Tensor) -> torch.Tensor | None:
     uploaded from (:func:`upload`) while ``t`` is unchanged; ``None`` when there is none."""
     if t.device.type == "cpu":
         return t
-    if t.is_inference() or replayed(t):  # a plain copy (no version to key a twin by); a replay's output
+    if t.is_inference() or replayed(t) or capturing():  # a plain copy (no version counter); a replay's output
         return None
     return _TWINS.get(_key(t))[1]
 
@@ -253,7 +303,7 @@ def attach(t: torch.Tensor, value) -> None:
 def attached(t: torch.Tensor):
     """The value :func:`attach` gave ``t``, or else its twin (a plan made on the host and
     uploaded carries what it was made from); ``None`` when there is none."""
-    if torch.compiler.is_compiling() or is_fake(t) or replayed(t):
+    if torch.compiler.is_compiling() or is_fake(t) or replayed(t) or capturing():
         return None
     for x in (t, twin(t)):
         if x is not None and x.device.type != "meta":

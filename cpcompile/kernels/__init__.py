@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from ..config import KERNELS
+from ..per_plan import refuse_capture
 from . import reference
 from .contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 
@@ -33,12 +34,16 @@ def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None)
     every other tensor ``reference``. A named GPU kernel for other tensors, ``cudnn``/``auto``
     without cudnn-frontend, or ``fa4`` where FA4 cannot run ``q``, raises ``ValueError``.
 
+    Called while a CUDA graph is captured, it raises ``RuntimeError``: the ops that select a kernel
+    size their work on the host (the captured op, ``ops.captured``, takes FA4 without it).
+
     ``band``: where the call has a window that no GPU kernel runs (``contract.gpu_window``), why;
     a named GPU kernel then raises ``ValueError``, and ``None`` chooses ``reference`` (exact, slow),
     with a warning.
     """
     if name is not None and name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    refuse_capture("attention")
     if name == "reference":
         return reference
     usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

@@ -75,7 +75,7 @@ def backward(
     each of them up to about 3 times, and a budget against ``k``'s rows sent the
     exchange's backward to the slower flash (docs/attention-kernels.md).
     """
-    check_options(options)
+    check_options(options, "auto")
     args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "window": window, "grads": grads}
     num_keys = options.get("pack_keys") or k.shape[0]
     banded = _banded(causal, window, pieces)

@@ -128,18 +128,31 @@ class BackwardOptions(TypedDict, total=False):
     - ``pack_keys``: where ``k`` holds only the keys that are read (the sparse exchange),
       the pack's key count; ``auto`` budgets cuDNN's backward scratch against it
       (default: ``k``'s rows).
+    - ``layers``: the call is captured in a CUDA graph (``ops.captured``): at most this many
+      pieces read any one key (``metadata.scratch.layers``), a bound fixed for every pack the
+      capture replays. FA4's backward then reads nothing on the host: one call per layer in
+      place, every dK/dV row written (``varlen``); ``reference`` ignores it; the other
+      backends raise ``ValueError``.
     """
 
     pack_keys: int
+    layers: int
 
 
-def check_options(options: dict) -> None:
+def check_options(options: dict, kernel: str | None = None) -> None:
     """Raise ``TypeError`` for a keyword that is no :class:`BackwardOptions` field, as a
-    misspelt keyword argument would: backends take the options as ``**options``."""
+    misspelt keyword argument would: backends take the options as ``**options``. With
+    ``kernel``, the backend's name, ``layers`` (a captured call) raises ``ValueError``: the
+    backend derives host-side sizes from the plan, which a capture would replay for every pack."""
     unknown = sorted(options.keys() - BackwardOptions.__optional_keys__)
     if unknown:
         known = sorted(BackwardOptions.__optional_keys__)
         raise TypeError(f"backward() got unexpected keyword arguments {unknown}; backend options are {known}")
+    if kernel is not None and "layers" in options:
+        raise ValueError(
+            f"kernel {kernel!r} cannot run in a CUDA graph capture (its backward sizes its work on the host, per "
+            "plan): captured CP attention runs 'fa4' (or 'reference' off CUDA)"
+        )
 
 
 def gpu_window(kernel: str, causal: bool, window: tuple[int, int], pieces: Pieces) -> tuple[int, int]:

@@ -408,7 +408,7 @@ def backward(
     dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
 ):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
-    check_options(options)
+    check_options(options, "cudnn")
     band = _band(causal, window, pieces)
     _check(q, k)
     q, out, dout = (t.contiguous() for t in (q, out, dout))

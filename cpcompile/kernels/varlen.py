@@ -35,7 +35,7 @@ import torch
 
 from ..per_plan import per_plan
 from .contract import Pieces, check_options, gpu_window
-from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows
+from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
 from .triton import dead_rows
 
 #: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``).
@@ -95,11 +95,14 @@ class VarlenKernel:
         **options,
     ):  # fmt: skip
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
-        check_options(options)
+        check_options(options, None if self._in_place else self._name)
         band = gpu_window(self._name, causal, window, pieces)
         max_q, max_k = pieces.bounds(q, k)
         cu_q, k_start, k_len = pieces.tensors
         call = self._backward_call
+        if "layers" in options and not pieces.disjoint_keys:
+            layered = (dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k)
+            return self._captured_backward(*layered, options["layers"], grads)
         if pieces.disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
             cu_k = _consecutive_cu_k(k_start, k_len)
             dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, band)
@@ -128,3 +131,29 @@ class VarlenKernel:
         dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
         return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv
+
+    def _captured_backward(self, dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k, layers, grads):
+        """The backward of a call captured in a CUDA graph: ``layers`` calls in place (the bound of
+        the pieces' layers, fixed for every pack the capture replays; a layer without pieces is a
+        call whose entries use no rows), every size from the shapes, nothing read on the host. The
+        sums are written at every key row (0 where no piece reads it), so ``grads`` may not bring
+        buffers. A pack whose pieces do not fit the layers, or whose key ranges fall, fails a
+        device-side assertion: dK/dV summed without some piece would be wrong silently."""
+        if grads is not None and grads.dk is not None:
+            raise ValueError("a captured backward writes every dK/dV row: pass KeyGrads without buffers")
+        cu_q, k_start, k_len = pieces.tensors
+        n = k.shape[0]
+        calls = layer_calls(cu_q, k_start, k_len, n, layers)
+        live = torch.where(cu_q[1:] > cu_q[:-1], k_len, 0)
+        torch._assert_async((calls.used_k.sum(0) == live).all(), "a piece fits none of the captured layers")
+        ends = calls.cu_k[:, :-1] + calls.used_k
+        torch._assert_async((ends <= calls.cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
+        dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
+        dks, dvs = (t.new_empty((layers * n + 1, *t.shape[1:])) for t in (k, v))
+        for i in range(layers):
+            rows = {"seqused_q": calls.used_q[i], "seqused_k": calls.used_k[i], "dq": dq}
+            rows |= {"dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+            self._backward_call(dout, q, k, v, out, lse, cu_q, calls.cu_k[i], max_q, max_k, causal, scale, band, **rows)
+        dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
+        index = calls.index if grads is None or grads.key_order is None else calls.index[:, grads.key_order]
+        return dq, *(sum_layers(partial, index, layers * n) for partial in (dks, dvs))

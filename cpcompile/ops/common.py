@@ -9,13 +9,13 @@ import torch
 from ..checks import agreement_enabled
 from ..comm.groups import agree, already_agreed, digest
 
-#: Tags of every cpcompile op: kept out of CUDA graphs. The attention and plan ops derive host-side
-#: data from their tensors' values (the plan, the kernels' launch bounds and scratch sizes, the
-#: exchange's counts), so a captured call would replay the pack it was captured on, silently wrong
-#: for every other; the collective ops run their own streams and peers' signals, not checked under
-#: capture. Inductor's graph partitions leave tagged ops out of its CUDA graphs and capture what lies
-#: between them (``mode="reduce-overhead"`` through cpcompile's backend: docs/cuda-graphs.md); a capture made by hand
-#: (``torch.cuda.graph``) does not read tags.
+#: Tags of every cpcompile op but the captured pair (``ops.captured``): kept out of CUDA graphs. The
+#: attention and plan ops derive host-side data from their tensors' values (the plan, the kernels'
+#: launch bounds and scratch sizes, the exchange's counts), so a captured call would replay the pack
+#: it was captured on, silently wrong for every other; the collective ops run their own streams and
+#: peers' signals, not checked under capture. Inductor's graph partitions leave tagged ops out of its
+#: CUDA graphs and capture what lies between them (``mode="reduce-overhead"`` through cpcompile's
+#: backend: docs/cuda-graphs.md); a capture made by hand (``torch.cuda.graph``) does not read tags.
 NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,)
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..capture import note_plan, plan_in_capture
+from ..kernels.metadata import scratch
+from ..per_plan import capturing, per_plan, readable
 from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
 from ..window import narrow_keys
@@ -28,8 +31,13 @@ def plan_op(name: str, make, parameters: str):
     string so that the op is ``make`` itself rather than a function restating its parameters."""
     schema = f"({parameters}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 
-    def run(*args):  # lists (int[] arguments) as tuples: ``per_plan`` keys on the values
-        return tuple(make(*(tuple(a) if isinstance(a, list) else a for a in args)))
+    def run(*args):
+        args = tuple(tuple(a) if isinstance(a, list) else a for a in args)  # int[] as tuples: per_plan keys on values
+        if capturing():  # a CUDA graph replays no host work: the plan comes from a CapturedStep's slot
+            return plan_in_capture(make, args)
+        plan = tuple(make(*args))
+        note_plan(make, args, plan)
+        return plan
 
     return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema, tags=NOT_CAPTURED)
 
@@ -40,19 +48,53 @@ def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tenso
     return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))
 
 
+@per_plan
+def check_layers(cu_q, k_start, k_len_causal, k_len_full, layers: int, rank: int) -> None:
+    """Raise ``ValueError`` unless the plan's live pieces fit ``layers`` layers, with key starts that
+    never fall (what the captured attention's backward runs: ``ops.captured``), under both masks.
+    On the host twins; once per plan."""
+    cu_q, k_start, *lens = readable(cu_q, k_start, k_len_causal, k_len_full)
+    q_len = cu_q[1:] - cu_q[:-1]
+    for mask, k_len in zip(("causal", "full"), lens, strict=True):
+        live = torch.where(q_len > 0, k_len, 0)
+        layer, proper = scratch.layers(k_start, live)
+        starts = k_start[live > 0]
+        need = int(layer.max()) + 1 if bool((live > 0).any()) else 0
+        if need > layers or not bool((starts[1:] >= starts[:-1]).all()) or not bool(proper):
+            raise ValueError(
+                f"rank {rank}'s pieces of this pack need {need} layers of pieces over one key under {mask} attention "
+                f"(or their key starts fall), more than the {layers} that captured attention runs for its strategy "
+                "(cpcompile.ops.captured.LAYERS): a bug in that bound; leave CUDA graphs off for this pack"
+            )
+
+
+def step_plan_in_layers(
+    cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=(), capacity=(), layers=0
+):  # fmt: skip
+    """:func:`cpcompile.plan.step_plan`, and where ``layers`` > 0 (the plan feeds captured attention),
+    :func:`check_layers`: a pack beyond the captured backward's layers fails here, on the host,
+    before the step, not in the graph."""
+    args = (cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows, capacity)
+    plan = step_plan(*args)
+    if layers:
+        check_layers(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full, layers, rank)
+    return plan
+
+
 #: :func:`cpcompile.plan.step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start, k_len_causal,
 #: k_len_full [P])`` for ``T = num_tokens`` padded tokens, made once per ``cu_seqlens`` (checkpointed
-#: layers' recomputations, each with a ``cp_plan`` of its own, share it).
+#: layers' recomputations, each with a ``cp_plan`` of its own, share it); ``layers``: see
+#: :func:`step_plan_in_layers`.
 cp_plan = plan_op(
     "cp_plan",
-    step_plan,
+    step_plan_in_layers,
     "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt rank, str strategy, "
-    "SymInt stripe_size, int[] windows=[], int[] capacity=[]",
+    "SymInt stripe_size, int[] windows=[], int[] capacity=[], int layers=0",
 )
 
 
 @cp_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=(), capacity=()):
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=(), capacity=(), _=0):
     spec = _spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)
     if spec.capacity is not None:

@@ -49,18 +49,29 @@ def forward(kernel, q, k, v, gather_index, pieces: Pieces, group, chunks: int = 
     return torch.cat(outs, dim=1), torch.cat(lses, dim=0)
 
 
-def backward(kernel, dout, q, k, v, out, lse, gather_index, pieces: Pieces, group, chunks: int = 1, **kw):
-    """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered."""
+def backward(
+    kernel, dout, q, k, v, out, lse, gather_index, pieces: Pieces, group, chunks: int = 1, layers=None, **kw
+):  # fmt: skip
+    """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered.
+
+    ``layers``: the call is captured in a CUDA graph (``ops.captured``), with this bound on its
+    pieces' layers (``BackwardOptions.layers``): the kernel then writes every dK/dV row into new
+    buffers of the capture, rather than the read rows into the kept ones, which would be zeroed
+    only when the host sees the plan change (it sees nothing at a replay)."""
     chunks = kv_chunks(chunks, k.shape[1])
     pending = start_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
     key_order = gathered_order(gather_index)
-    dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, chunks)
+    if layers is None:
+        dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, chunks)
+    else:
+        kw["layers"] = layers
     qh = q.shape[1] // chunks
     dqs, scatters = [], []
     for i in range(chunks):
         heads = slice(i * qh, (i + 1) * qh)
         k_all, v_all = wait_physical(pending[i], gather_index)
-        sums = KeyGrads(key_order, dk_sums[i], dv_sums[i])  # in gather order, into the kept buffers
+        # in gather order, into the kept buffers (a captured call's: new ones, every row)
+        sums = KeyGrads(key_order) if layers is not None else KeyGrads(key_order, dk_sums[i], dv_sums[i])
         dq, dk_all, dv_all = kernel.backward(
             dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], pieces, grads=sums, **kw
         )

@@ -20,6 +20,7 @@ from ..comm.groups import group_name as _group_name
 from ..comm.groups import resolve_group
 from ..comm.ring import TpRing, gather_ring, reduce_scatter_ring
 from ..config import Config, resolve_config
+from ..per_plan import refuse_capture
 from .common import NOT_CAPTURED
 
 
@@ -44,6 +45,7 @@ def _ag_gemm(
     capacity_tokens: int | None,
     transport: str,
 ) -> torch.Tensor:
+    refuse_capture("ag_gemm (its overlapped transport is not checked under capture)")
     pg = resolve_group(group_name)
     x2, rows = _rows(x), x.shape[:-1].numel()
     out = x2.new_empty((pg.size() * rows, w.shape[0]))  # [tp * rows, N]
@@ -76,6 +78,7 @@ def _(x, w, bias, group_name, capacity_tokens, transport):
 def _ag_gemm_backward(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_capture("ag_gemm backward (its overlapped transport is not checked under capture)")
     pg = resolve_group(group_name)
     dx = _gemm_rs_impl(dy, w.t(), pg, capacity_tokens, transport)  # reduce_scatter(dy @ w): [t, ..., K]
     dy2, rows = _rows(dy), x.shape[:-1].numel()
@@ -131,6 +134,7 @@ def _gemm_rs_impl(
 def _gemm_rs(
     x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> torch.Tensor:
+    refuse_capture("gemm_rs (its overlapped transport is not checked under capture)")
     return _gemm_rs_impl(x, w, resolve_group(group_name), capacity_tokens, transport)
 
 
@@ -146,6 +150,7 @@ def _(x, w, group_name, capacity_tokens, transport):
 def _gemm_rs_backward(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    refuse_capture("gemm_rs backward (its overlapped transport is not checked under capture)")
     pg = resolve_group(group_name)
     x2, dy2 = _rows(x), _rows(dy)
     rows = dy2.shape[0]

@@ -44,6 +44,7 @@ from ..ops import heads as _heads  # noqa: F401  (registers cpcompile::cp_head_p
 from ..ops import hybrid as _hybrid  # noqa: F401  (registers cpcompile::cp_hybrid_plan, head_all_to_all)
 from ..ops import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from ..ops.attention import op_window
+from ..ops.captured import LAYERS, capturable
 from ..plan import AttentionPlan, max_piece_len, plan_extras
 from ..strategy import StrategySpec, check_head_parallel
 from ..window import UNBANDED, check_window
@@ -342,13 +343,36 @@ def rewrite_packed_attention(
     rank: int,
     spec: StrategySpec,
     config: Config | None = None,
+    captured: bool = False,
 ) -> None:
     """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``,
-    ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``."""
+    ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``.
+
+    ``captured`` (CUDA graphs on, packs padded to a capacity): calls that can be captured become
+    ``cp_attention_captured`` (``ops.captured.capturable``; the others stay as above, between the
+    captured parts), and their plans are made at the start of the graph, right after their inputs,
+    so that the plan op (kept out of CUDA graphs) does not cut the captured forward in two."""
     graph = gm.graph
     config = resolve_config(config)
     heads = spec.head_parallel > 1
     hybrid = 1 < spec.head_parallel < cp_size
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def early(m: AttentionMatch) -> fx.Node:
+        """The node before which a captured call's plan goes: the first after its inputs."""
+        inputs = [n for n in (m.cu_seqlens, m.cu_seqlens_padded) if isinstance(n, fx.Node)]
+        point = max(inputs, key=order.__getitem__).next if inputs else next(iter(graph.nodes))
+        while point.op == "placeholder":
+            point = point.next
+        return point
+
+    def in_capture(m: AttentionMatch) -> bool:
+        if not captured or heads:
+            return False
+        why = capturable(spec, m.q.meta["example_value"], config.kernel, m.window)
+        if why is not None:
+            log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
+        return why is None
 
     def insert(target, args, name=None, origin=None):
         node = graph.create_node("call_function", target, args, name=name)
@@ -360,8 +384,22 @@ def rewrite_packed_attention(
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
     for m in matches:
+        captured_call = in_capture(m)
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
+            if key not in plans and captured_call:  # the token count is a constant: no node reads q
+                tokens = m.q.meta["example_value"].shape[0] * cp_size
+                with graph.inserting_before(early(m)):
+                    plan = insert(
+                        torch.ops.cpcompile.cp_plan.default,
+                        (m.cu_seqlens, m.cu_seqlens_padded, tokens, cp_size, rank, spec.strategy.value,
+                         spec.stripe_size, *[list(x) for x in plan_extras(spec)], LAYERS[spec.strategy]),
+                        "cp_plan",
+                        m.node,
+                    )  # fmt: skip
+                    plans[key] = [
+                        insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
+                    ]
             if key not in plans:
                 # T = local tokens x cp: symbolic, so one graph serves every batch size
                 local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
@@ -410,6 +448,10 @@ def rewrite_packed_attention(
                     "cp_head_attention",
                     m.node,
                 )
+            elif captured_call:
+                name, target = "cp_attention_captured", torch.ops.cpcompile.cp_attention_captured.default
+                plan_args = (gather_index, cu_q, k_start, k_len)
+                config_args = (config.kernel, config.kv_chunks, LAYERS[spec.strategy])
             elif spec.comm == "ring":
                 banded = m.window not in UNBANDED
                 ring_key = (*key, m.window)
@@ -472,6 +514,7 @@ def shard_attention_pass(
     spec: StrategySpec,
     unsupported: str = "raise",
     config: Config | None = None,
+    captured: bool = False,
 ) -> int:
     """Shard every recognized packed attention call of ``gm`` and of the subgraphs its
     higher-order ops call (checkpointed layers' bodies, each with its own ``cp_plan``) over
@@ -480,7 +523,9 @@ def shard_attention_pass(
     ``unsupported``: ``"raise"`` (:class:`UnsupportedAttentionError` for a call CP cannot
     compute exactly) or ``"single_device"`` (leave it, warn: each rank then attends
     within its own tokens only). ``config``: the kernel and K/V transport the inserted
-    ops get as arguments (default :func:`cpcompile.config.default_config`).
+    ops get as arguments (default :func:`cpcompile.config.default_config`). ``captured``:
+    CUDA graphs are on, and calls that can be captured become ``cp_attention_captured``
+    (:func:`rewrite_packed_attention`).
     """
     # The root graph and the bodies its higher-order ops call (activation checkpointing puts
     # each checkpointed layer in one): a call left in a body would run single-device on a
@@ -515,8 +560,9 @@ def shard_attention_pass(
         if not matches:
             continue
         rewrite_packed_attention(
-            module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config
-        )
+            module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config,
+            captured=captured,
+        )  # fmt: skip
         module.graph.eliminate_dead_code()
         module.graph.lint()
         module.recompile()

@@ -1,0 +1,187 @@
+"""A whole CP training step as one CUDA graph per bucket of packs: :class:`CapturedStep`.
+
+``torch.compile(..., mode="reduce-overhead")`` records the forward and the backward as two CUDA
+graphs (cudagraph trees: one per compiled function) and leaves the rest of the step (the loss where
+it is not compiled, the optimizer) outside. :class:`CapturedStep` captures whatever a step function
+does, forward, loss, backward and optimizer alike, as one graph with ``torch.cuda.graph``, and
+replays it for every pack of the bucket: the model is compiled by cpcompile's backend with
+``captured_step=True``, so that its attention is the captured op (``ops.captured``).
+
+What a hand-made capture cannot do by itself is the plan: the plan op (``cp_plan``) makes a pack's
+plan on the host, which a capture would record once and replay for every pack. Inside a
+:class:`CapturedStep` the plan op instead hands out a copy of a *plan slot*, device buffers that the
+step fills before each replay from the new pack's plan (made on the host ahead of the step, from
+its host twins: ``shard_batch(..., device=...)``), the same way it copies the pack's tensors into
+the graph's input buffers. cpcompile's ops that size their work on the host raise inside a capture
+rather than replay one pack's sizes for every other (``kernels.select``, ``ops.common.refuse_capture``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+_capturing = threading.local()
+
+
+class PlanSlots:
+    """The plans a captured step reads: per plan op call, device buffers in the graph and how to make
+    them again for another pack (the op's arguments, with the step's inputs by position).
+
+    A plan op call seen while the step warms up (:func:`note_plan`) tells its plan's shapes; the same
+    call in the capture (:func:`plan_in_capture`) gets buffers of those shapes; before each replay
+    :meth:`fill` writes the pack's plans into them."""
+
+    def __init__(self, originals: list, static: list):
+        self._originals = originals
+        self._warmup, self._capture = _memory(originals), _memory(static)
+        self._seen: dict = {}
+        self._slots: list[tuple[Callable, tuple, tuple[torch.Tensor, ...]]] = []
+        self.capturing = False
+
+    @staticmethod
+    def _where(args: tuple, positions: dict) -> tuple | None:
+        """``args`` with each tensor as ``("input", i)``, the step's input ``i`` (the same memory: the
+        compiled code may hand the op an alias of it); ``None`` where a tensor is none of them."""
+        where = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if _at(a) not in positions:
+                    return None
+                a = ("input", positions[_at(a)])
+            where.append(a)
+        return tuple(where)
+
+    def seen(self, make: Callable, args: tuple, plan: tuple) -> None:
+        where = self._where(args, self._warmup)
+        if where is not None:
+            self._seen[make, where] = [(t.shape, t.dtype, t.device) for t in plan]
+
+    def add(self, make: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
+        """Buffers for plan ``make(*args)`` in the capture, as the warm-up's same call made it."""
+        where = self._where(args, self._capture)
+        if where is None or (make, where) not in self._seen:
+            raise ValueError(
+                "a plan inside a CapturedStep must be made from the step's own inputs (cu_seqlens as the data loader "
+                "gives it), not from a tensor computed in the step: its values would be the captured pack's at every "
+                "replay"
+            )
+        buffers = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt, device in self._seen[make, where])
+        self._slots.append((make, where, buffers))
+        return buffers
+
+    def fill(self, originals: list) -> None:
+        """Write each slot's plan for the pack of ``originals`` (the step's inputs as the caller gives them)."""
+        for make, where, buffers in self._slots:
+            args = tuple(originals[a[1]] if isinstance(a, tuple) and a[:1] == ("input",) else a for a in where)
+            for buffer, t in zip(buffers, make(*args), strict=True):
+                if buffer.shape != t.shape:
+                    raise ValueError(
+                        f"a pack's plan has shape {tuple(t.shape)}, the captured step's {tuple(buffer.shape)}: "
+                        "pad every pack of a bucket to its capacity (StrategySpec(..., capacity=...))"
+                    )
+                buffer.copy_(t, non_blocking=True)
+
+
+def _at(t: torch.Tensor) -> tuple:
+    return t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def _memory(inputs: list) -> dict:
+    """Where each tensor of ``inputs`` lies (:func:`_at`) -> its position."""
+    return {_at(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+
+
+def note_plan(make: Callable, args: tuple, plan: tuple) -> None:
+    """A plan op's call outside a capture: a :class:`CapturedStep` warming up keeps its shapes."""
+    slots = getattr(_capturing, "slots", None)
+    if slots is not None and not slots.capturing:
+        slots.seen(make, args, plan)
+
+
+def plan_in_capture(make: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
+    """What a plan op returns while a CUDA graph is captured: copies of the active
+    :class:`CapturedStep`'s plan slot for this call; ``RuntimeError`` in a capture that is no
+    :class:`CapturedStep`'s."""
+    slots = getattr(_capturing, "slots", None)
+    if slots is None or not slots.capturing:
+        raise RuntimeError(
+            "cpcompile's plan ops make a pack's plan on the host, which a CUDA graph captured by hand would replay "
+            "for every pack: capture the step with cpcompile.CapturedStep, or compile with "
+            "torch.compile(..., mode='reduce-overhead') (docs/cuda-graphs.md)"
+        )
+    return tuple(b.clone() for b in slots.add(make, args))
+
+
+class CapturedStep:
+    """``step(*inputs)`` as one CUDA graph per shape of its inputs, replayed for every pack of a bucket.
+
+    ``step``: forward, loss, backward and anything else (an optimizer made with ``capturable=True``);
+    it returns what the caller reads (tensors are the graph's, overwritten by the next replay).
+    Its model is compiled with ``cpcompile.backend(..., captured_step=True)`` and ``dynamic=False``,
+    and its packs padded to a capacity (``StrategySpec.capacity``), so that every pack of a bucket
+    has one shape. ``inputs``: tensors on the GPU, as ``shard_batch(..., device=...)`` gives them
+    (``cu_seqlens`` with its host twin: the plan of each pack is made on the host from it, before
+    the replay, without a sync), and other values that stay the same for a bucket.
+
+    The first call of each shape runs ``step`` ``warmup`` times without a graph (compilation,
+    FA4's kernels), on a side stream as CUDA graphs need, then captures it; ``module``: its
+    gradients are set to ``None`` before the capture, so that the backward allocates them in the
+    graph and each replay writes them (not adds to them): do not set them to ``None`` between
+    steps. Later calls copy the inputs and the pack's plans into the graph's buffers and replay.
+    ``captures`` counts the graphs recorded.
+    """
+
+    def __init__(self, step: Callable, *, module: torch.nn.Module | None = None, warmup: int = 1):
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be a positive int (runs before the capture), got {warmup!r}")
+        self._step, self._module, self._warmup = step, module, warmup
+        self._graphs: dict = {}
+        self.captures = 0
+
+    def __call__(self, *inputs):
+        leaves, spec = pytree.tree_flatten(inputs)
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and not x.is_cuda:
+                raise ValueError(f"CapturedStep takes CUDA tensors, got input {i} on {x.device}")
+        first: dict[int, int] = {}  # which inputs are one tensor: part of what a graph was captured for
+        key = (spec, *((tuple(x.shape), x.dtype, x.device, first.setdefault(id(x), i)) if isinstance(x, torch.Tensor)
+                       else x for i, x in enumerate(leaves)))  # fmt: skip
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(leaves, spec)
+        graph, static, slots, out = entry
+        for buffer, x in zip(static, leaves, strict=True):
+            if isinstance(x, torch.Tensor):  # a buffer given twice takes the same values twice
+                buffer.copy_(x, non_blocking=True)
+        slots.fill(leaves)
+        graph.replay()
+        return out
+
+    def _capture(self, leaves: list, spec):
+        # one buffer per distinct tensor: inputs given twice (Hugging Face's cu_seq_lens_q and _k) stay
+        # one tensor, as the compiled code saw them in the warm-up (else it would recompile, in the capture)
+        copies: dict[int, torch.Tensor] = {}
+        static = [copies.setdefault(id(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
+        slots = PlanSlots(leaves, static)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        _capturing.slots = slots  # the warm-up's plan calls tell the slots' shapes
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self._warmup):
+                    self._step(*pytree.tree_unflatten(leaves, spec))
+            torch.cuda.current_stream().wait_stream(side)
+            if self._module is not None:
+                self._module.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            slots.capturing = True
+            with torch.cuda.graph(graph):
+                out = self._step(*pytree.tree_unflatten(static, spec))
+        finally:
+            _capturing.slots = None
+        self.captures += 1
+        return graph, static, slots, out

@@ -1,0 +1,316 @@
+"""Captured CP attention (``ops.captured``): the op pair a CUDA graph captures with the rest of the step.
+
+On the CPU there are no CUDA graphs; what is checked here is what makes a capture replay right
+for every pack: the layered in-place backward with a fixed layer bound (FA4's, emulated on the
+reference kernel, ``tests.emulated``) against float64 attention on random packs' real plans, the
+bound itself, the loud failure of a pack beyond it, the compiler's choice of the captured ops and
+the plan's place at the start of the graph, and training on 2 gloo ranks through them. The GPU
+run (captures, replays, equal losses) is ``benchmarks/cuda_graphs.py`` (``tests/test_cuda_graphs_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import Capacity, StrategySpec
+from cpcompile.kernels import KeyGrads, Pieces, reference
+from cpcompile.ops.captured import LAYERS, capturable
+from cpcompile.plan import make_plan
+from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
+from tests import emulated
+from tests.fixtures import KINDS, cu_seqlens, random_pack
+from tests.graphs import FakeGroupTestCase
+
+CASES = [(s.value, cp, kind) for s in LAYERS for cp in (2, 3, 8) for kind in KINDS]
+
+
+@pytest.mark.parametrize(("strategy", "cp", "kind"), CASES)
+def test_captured_backward_of_every_rank_equals_float64_attention(strategy, cp, kind):
+    """Every rank's pieces of random packs (1-token and zero-length documents, single documents, packs
+    whose padding is cp), both masks, over the all-gathered keys in a shuffled order (as
+    ``ops.gathered`` hands them): the emulated FA4 forward, and the backward with the strategy's layer
+    bound (``LAYERS``: one call per layer in place, every dK/dV row written), equal the reference's.
+    Had a rank's pieces needed more layers, or fallen within one, the device-side checks would raise."""
+    rng = random.Random(f"{strategy}-{cp}-{kind}")
+    for _ in range(3):
+        cu = cu_seqlens(random_pack(rng, cp, kind))
+        spec = StrategySpec(strategy)
+        for rank in range(cp):
+            plan = make_plan(cu, cp_size=cp, rank=rank, strategy=spec)
+            n, t_local = plan.gather_index.shape[0], plan.cu_q[-1].item()
+            g = torch.Generator().manual_seed(rng.randrange(2**31))
+            q = torch.randn(t_local, 4, 8, dtype=torch.float64, generator=g)
+            k, v = (torch.randn(n, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+            dout = torch.randn_like(q)
+            order = torch.randperm(n, generator=g)
+            for causal in (True, False):
+                pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
+                kw = {"causal": causal, "scale": 0.3}
+                want = reference.forward(q, k, v, pieces, **kw)
+                want_grads = reference.backward(dout, q, k, v, *want, pieces, **kw)
+                calls: list = []
+                kernel = emulated.fa4(calls)
+                got = kernel.forward(q, k, v, pieces, **kw)
+                layers = LAYERS[spec.strategy]
+                grads = kernel.backward(dout, q, k, v, *got, pieces, grads=KeyGrads(order), layers=layers, **kw)
+                assert len(calls) == LAYERS[spec.strategy] and all(c for c in calls)
+                label = f"{strategy} cp={cp} rank {rank} causal={causal} {cu.tolist()}"
+                for name, a, b in zip(("out", "lse"), got, want, strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{name} {label}")
+                wanted = (want_grads[0], want_grads[1][order], want_grads[2][order])
+                for name, a, b in zip(("dq", "dk", "dv"), grads, wanted, strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{name} {label}")
+
+
+def test_a_pack_beyond_the_layers_fails_on_the_host_and_on_the_device_not_silently():
+    """Pieces that the layer bound cannot hold (three prefixes of one document for two layers), or
+    whose key ranges fall within a layer, fail the plan op's host check (``check_layers``, before the
+    step) and, were it skipped, the backward's device-side assertion (on the CPU, at once): summed
+    without some piece's dK/dV, the gradient would be wrong without a word."""
+    from cpcompile.ops.cp_plan import check_layers
+
+    q = torch.randn(6, 2, 4, dtype=torch.float64)
+    k, v = torch.randn(8, 1, 4, dtype=torch.float64), torch.randn(8, 1, 4, dtype=torch.float64)
+    cu_q = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    three = Pieces(cu_q, torch.tensor([0, 0, 0], dtype=torch.int32), torch.tensor([2, 4, 6], dtype=torch.int32))
+    falling = Pieces(cu_q, torch.tensor([4, 0, 2], dtype=torch.int32), torch.tensor([2, 2, 2], dtype=torch.int32))
+    kernel, kw = emulated.fa4(), {"causal": True, "scale": 0.5}
+    for pieces, layers, message in ((three, 2, "fits none of the captured layers"), (falling, 1, "overlap or fall")):
+        with pytest.raises(ValueError, match=f"more than the {layers} that captured attention runs"):
+            check_layers(pieces.cu_q, pieces.k_start, pieces.k_len, pieces.k_len, layers, 3)
+        if pieces is three:  # in key order: three layers hold it
+            check_layers(pieces.cu_q, pieces.k_start, pieces.k_len, pieces.k_len, 3, 3)
+        out, lse = reference.forward(q, k, v, pieces, **kw)
+        with pytest.raises(RuntimeError, match=message):
+            kernel.backward(torch.randn_like(q), q, k, v, out, lse, pieces, layers=layers, **kw)
+
+
+def test_backends_that_size_work_on_the_host_refuse_a_captured_backward():
+    """flash's and cuDNN's backwards (and ``auto``'s) derive host-side sizes from the plan: asked for a
+    captured backward (``layers``), they raise naming the kernels that can."""
+    from cpcompile.kernels import auto, cudnn, flash
+
+    q = torch.randn(4, 2, 8)
+    pieces = Pieces(torch.tensor([0, 4], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                    torch.full((1,), 4, dtype=torch.int32))  # fmt: skip
+    for backend in (flash, cudnn, auto):
+        with pytest.raises(ValueError, match="cannot run in a CUDA graph capture"):
+            backend.backward(q, q, q, q, q, q[:, :, 0].t(), pieces, causal=True, scale=1.0, layers=2)
+
+
+def _inductor_as_aot_eager(graphs: list):
+    """``compile_fx`` stood in for by ``aot_eager`` (the CPU has no CUDA graphs), recording each graph
+    the backend hands it and the config patches it gets."""
+    import torch._inductor.compile_fx as inductor
+
+    def recording(gm, example_inputs, config_patches=None, **kwargs):
+        graphs.append((gm, config_patches))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    return mock.patch.object(inductor, "compile_fx", recording)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class CapturedOpsInTheGraph(FakeGroupTestCase):
+    def _compile(self, spec: StrategySpec) -> torch.fx.GraphModule:
+        cfg = GPTConfig(vocab=32, dim=16, heads=2, kv_heads=1, layers=2, max_position=64)
+        pack = synthetic_pack([5, 9, 2], cfg.vocab, torch.Generator().manual_seed(0))
+        names = ("input_ids", "position_ids")
+        batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
+                                      strategy=spec)  # fmt: skip
+        graphs: list = []
+        torch._dynamo.reset()
+        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
+        with _inductor_as_aot_eager(graphs), cpcompile.strategy(batch.spec):
+            compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False, mode="reduce-overhead")
+            compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
+        return graphs[0][0]
+
+    def test_capturable_calls_become_captured_ops_fed_by_a_plan_at_the_start(self):
+        """Under CUDA graphs with a capacity, each attention call of balanced, dual_chunk_swap and
+        no_load_balance becomes ``cp_attention_captured`` (with the strategy's layer bound), and its plan
+        op comes first, before any computation, so that it does not cut the captured forward in two."""
+        for strategy in ("balanced", "dual_chunk_swap", "no_load_balance"):
+            gm = self._compile(StrategySpec(strategy, capacity=Capacity(tokens=32, documents=4)))
+            targets = _targets(gm)
+            assert targets.count("cpcompile.cp_attention_captured.default") == 2, targets
+            assert "cpcompile.cp_attention.default" not in targets, targets
+            first = [t for t in targets if t != "<built-in function getitem>"][0]
+            assert first == "cpcompile.cp_plan.default", targets
+            layers = [n.args[-1] for n in gm.graph.nodes if "captured" in str(n.target)]
+            assert layers == [LAYERS[cpcompile.Strategy(strategy)]] * 2, layers
+
+    def test_calls_that_cannot_be_captured_stay_between_the_captured_parts(self):
+        """Striped (as many layers as a document has stripes on a rank) and the ring keep ``cp_attention``
+        / ``cp_ring_attention``, which inductor's graph partitions leave out of the CUDA graphs, as before;
+        so do sliding windows, head parallelism and kernels that size their work on the host, each
+        with its reason (logged by the pass)."""
+        bucket = Capacity(tokens=48, documents=4)
+        for spec, op in (
+            (StrategySpec("striped", capacity=bucket), "cp_attention"),
+            (StrategySpec("balanced", comm="ring", capacity=bucket), "cp_ring_attention"),
+        ):
+            targets = _targets(self._compile(spec))
+            assert f"cpcompile.{op}.default" in targets and not any("captured" in t for t in targets), (spec, targets)
+        q, spec = torch.empty(8, 2, 16), StrategySpec("balanced", capacity=bucket)
+        assert capturable(spec, q, None, (-1, 0)) is None and capturable(spec, q, "reference", (-1, -1)) is None
+        for args, why in (
+            ((spec, q, None, (4, 0)), "window_size=(4, 0)"),
+            ((spec, q, "cudnn", (-1, 0)), "kernel 'cudnn'"),
+            ((StrategySpec("balanced", head_parallel=2), q, None, (-1, 0)), "head_parallel=2"),
+            ((StrategySpec("striped"), q, None, (-1, 0)), "strategy 'striped'"),
+        ):
+            assert why in capturable(*args), (args, capturable(*args))
+
+
+def _train_captured(rank: int, world: int) -> None:
+    import torch._dynamo
+
+    from cpcompile.ops import captured
+    from cpcompile.testing import summed_loss
+    from tests.dist import assert_matches_summed_over_ranks
+
+    calls: list = []
+    captured._kernel = lambda q, name: emulated.fa4(calls)  # FA4's arrangement, on the CPU
+    cfg = GPTConfig(vocab=32, dim=32, heads=4, kv_heads=2, layers=2, max_position=256)
+    for strategy in ("balanced", "dual_chunk_swap"):
+        torch.manual_seed(0)
+        reference, model = PackedGPT(cfg), PackedGPT(cfg)
+        model.load_state_dict(reference.state_dict())
+        spec = StrategySpec(strategy, capacity=Capacity(tokens=96, documents=8))
+        graphs: list = []
+        torch._dynamo.reset()
+        with _inductor_as_aot_eager(graphs):
+            # dual_chunk_swap's K/V come in two head groups (Config.kv_chunks): one captured backward each
+            config = cpcompile.Config(kv_chunks=2 if strategy == "dual_chunk_swap" else 1)
+            backend = cpcompile.backend(config=config)
+            compiled = torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead")
+            g = torch.Generator().manual_seed(3)
+            for step, lengths in enumerate(([5, 17, 1, 9], [40], [2, 0, 11, 1, 6, 3])):
+                pack = synthetic_pack(lengths, cfg.vocab, g)
+                reference.zero_grad()
+                want = reference(pack["input_ids"], pack["position_ids"], pack["cu_seqlens"], 40)
+                want = summed_loss(want, pack["labels"])
+                want.backward()
+                names = ("input_ids", "labels", "position_ids")
+                batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=world,
+                                              rank=rank, strategy=spec)  # fmt: skip
+                t = batch.tensors
+                model.zero_grad()
+                calls.clear()
+                with cpcompile.strategy(batch.spec):
+                    loss = summed_loss(compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens, 40), t["labels"])
+                loss.backward()
+                chunks = 2 if strategy == "dual_chunk_swap" else 1
+                assert len(calls) == 2 * chunks * LAYERS[spec.strategy], f"{len(calls)} backward calls, {strategy}"
+                label = f"captured {strategy} step {step}"
+                assert_matches_summed_over_ranks(loss, want, model, reference, label, 1e-4)
+        assert len(graphs) == 1 and "cpcompile.cp_attention_captured.default" in _targets(graphs[0][0]), graphs
+
+
+def test_a_compiled_model_trains_through_the_captured_ops_like_one_process():
+    """2 gloo ranks, balanced and dual_chunk_swap (K/V in two head groups) on a capacity,
+    ``mode="reduce-overhead"`` (inductor stood in for by ``aot_eager``): the captured ops, with FA4's
+    layered backward emulated, give the single-process loss and every gradient on three packs of 1-6
+    documents, one graph."""
+    from tests.dist import run_ranks
+
+    run_ranks(_train_captured, 2)
+
+
+def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
+    """``CapturedStep``'s plan slots (the CPU part of it): a plan op call seen in the warm-up tells the
+    slot's shapes, the same call in the capture (on the step's input buffers) gets buffers of them,
+    and before each replay the buffers take the next pack's plan, as ``step_plan`` makes it; a plan
+    of a tensor that is no input of the step, or a pack of another shape, raises."""
+    from cpcompile.capture import PlanSlots
+    from cpcompile.plan import plan_extras, step_plan
+
+    spec = StrategySpec("balanced", capacity=Capacity(tokens=64, documents=5))
+    packs = []
+    for lengths in ([5, 17, 1, 9], [40], [2, 0, 11, 1, 6]):
+        batch = cpcompile.shard_batch({"x": torch.zeros(sum(lengths))}, cu_seqlens(lengths), cp_size=2, rank=1,
+                                      strategy=spec)  # fmt: skip
+        packs.append(batch.cu_seqlens)
+    rest = (64, 2, 1, "balanced", 1, *plan_extras(spec))
+    originals = [packs[0], 7]
+    static = [packs[0].clone(), 7]
+    slots = PlanSlots(originals, static)
+    slots.seen(step_plan, (packs[0], None, *rest), step_plan(packs[0], None, *rest))
+    slots.capturing = True
+    buffers = slots.add(step_plan, (static[0], None, *rest))
+    for cu in packs:
+        slots.fill([cu, 7])
+        for buffer, want in zip(buffers, step_plan(cu, None, *rest), strict=True):
+            assert torch.equal(buffer, want)
+    with pytest.raises(ValueError, match="from the step's own inputs"):
+        slots.add(step_plan, (packs[1], None, *rest))
+    with pytest.raises(ValueError, match="pad every pack of a bucket to its capacity"):
+        slots.fill([cu_seqlens([3, 3]), 7])
+
+
+class InACapture(FakeGroupTestCase):
+    def test_ops_that_size_work_on_the_host_refuse_a_capture(self):
+        """While a CUDA graph is captured (simulated: the CPU has none), the plan op outside a
+        ``CapturedStep``, every op that selects an attention kernel and the TP overlap ops raise
+        ``RuntimeError`` naming the ways that work, rather than record one pack's sizes for all."""
+        from cpcompile import per_plan
+        from cpcompile.ops import cp_plan as plan_ops
+
+        cu = cu_seqlens([5, 3])
+        q = torch.randn(8, 2, 4)
+        capturing = (mock.patch.object(module, "capturing", lambda: True) for module in (per_plan, plan_ops))
+        with contextlib.ExitStack() as stack:
+            for patch in capturing:
+                stack.enter_context(patch)
+            with pytest.raises(RuntimeError, match="CapturedStep"):
+                torch.ops.cpcompile.cp_plan(cu, None, 8, 2, 1, "balanced", 1)
+            with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+                cpcompile.packed_attention(q, q, q, cu)
+            with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+                cpcompile.ag_gemm(torch.randn(4, 8), torch.randn(8, 8), group=self.group)
+
+
+def test_captured_step_takes_cuda_tensors_and_a_positive_warmup():
+    with pytest.raises(ValueError, match="warmup must be a positive int"):
+        cpcompile.CapturedStep(lambda x: x, warmup=0)
+    with pytest.raises(ValueError, match="CapturedStep takes CUDA tensors, got input 0 on cpu"):
+        cpcompile.CapturedStep(lambda x: x)(torch.zeros(2))
+
+
+class CapturedStepBackend(FakeGroupTestCase):
+    def test_a_backend_for_a_captured_step_emits_the_captured_ops_and_needs_a_capacity(self):
+        """``cpcompile.backend(captured_step=True)`` without ``mode``: the same captured ops as under
+        ``mode="reduce-overhead"``, and the same refusal of packs without a capacity."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        cfg = GPTConfig(vocab=32, dim=16, heads=2, kv_heads=1, layers=1, max_position=64)
+        pack = synthetic_pack([5, 9, 2], cfg.vocab, torch.Generator().manual_seed(0))
+        names = ("input_ids", "position_ids")
+        for spec in (StrategySpec("balanced", capacity=Capacity(tokens=32, documents=4)), StrategySpec("balanced")):
+            batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
+                                          strategy=spec)  # fmt: skip
+            graphs: list = []
+
+            def inner(gm, example_inputs, graphs=graphs):
+                graphs.append(gm)
+                return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+            torch._dynamo.reset()
+            backend = cpcompile.backend(inner=inner, captured_step=True, config=cpcompile.Config(kv_exchange="never"))
+            compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False)
+            with cpcompile.strategy(batch.spec), contextlib.ExitStack() as stack:
+                if spec.capacity is None:
+                    stack.enter_context(pytest.raises(BackendCompilerFailed, match="capacity bucket"))
+                compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9)
+            if spec.capacity is not None:
+                assert "cpcompile.cp_attention_captured.default" in _targets(graphs[0])

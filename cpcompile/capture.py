@@ -13,7 +13,7 @@ plan on the host, which a capture would record once and replay for every pack. I
 step fills before each replay from the new pack's plan (made on the host ahead of the step, from
 its host twins: ``shard_batch(..., device=...)``), the same way it copies the pack's tensors into
 the graph's input buffers. cpcompile's ops that size their work on the host raise inside a capture
-rather than replay one pack's sizes for every other (``kernels.select``, ``ops.common.refuse_capture``).
+rather than replay one pack's sizes for every other (``per_plan.refuse_capture``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class PlanSlots:
     :meth:`fill` writes the pack's plans into them."""
 
     def __init__(self, originals: list, static: list):
-        self._originals = originals
         self._warmup, self._capture = _memory(originals), _memory(static)
         self._seen: dict = {}
         self._slots: list[tuple[Callable, tuple, tuple[torch.Tensor, ...]]] = []

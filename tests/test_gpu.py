@@ -18,6 +18,7 @@ import cpcompile
 from cpcompile import kernels
 from cpcompile.comm import exchange
 from cpcompile.kernels import KeyGrads, Pieces, cudnn, fa4, flash
+from cpcompile.ops.captured import LAYERS
 from cpcompile.plan import max_piece_len
 from cpcompile.strategy import resolve_strategy
 from cpcompile.testing import VARLEN_GQA
@@ -134,6 +135,13 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
         into = KeyGrads(order, torch.zeros_like(gk), torch.zeros_like(gv))
         _, ok, ov = kernel.backward(dout[idx], q[idx], k, v, o, lse, pieces, grads=into, **kw)
         assert ok is into.dk and _same(ok, gk[order], name) and _same(ov, gv[order], name)
+        layers = LAYERS.get(resolve_strategy(strategy).strategy)
+        if name == "fa4" and layers is not None:  # the captured backward (ops.captured): per layer, in place
+            lq, lk, lv = kernel.backward(
+                dout[idx], q[idx], k, v, o, lse, pieces, grads=KeyGrads(order), layers=layers, **kw
+            )
+            assert _same(lk, gk[order], name) and _same(lv, gv[order], name)
+            assert _err(lq, gq) <= 1e-2 * gq.abs().max().item()
         # the sparse exchange's call: the same pieces over only the keys they read
         read = exchange.reads(plan.gather_index, plan.k_start, plan.k_len(causal), cp)
         k_read, v_read = k[read.rows], v[read.rows]

@@ -31,15 +31,24 @@ class PlanSlots:
     """The plans a captured step reads: per plan op call, device buffers in the graph and how to make
     them again for another pack (the op's arguments, with the step's inputs by position).
 
-    A plan op call seen while the step warms up (:func:`note_plan`) tells its plan's shapes; the same
-    call in the capture (:func:`plan_in_capture`) gets buffers of those shapes; before each replay
-    :meth:`fill` writes the pack's plans into them."""
+    A plan op call seen while the step warms up (:meth:`warming`, :func:`note_plan`) tells its plan's
+    shapes; the same call in the capture (:meth:`capture`, :func:`plan_in_capture`) gets buffers of
+    those shapes; before each replay :meth:`fill` writes the pack's plans into them."""
 
-    def __init__(self, originals: list, static: list):
-        self._warmup, self._capture = _memory(originals), _memory(static)
+    def __init__(self):
+        self._warmup: dict = {}
+        self._capture: dict = {}
         self._seen: dict = {}
         self._slots: list[tuple[Callable, tuple, tuple[torch.Tensor, ...]]] = []
         self.capturing = False
+
+    def warming(self, inputs: list) -> None:
+        """A warm-up call of the step on ``inputs`` (its flattened inputs) follows."""
+        self._warmup = _memory(inputs)
+
+    def capture(self, static: list) -> None:
+        """The capture of the step on ``static`` (the graph's input buffers) follows."""
+        self._capture, self.capturing = _memory(static), True
 
     @staticmethod
     def _where(args: tuple, positions: dict) -> tuple | None:
@@ -115,6 +124,19 @@ def plan_in_capture(make: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
     return tuple(b.clone() for b in slots.add(make, args))
 
 
+class _Bucket:
+    """One shape of a :class:`CapturedStep`'s inputs: its warm-up calls so far, then its graph, input
+    buffers, plan slots, outputs and the gradients the graph writes."""
+
+    def __init__(self):
+        self.warmed = 0
+        self.slots = PlanSlots()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list = []
+        self.out = None
+        self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+
 class CapturedStep:
     """``step(*inputs)`` as one CUDA graph per shape of its inputs, replayed for every pack of a bucket.
 
@@ -126,19 +148,24 @@ class CapturedStep:
     (``cu_seqlens`` with its host twin: the plan of each pack is made on the host from it, before
     the replay, without a sync), and other values that stay the same for a bucket.
 
-    The first call of each shape runs ``step`` ``warmup`` times without a graph (compilation,
-    FA4's kernels), on a side stream as CUDA graphs need, then captures it; ``module``: its
-    gradients are set to ``None`` before the capture, so that the backward allocates them in the
-    graph and each replay writes them (not adds to them): do not set them to ``None`` between
-    steps. Later calls copy the inputs and the pack's plans into the graph's buffers and replay.
-    ``captures`` counts the graphs recorded.
+    Each call is one step on its own pack, whatever it does for the graph. The first ``warmup``
+    calls of a bucket run ``step`` without a graph (compilation, FA4's kernels; on a side stream, as
+    CUDA graphs need); the next one captures it and replays it, and every later one copies its
+    inputs and its pack's plans into the graph's buffers and replays. ``captures`` counts the graphs
+    recorded.
+
+    ``module``: the model whose gradients ``step`` makes. They are set to ``None`` before the
+    capture, so that the backward allocates them in the graph and each replay writes them (not adds
+    to them), and after each replay the parameters' ``.grad`` are the graph's again, so that an
+    optimizer outside the step sees them even where the loop set them to ``None``
+    (``zero_grad()``). Gradients cannot be accumulated over several replays.
     """
 
     def __init__(self, step: Callable, *, module: torch.nn.Module | None = None, warmup: int = 1):
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be a positive int (runs before the capture), got {warmup!r}")
         self._step, self._module, self._warmup = step, module, warmup
-        self._graphs: dict = {}
+        self._buckets: dict = {}
         self.captures = 0
 
     def __call__(self, *inputs):
@@ -149,38 +176,51 @@ class CapturedStep:
         first: dict[int, int] = {}  # which inputs are one tensor: part of what a graph was captured for
         key = (spec, *((tuple(x.shape), x.dtype, x.device, first.setdefault(id(x), i)) if isinstance(x, torch.Tensor)
                        else x for i, x in enumerate(leaves)))  # fmt: skip
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._capture(leaves, spec)
-        graph, static, slots, out = entry
-        for buffer, x in zip(static, leaves, strict=True):
+        bucket = self._buckets.setdefault(key, _Bucket())
+        if bucket.graph is None:
+            if bucket.warmed < self._warmup:
+                bucket.warmed += 1
+                return self._warm(bucket, leaves, spec)
+            self._capture(bucket, leaves, spec)
+        for buffer, x in zip(bucket.static, leaves, strict=True):
             if isinstance(x, torch.Tensor):  # a buffer given twice takes the same values twice
                 buffer.copy_(x, non_blocking=True)
-        slots.fill(leaves)
-        graph.replay()
+        bucket.slots.fill(leaves)
+        bucket.graph.replay()
+        for p, grad in bucket.grads:
+            p.grad = grad
+        return bucket.out
+
+    def _warm(self, bucket: _Bucket, leaves: list, spec):
+        """One step without a graph, on a side stream; its plan calls tell the plan slots' shapes."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        bucket.slots.warming(leaves)
+        _capturing.slots = bucket.slots
+        try:
+            with torch.cuda.stream(side):
+                out = self._step(*pytree.tree_unflatten(leaves, spec))
+        finally:
+            _capturing.slots = None
+        torch.cuda.current_stream().wait_stream(side)
         return out
 
-    def _capture(self, leaves: list, spec):
+    def _capture(self, bucket: _Bucket, leaves: list, spec) -> None:
         # one buffer per distinct tensor: inputs given twice (Hugging Face's cu_seq_lens_q and _k) stay
         # one tensor, as the compiled code saw them in the warm-up (else it would recompile, in the capture)
         copies: dict[int, torch.Tensor] = {}
-        static = [copies.setdefault(id(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
-        slots = PlanSlots(leaves, static)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        _capturing.slots = slots  # the warm-up's plan calls tell the slots' shapes
+        bucket.static = [copies.setdefault(id(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
+        if self._module is not None:
+            self._module.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        bucket.slots.capture(bucket.static)
+        _capturing.slots = bucket.slots
         try:
-            with torch.cuda.stream(side):
-                for _ in range(self._warmup):
-                    self._step(*pytree.tree_unflatten(leaves, spec))
-            torch.cuda.current_stream().wait_stream(side)
-            if self._module is not None:
-                self._module.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            slots.capturing = True
             with torch.cuda.graph(graph):
-                out = self._step(*pytree.tree_unflatten(static, spec))
+                bucket.out = self._step(*pytree.tree_unflatten(bucket.static, spec))
         finally:
             _capturing.slots = None
+        if self._module is not None:
+            bucket.grads = [(p, p.grad) for p in self._module.parameters() if p.grad is not None]
+        bucket.graph = graph
         self.captures += 1
-        return graph, static, slots, out

@@ -242,11 +242,11 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
                                       strategy=spec)  # fmt: skip
         packs.append(batch.cu_seqlens)
     rest = (64, 2, 1, "balanced", 1, *plan_extras(spec))
-    originals = [packs[0], 7]
+    slots = PlanSlots()
+    slots.warming([packs[2], 7])  # a warm-up call on another pack of the bucket than the capture's
+    slots.seen(step_plan, (packs[2], None, *rest), step_plan(packs[2], None, *rest))
     static = [packs[0].clone(), 7]
-    slots = PlanSlots(originals, static)
-    slots.seen(step_plan, (packs[0], None, *rest), step_plan(packs[0], None, *rest))
-    slots.capturing = True
+    slots.capture(static)
     buffers = slots.add(step_plan, (static[0], None, *rest))
     for cu in packs:
         slots.fill([cu, 7])

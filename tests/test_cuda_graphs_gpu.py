@@ -58,5 +58,59 @@ def test_packs_of_a_bucket_replay_the_forward_and_the_backward_graph():
 @pytest.mark.skipif(not fa4.available(), reason="CapturedStep's attention is FA4's")
 def test_packs_of_a_bucket_replay_one_graph_of_the_whole_step():
     """``cpcompile.CapturedStep``: forward, loss and backward, one graph per bucket, replayed for every
-    pack with its plan copied into the graph's plan slots. (Written without a GPU run yet.)"""
+    pack with its plan copied into the graph's plan slots."""
     assert _captures(_run("plain,step")) == (1, 0)
+
+
+@pytest.mark.skipif(not fa4.available(), reason="CapturedStep's attention is FA4's")
+def test_each_call_of_a_captured_step_is_one_training_step_on_its_own_pack():
+    """``CapturedStep`` with the optimizer inside the step (Adam, ``capturable=True``): every call,
+    the warm-up's included, is one step on its own pack (Adam's step count follows the calls), and
+    the bucket is captured once; with the optimizer outside, the loop's ``zero_grad()`` between
+    steps leaves each replay's gradients on the parameters for it. Rank 1 of 2 on the fake group,
+    whose collectives return garbage: counts, not values (those: the benchmark's tests above)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cpcompile
+    from cpcompile.testing.packed_gpt import GPTConfig, PackedGPT, summed_loss, synthetic_pack
+
+    cfg = GPTConfig(vocab=64, dim=256, heads=4, kv_heads=2, layers=1, max_position=1024)
+    mixes = ([100, 3, 200], [7, 7, 7, 250], [1, 300], [150, 150], [64, 9])
+    packs = [synthetic_pack(m, cfg.vocab, torch.Generator().manual_seed(i)) for i, m in enumerate(mixes)]
+    base = cpcompile.StrategySpec("balanced")
+    capacity = cpcompile.capacity_for([p["cu_seqlens"] for p in packs], cp_size=2, strategy=base)
+    spec, names = dataclasses.replace(base, capacity=capacity), ("input_ids", "position_ids", "labels")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        for inside in (True, False):
+            torch._dynamo.reset()
+            model = PackedGPT(cfg).to("cuda", torch.bfloat16)
+            backend = cpcompile.backend(captured_step=True, config=cpcompile.Config(kv_exchange="never"))
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+            def step(ids, positions, labels, cu, compiled=compiled, opt=opt, inside=inside):
+                loss = summed_loss(compiled(ids, positions, cu, 512), labels)
+                loss.backward()
+                if inside:
+                    opt.step()
+                return loss
+
+            captured = cpcompile.CapturedStep(step, module=model)
+            for calls, pack in enumerate(packs, 1):
+                batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
+                                              strategy=spec, device="cuda")  # fmt: skip
+                with cpcompile.strategy(batch.spec):
+                    captured(*(batch.tensors[n] for n in names), batch.cu_seqlens)
+                if inside:
+                    assert {int(opt.state[p]["step"]) for p in model.parameters()} == {calls}, (inside, calls)
+                else:
+                    assert all(p.grad is not None for p in model.parameters()), calls
+                    opt.step()
+                    opt.zero_grad()
+            assert captured.captures == 1, inside
+    finally:
+        dist.destroy_process_group()

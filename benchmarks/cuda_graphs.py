@@ -10,7 +10,7 @@ exchange's sizes would need real ranks). The decoder is compiled with ``dynamic=
 ``plain``, without CUDA graphs; ``trees``, with ``mode="reduce-overhead"``, where inductor captures the
 forward and the backward each as one CUDA graph, attention included where FA4 runs it
 (``cpcompile.ops.captured``; else the attention ops stay outside, between captured parts:
-docs/cuda-graphs.md); ``step`` (not by default: not yet run on a GPU), with
+docs/cuda-graphs.md); ``step``, with
 ``cpcompile.backend(..., captured_step=True)`` inside ``cpcompile.CapturedStep``, which captures the
 whole step (forward, loss, backward) as one CUDA graph (on CUDA, with FA4 installed: its attention
 must be the captured op).
@@ -91,8 +91,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps (their median is reported)")
     p.add_argument("--cp", type=positive_int, default=8)
     p.add_argument("--rank", type=int, default=0)
-    modes = "of plain,trees,step (plain runs always; default plain,trees)"
-    p.add_argument("--modes", type=lambda t: t.split(","), default=["plain", "trees"], help=modes)
+    modes = "of plain,trees,step (plain runs always; step needs CUDA and FA4)"
+    p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES), help=modes)
     p.add_argument("--strategy", default="balanced", choices=["balanced", "dual_chunk_swap", "no_load_balance"])
     p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths (default: the built-in mix)")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 model on CPU, to check this script")

@@ -158,7 +158,8 @@ class CapturedStep:
     capture, so that the backward allocates them in the graph and each replay writes them (not adds
     to them), and after each replay the parameters' ``.grad`` are the graph's again, so that an
     optimizer outside the step sees them even where the loop set them to ``None``
-    (``zero_grad()``). Gradients cannot be accumulated over several replays.
+    (``zero_grad()``). Gradients cannot be accumulated over several replays. Without ``module``,
+    gradients that exist when the step is captured are added to by every replay.
     """
 
     def __init__(self, step: Callable, *, module: torch.nn.Module | None = None, warmup: int = 1):

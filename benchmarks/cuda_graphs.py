@@ -204,11 +204,10 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
             with cpcompile.strategy(pack_spec):
                 return whole(pack_inputs) if whole is not None else forward_backward(pack_inputs)
 
-        def clear(mode=mode):
-            # a replay's gradients are its outputs: never accumulated into; a CapturedStep's are the
-            # graph's own tensors, which each replay overwrites (set to None, the next would be lost)
-            if mode != "step":
-                model.zero_grad(set_to_none=True)
+        def clear():
+            # a replay's gradients are its outputs: never accumulated into (a CapturedStep sets them
+            # to None before its own calls and puts its graph's back after each replay)
+            model.zero_grad(set_to_none=True)
 
         def first_pass(captures, whole=whole):
             """Each pack's loss and gradient norms, and the captures made so far after each pack."""

@@ -18,13 +18,23 @@ rather than replay one pack's sizes for every other (``per_plan.refuse_capture``
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-_capturing = threading.local()
+from .strategy import current_spec
+
+
+class _Active:
+    """The plan slots of the step that is warming up or being captured, for every thread: the
+    autograd engine runs a CUDA backward, and the plan ops it recomputes (checkpointed layers), on
+    a thread of its own."""
+
+    slots: PlanSlots | None = None
+
+
+_capturing = _Active()
 
 
 class PlanSlots:
@@ -99,13 +109,25 @@ def _at(t: torch.Tensor) -> tuple:
 
 
 def _memory(inputs: list) -> dict:
-    """Where each tensor of ``inputs`` lies (:func:`_at`) -> its position."""
-    return {_at(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    """Where each tensor of ``inputs`` lies (:func:`_at`) -> its first position."""
+    where: dict = {}
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor):
+            where.setdefault(_at(t), i)
+    return where
+
+
+def _shapes(inputs: list) -> list:
+    """What a graph is captured for, per input: a tensor's shape, dtype, device and the first input
+    in the same memory (inputs given twice stay one tensor); other values as they are."""
+    first: dict[tuple, int] = {}
+    return [(tuple(x.shape), x.dtype, x.device, first.setdefault(_at(x), i)) if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(inputs)]  # fmt: skip
 
 
 def note_plan(make: Callable, args: tuple, plan: tuple) -> None:
     """A plan op's call outside a capture: a :class:`CapturedStep` warming up keeps its shapes."""
-    slots = getattr(_capturing, "slots", None)
+    slots = _capturing.slots
     if slots is not None and not slots.capturing:
         slots.seen(make, args, plan)
 
@@ -114,7 +136,7 @@ def plan_in_capture(make: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
     """What a plan op returns while a CUDA graph is captured: copies of the active
     :class:`CapturedStep`'s plan slot for this call; ``RuntimeError`` in a capture that is no
     :class:`CapturedStep`'s."""
-    slots = getattr(_capturing, "slots", None)
+    slots = _capturing.slots
     if slots is None or not slots.capturing:
         raise RuntimeError(
             "cpcompile's plan ops make a pack's plan on the host, which a CUDA graph captured by hand would replay "
@@ -148,21 +170,25 @@ class CapturedStep:
     (``cu_seqlens`` with its host twin: the plan of each pack is made on the host from it, before
     the replay, without a sync), and other values that stay the same for a bucket.
 
-    Each call is one step on its own pack, whatever it does for the graph. The first ``warmup``
-    calls of a bucket run ``step`` without a graph (compilation, FA4's kernels; on a side stream, as
-    CUDA graphs need); the next one captures it and replays it, and every later one copies its
-    inputs and its pack's plans into the graph's buffers and replays. ``captures`` counts the graphs
-    recorded.
+    A bucket is a shape of the inputs (which of them are one tensor included) under one active
+    ``cpcompile.strategy``. Each call is one step on its own pack, whatever it does for the graph.
+    The first ``warmup`` calls of a bucket run ``step`` without a graph (compilation, FA4's kernels;
+    on a side stream, as CUDA graphs need); the next one captures it and replays it, and every later
+    one copies its inputs and its pack's plans into the graph's buffers and replays. ``captures``
+    counts the graphs recorded. What ``step`` does on the host runs only in those first calls: a
+    learning rate that changes must be a tensor the step reads, not a Python number. Each bucket
+    keeps its graph's memory (activations, gradients) for as long as this object lives.
 
-    ``module``: the model whose gradients ``step`` makes. They are set to ``None`` before the
-    capture, so that the backward allocates them in the graph and each replay writes them (not adds
-    to them), and after each replay the parameters' ``.grad`` are the graph's again, so that an
-    optimizer outside the step sees them even where the loop set them to ``None``
-    (``zero_grad()``). Gradients cannot be accumulated over several replays. Without ``module``,
-    gradients that exist when the step is captured are added to by every replay.
+    ``module``: the model whose gradients ``step`` makes, or ``None`` for a step that makes none
+    (required: a replay adds into gradients that exist when it is captured, memory the graph does
+    not own). Each call's gradients are its own pack's: they are set to ``None`` before each warm-up
+    call and before the capture, so that the backward allocates them in the graph and each replay
+    writes them (not adds to them), and after each replay the parameters' ``.grad`` are the graph's
+    again, so that an optimizer outside the step sees them even where the loop set them to ``None``
+    (``zero_grad()``). Gradients cannot be accumulated over several calls.
     """
 
-    def __init__(self, step: Callable, *, module: torch.nn.Module | None = None, warmup: int = 1):
+    def __init__(self, step: Callable, *, module: torch.nn.Module | None, warmup: int = 1):
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be a positive int (runs before the capture), got {warmup!r}")
         self._step, self._module, self._warmup = step, module, warmup
@@ -174,15 +200,17 @@ class CapturedStep:
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and not x.is_cuda:
                 raise ValueError(f"CapturedStep takes CUDA tensors, got input {i} on {x.device}")
-        first: dict[int, int] = {}  # which inputs are one tensor: part of what a graph was captured for
-        key = (spec, *((tuple(x.shape), x.dtype, x.device, first.setdefault(id(x), i)) if isinstance(x, torch.Tensor)
-                       else x for i, x in enumerate(leaves)))  # fmt: skip
+        key = (spec, repr(current_spec()), *_shapes(leaves))
         bucket = self._buckets.setdefault(key, _Bucket())
         if bucket.graph is None:
             if bucket.warmed < self._warmup:
                 bucket.warmed += 1
                 return self._warm(bucket, leaves, spec)
-            self._capture(bucket, leaves, spec)
+            try:
+                self._capture(bucket, leaves, spec)
+            except BaseException:
+                del self._buckets[key]  # the next call of the bucket starts again, with a warm-up
+                raise
         for buffer, x in zip(bucket.static, leaves, strict=True):
             if isinstance(x, torch.Tensor):  # a buffer given twice takes the same values twice
                 buffer.copy_(x, non_blocking=True)
@@ -194,6 +222,8 @@ class CapturedStep:
 
     def _warm(self, bucket: _Bucket, leaves: list, spec):
         """One step without a graph, on a side stream; its plan calls tell the plan slots' shapes."""
+        if self._module is not None:
+            self._module.zero_grad(set_to_none=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         bucket.slots.warming(leaves)
@@ -209,8 +239,8 @@ class CapturedStep:
     def _capture(self, bucket: _Bucket, leaves: list, spec) -> None:
         # one buffer per distinct tensor: inputs given twice (Hugging Face's cu_seq_lens_q and _k) stay
         # one tensor, as the compiled code saw them in the warm-up (else it would recompile, in the capture)
-        copies: dict[int, torch.Tensor] = {}
-        bucket.static = [copies.setdefault(id(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
+        copies: dict[tuple, torch.Tensor] = {}
+        bucket.static = [copies.setdefault(_at(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
         if self._module is not None:
             self._module.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()

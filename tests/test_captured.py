@@ -258,6 +258,30 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
         slots.fill([cu_seqlens([3, 3]), 7])
 
 
+def test_a_captured_step_knows_inputs_by_memory_and_plans_from_any_thread():
+    """What a ``CapturedStep`` keys its graphs by: an input given twice, as one object or as two views of
+    the same memory (Hugging Face's ``cu_seq_lens_q``/``_k``), is one tensor, others are not; and a plan
+    op called on another thread while the step warms up (the autograd engine's, recomputing a
+    checkpointed layer's plan in the backward) reaches the step's plan slots."""
+    import threading
+
+    from cpcompile import capture
+
+    cu, other = torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8])
+    same = cu.view(3)
+    assert capture._shapes([cu, same, other, 7]) == [((3,), torch.int64, cu.device, i) for i in (0, 0, 2)] + [7]
+    slots = capture.PlanSlots()
+    slots.warming([cu])
+    capture._capturing.slots = slots
+    try:
+        thread = threading.Thread(target=capture.note_plan, args=(len, (same,), (torch.zeros(4),)))
+        thread.start()
+        thread.join()
+    finally:
+        capture._capturing.slots = None
+    assert slots._seen == {(len, (("input", 0),)): [((4,), torch.float32, torch.device("cpu"))]}
+
+
 class InACapture(FakeGroupTestCase):
     def test_ops_that_size_work_on_the_host_refuse_a_capture(self):
         """While a CUDA graph is captured (simulated: the CPU has none), the plan op outside a
@@ -282,9 +306,9 @@ class InACapture(FakeGroupTestCase):
 
 def test_captured_step_takes_cuda_tensors_and_a_positive_warmup():
     with pytest.raises(ValueError, match="warmup must be a positive int"):
-        cpcompile.CapturedStep(lambda x: x, warmup=0)
+        cpcompile.CapturedStep(lambda x: x, module=None, warmup=0)
     with pytest.raises(ValueError, match="CapturedStep takes CUDA tensors, got input 0 on cpu"):
-        cpcompile.CapturedStep(lambda x: x)(torch.zeros(2))
+        cpcompile.CapturedStep(lambda x: x, module=None)(torch.zeros(2))
 
 
 class CapturedStepBackend(FakeGroupTestCase):

@@ -23,23 +23,31 @@ def forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, sequs
 
 
 def in_place_backward_call(calls: list):
-    """A varlen backward call with FA4's contract, on the reference kernel: entries ``[cu_q[b], cu_q[b + 1])``
-    over keys ``[cu_k[b], cu_k[b + 1])``, or with ``seqused_q``/``seqused_k`` only their first rows and keys,
-    written into ``dq``/``dk``/``dv`` (other rows left as they are). It checks what the kernel needs:
-    ``cu_k`` monotone, entries' used keys disjoint. Records each call's ``rows`` in ``calls``."""
+    """A varlen backward call with FA4's contract, on the reference kernel: entry ``b`` is query rows
+    ``[cu_q[b], cu_q[b + 1])`` over keys ``[cu_k[b], cu_k[b + 1])``, or with ``seqused_q``/``seqused_k``
+    the first ``seqused_q[b]`` rows and ``seqused_k[b]`` keys from there (``cu_q`` then need not
+    advance by an entry's rows: rows between entries are nobody's), written into ``dq``/``dk``/``dv``
+    (other rows left as they are). It checks what the kernel needs: ``cu_q`` and ``cu_k`` monotone,
+    entries' used rows and keys disjoint. Records each call's ``rows`` and key count in ``calls``."""
 
     def call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
-        calls.append(rows)
+        calls.append((rows, k.shape[0]))
         used_q = rows.get("seqused_q", cu_q[1:] - cu_q[:-1])
         used_k = rows.get("seqused_k", cu_k[1:] - cu_k[:-1])
-        assert bool((cu_k[1:] >= cu_k[:-1]).all()) and bool((cu_k[:-1] + used_k <= cu_k[1:]).all())
-        pieces = Pieces(cu_q, cu_k[:-1], torch.where(used_q > 0, used_k, 0))
-        dq, dk, dv = reference.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=scale, window=window)
+        for cu, used in ((cu_q, used_q), (cu_k, used_k)):
+            assert bool((cu[1:] >= cu[:-1]).all()) and bool((cu[:-1] + used <= cu[1:]).all())
+        used_k = torch.where(used_q > 0, used_k, 0)
+        # the entries' rows, gathered: one piece each
+        cu_sub = torch.cat([used_q.new_zeros(1), used_q.cumsum(0)]).int()
+        entry = torch.repeat_interleave(torch.arange(used_q.shape[0]), used_q.long())
+        q_rows = cu_q[:-1].long()[entry] + torch.arange(entry.shape[0]) - cu_sub[:-1].long()[entry]
+        pieces = Pieces(cu_sub, cu_k[:-1], used_k)
+        sub = (dout[q_rows], q[q_rows], k, v, out[q_rows], lse[:, q_rows])
+        dq, dk, dv = reference.backward(*sub, pieces, causal=causal, scale=scale, window=window)
         if not rows:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        q_rows = torch.repeat_interleave(used_q > 0, cu_q[1:] - cu_q[:-1], output_size=q.shape[0])
-        rows["dq"][q_rows] = dq[q_rows].to(q.dtype)
-        k_rows = scratch.keys_read(cu_k[:-1], torch.where(used_q > 0, used_k, 0), k.shape[0])
+        rows["dq"][q_rows] = dq.to(q.dtype)
+        k_rows = scratch.keys_read(cu_k[:-1], used_k, k.shape[0])
         rows["dk"][k_rows], rows["dv"][k_rows] = dk[k_rows].to(k.dtype), dv[k_rows].to(v.dtype)
         return rows["dq"], rows["dk"], rows["dv"]
 

@@ -184,7 +184,8 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
     Pieces out of key order (shuffled), in more layers than ``IN_PLACE_LAYERS``, or leaving more keys
     unread than they copy take the copies. Cases: in key order or shuffled, one layer or several, all
     the keys or only those read (as the exchange brings them)."""
-    monkeypatch.setattr(varlen, "IN_PLACE_LAYERS", in_place_layers)
+    for name in ("IN_PLACE_LAYERS", "IN_PLACE_LAYERS_GQA"):  # K/V heads 2 or 4 (seed), of 4 query heads
+        monkeypatch.setattr(varlen, name, in_place_layers)
     cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
     if seed % 4 < 2:  # in key order, as plans make them
         by_key = torch.sort(k_start, stable=True).indices
@@ -198,7 +199,8 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
         num_keys = int(read.sum())
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(int(cu_q[-1]), 4, 8, dtype=torch.float64, generator=g)
-    k, v = (torch.randn(num_keys, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    kv_heads = 4 if seed % 5 == 0 else 2
+    k, v = (torch.randn(num_keys, kv_heads, 8, dtype=torch.float64, generator=g) for _ in range(2))
     dout = torch.randn_like(q)
     p, kw = Pieces(cu_q, k_start, k_len), {"causal": True, "scale": 0.3}
     out, lse = reference.forward(q, k, v, p, **kw)
@@ -210,7 +212,7 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
     calls: list = []
     kernel = varlen.VarlenKernel("test", None, in_place_backward_call(calls), in_place_backward=True)
     order = torch.randperm(num_keys, generator=g)
-    buffers = [torch.zeros(num_keys, 2, 8, dtype=torch.float64) for _ in range(2)]
+    buffers = [torch.zeros(num_keys, kv_heads, 8, dtype=torch.float64) for _ in range(2)]
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # with this, torch.empty fills with NaN
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
@@ -218,7 +220,12 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
         for grads, at in ((None, slice(None)), (KeyGrads(order, *buffers), order)):
             calls.clear()
             got = kernel.backward(dout, q, k, v, out, lse, p, grads=grads, **kw)
-            assert len(calls) == (s.num_layers if in_place else 1) and all(bool(c) == in_place for c in calls)
+            # a call per layer over the keys, or one over the copies; the live pieces alone as entries
+            live = s.live.shape[0]
+            assert len(calls) == (s.num_layers if in_place else 1) * (live > 0)
+            assert all(keys == (num_keys if in_place else s.rows + 1) for _, keys in calls)
+            assert sum(rows["seqused_q"].shape[0] for rows, _ in calls) == live
+            assert all(bool((rows["seqused_q"] > 0).all()) for rows, _ in calls)
             # the kernel's own dK (a view of its layers' buffer) only where one layer reads every key
             kept = in_place and s.num_layers == 1 and grads is None and s.live_read == num_keys
             assert (got[1]._base is not None) == kept
@@ -226,3 +233,22 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.parametrize("in_place_layers", [0, 2])
+def test_backward_without_live_pieces_launches_nothing_and_gives_zeros(in_place_layers, monkeypatch):
+    """A rank whose pieces all lack keys or query rows (padding): no call has entries, so none is
+    launched, in place or over the copies; dQ and the dK/dV sums are 0."""
+    monkeypatch.setattr(varlen, "IN_PLACE_LAYERS_GQA", in_place_layers)
+    cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    k_start, k_len = torch.tensor([0, 0, 4], dtype=torch.int32), torch.tensor([0, 4, 0], dtype=torch.int32)
+    q, dout = torch.randn(5, 2, 4, dtype=torch.float64), torch.randn(5, 2, 4, dtype=torch.float64)
+    k, v = torch.randn(6, 1, 4, dtype=torch.float64), torch.randn(6, 1, 4, dtype=torch.float64)
+    p, kw = Pieces(cu_q, k_start, k_len), {"causal": True, "scale": 0.3}
+    out, lse = reference.forward(q, k, v, p, **kw)
+    calls: list = []
+    kernel = varlen.VarlenKernel("test", None, in_place_backward_call(calls), in_place_backward=True)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, p, **kw)
+    assert calls == []
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert t.abs().sum() == 0, name

@@ -17,14 +17,16 @@ A backward that takes each entry's used rows (``seqused_q``, ``seqused_k``) and
 output buffers (FA4's: ``in_place_backward``) copies no key either: the pieces fall
 into layers whose key ranges are disjoint and increasing (``metadata.scratch.layers``;
 one for no_load_balance and for balanced under a window, two for balanced and
-dual_chunk_swap), and one call per layer reads the keys in place, the other layers'
-pieces given no rows, writing dQ into one buffer and each layer's dK/dV into its own,
-which are then added into the caller's buffers (``KeyGrads``, as the CP ops pass them),
-or kept as they are where there are none and one layer reads every key. Up to
-``IN_PLACE_LAYERS`` layers, and where the keys no piece reads are fewer than the copies
-(the kernel's accumulators span every key); else the copies, in one call. Two layers
-in turn, or side by side, measured slower than the copies (docs/attention-kernels.md,
-"FlashAttention-4").
+dual_chunk_swap), and one call per layer reads the keys in place, its entries that
+layer's live pieces alone (``metadata.scratch.layer_calls``), writing dQ into one buffer
+and each layer's dK/dV into its own, which are then added into the caller's buffers
+(``KeyGrads``, as the CP ops pass them), or kept as they are where there are none and
+one layer reads every key. Up to ``IN_PLACE_LAYERS`` layers (``IN_PLACE_LAYERS_GQA``
+with grouped query heads, whose float32 dK/dV accumulators span every key of each
+call), and where the keys no piece reads are fewer than the copies; else the copies,
+in one call, its entries again the live pieces alone. Such a kernel's grid grows with
+its entries, and a rank's plan has 5-13 live pieces among 100-150 piece slots at cp=8
+(docs/attention-kernels.md, "FlashAttention-4").
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ from .contract import Pieces, check_options, gpu_window
 from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
 from .triton import dead_rows
 
-#: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``).
-IN_PLACE_LAYERS = 1
+#: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``),
+#: without and with grouped query heads: FA4's GQA backward sums dK/dV in float32 accumulators over
+#: every key of a call, so a second call costs about what the copies do (docs/attention-kernels.md).
+IN_PLACE_LAYERS = 2
+IN_PLACE_LAYERS_GQA = 1
 
 
 class ForwardCall(Protocol):
@@ -114,23 +119,41 @@ class VarlenKernel:
         # only the copies: take the copies where they are fewer than the keys no piece reads
         # (an all-gather's rank reading a small part of the pack)
         few_unread = n - scratch.live_read <= scratch.rows
-        if self._in_place and scratch.ordered and scratch.num_layers <= IN_PLACE_LAYERS and few_unread:
-            calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers)
+        live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
+        launch = (max_q, max_k, causal, scale, band)
+        most = IN_PLACE_LAYERS if q.shape[1] == k.shape[1] else IN_PLACE_LAYERS_GQA
+        if self._in_place and scratch.ordered and scratch.num_layers <= most and few_unread:
+            calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers, scratch.layer_live)
             dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
             dks, dvs = (t.new_empty((scratch.num_layers * n + 1, *t.shape[1:])) for t in (k, v))
             for i in range(scratch.num_layers):
-                rows = {"seqused_q": calls.used_q[i], "seqused_k": calls.used_k[i], "dq": dq}
-                rows |= {"dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
-                call(dout, q, k, v, out, lse, cu_q, calls.cu_k[i], max_q, max_k, causal, scale, band, **rows)
-            dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
+                rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+                self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
+            dq = dead_rows.zero(dq, live)
             if scratch.num_layers == 1 and grads is None and scratch.live_read == n:
                 return dq, dks[:n], dvs[:n]  # each key's gradient is one piece's, written: nothing to add
             return dq, *add_back_grads(dks, dvs, scratch, grads, calls.index)
         src = scratch.src  # each piece's own copy of its keys (and a spare row past the last piece)
         # each copy ends at its piece's last query, as the keys did: the band stays in place
-        dq, dkc, dvc = call(dout, q, k[src], v[src], out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
+        kc, vc = k[src], v[src]
+        if self._in_place:  # the live pieces alone as entries: one layer of disjoint copies
+            calls = layer_calls(cu_q, scratch.cu[:-1], k_len, scratch.rows, 1, (scratch.live.shape[0],))
+            rows = {"dq": torch.empty_like(q), "dk": torch.empty_like(kc), "dv": torch.empty_like(vc)}
+            dq, dkc, dvc = self._entries_call(dout, q, kc, vc, out, lse, calls.call(0), launch, rows)
+        else:
+            dq, dkc, dvc = call(dout, q, kc, vc, out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
-        return dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0])), dk, dv
+        return dead_rows.zero(dq, live), dk, dv
+
+    def _entries_call(self, dout, q, k, v, out, lse, entries, launch, rows):
+        """One backward call of an ``in_place_backward`` kernel over ``entries`` (:meth:`LayerCalls.call`),
+        ``launch`` its ``(max_q, max_k, causal, scale, window)``, writing ``rows`` (``dq``, ``dk``, ``dv``);
+        a call without entries launches nothing."""
+        if entries["seqused_q"].shape[0]:
+            cu_q, cu_k = entries["cu_q"], entries["cu_k"]
+            used = {"seqused_q": entries["seqused_q"], "seqused_k": entries["seqused_k"]}
+            self._backward_call(dout, q, k, v, out, lse, cu_q, cu_k, *launch, **used, **rows)
+        return rows["dq"], rows["dk"], rows["dv"]
 
     def _captured_backward(self, dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k, layers, grads):
         """The backward of a call captured in a CUDA graph: ``layers`` calls in place (the bound of
@@ -143,17 +166,18 @@ class VarlenKernel:
             raise ValueError("a captured backward writes every dK/dV row: pass KeyGrads without buffers")
         cu_q, k_start, k_len = pieces.tensors
         n = k.shape[0]
-        calls = layer_calls(cu_q, k_start, k_len, n, layers)
+        calls = layer_calls(cu_q, k_start, k_len, n, layers)  # every piece an entry of every call
+        cu_k, used_k = calls.cu_k.view(layers, -1), calls.used_k.view(layers, -1)  # [L, P + 1], [L, P]
         live = torch.where(cu_q[1:] > cu_q[:-1], k_len, 0)
-        torch._assert_async((calls.used_k.sum(0) == live).all(), "a piece fits none of the captured layers")
-        ends = calls.cu_k[:, :-1] + calls.used_k
-        torch._assert_async((ends <= calls.cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
+        torch._assert_async((used_k.sum(0) == live).all(), "a piece fits none of the captured layers")
+        ends = cu_k[:, :-1] + used_k
+        torch._assert_async((ends <= cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
         dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
         dks, dvs = (t.new_empty((layers * n + 1, *t.shape[1:])) for t in (k, v))
+        launch = (max_q, max_k, causal, scale, band)
         for i in range(layers):
-            rows = {"seqused_q": calls.used_q[i], "seqused_k": calls.used_k[i], "dq": dq}
-            rows |= {"dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
-            self._backward_call(dout, q, k, v, out, lse, cu_q, calls.cu_k[i], max_q, max_k, causal, scale, band, **rows)
+            rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+            self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
         dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
         index = calls.index if grads is None or grads.key_order is None else calls.index[:, grads.key_order]
         return dq, *(sum_layers(partial, index, layers * n) for partial in (dks, dvs))

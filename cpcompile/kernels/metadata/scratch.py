@@ -16,8 +16,8 @@ several times faster than gathering every key once per layer or ``index_add_``
 layer by layer (docs/attention-kernels.md). Off CUDA or without Triton, torch gathers.
 
 A kernel whose backward takes each entry's used rows (``seqused_q``, ``seqused_k``: FA4's)
-needs no copies at all: one call per layer, each over the keys in place, with the other
-layers' pieces given no rows (:func:`layer_calls`), writes each layer's dK/dV to a buffer
+needs no copies at all: one call per layer, each over the keys in place with that layer's
+live pieces as its entries (:func:`layer_calls`), writes each layer's dK/dV to a buffer
 of its own, and those are added back the same way (one row per layer and key).
 
 The scratch holds ``sum(k_len)`` rows; that size and the layer count are read on
@@ -61,6 +61,8 @@ class Scratch(NamedTuple):
       layer's ranges increase with the pieces, as a kernel reading them in place needs.
     - ``live_read``: the keys that live pieces read (``num_read`` less those read only by
       pieces without query rows).
+    - ``layer_live``: ``L`` ints, the live pieces in each layer: the entries of its in-place call
+      (:func:`layer_calls`).
     """
 
     cu: torch.Tensor
@@ -74,6 +76,7 @@ class Scratch(NamedTuple):
     piece_rows: int
     ordered: bool
     live_read: int
+    layer_live: tuple[int, ...]
 
     @property
     def rows(self) -> int:
@@ -132,8 +135,12 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     live_start = torch.where(is_live, k_start.long(), -1)
     risen = torch.cat([live_start.new_full((1,), -1), live_start.cummax(0).values[:-1]])  # the starts before
     sizes += [(~is_live | (live_start >= risen)).all().long(), keys_read(k_start, k_len, num_keys).sum()]
-    sizes = torch.stack(sizes).tolist()  # the sync
-    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper, ordered, live_read = sizes
+    pieces = k_len.shape[0]  # at most as many layers; the live ones per layer, after the sizes
+    slot = torch.where(is_live, layer, pieces)  # bincount would sync on CUDA to size its output
+    per_layer = torch.zeros(pieces + 1, dtype=torch.int64, device=device).scatter_add_(0, slot, torch.ones_like(slot))
+    sizes = torch.cat([torch.stack(sizes), per_layer]).tolist()  # the sync
+    num_live, max_q, max_k, rows, num_layers, num_read, piece_rows, proper, ordered, live_read = sizes[:10]
+    layer_live = tuple(sizes[10 : 10 + num_layers])
     if not proper:
         raise ValueError(
             "pieces' key ranges, sorted by start, must have non-decreasing ends (document prefixes, or "
@@ -147,37 +154,55 @@ def scratch_rows(cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor,
     index[layer[piece], src] = row  # one writer per (layer, key)
     return Scratch(
         cu, torch.cat([src, src.new_zeros(1)]), index, live, read, num_read, max_q, max_k, piece_rows, bool(ordered),
-        live_read,
+        live_read, layer_live,
     )  # fmt: skip
 
 
 class LayerCalls(NamedTuple):
-    """One backward call per layer (:func:`layers`) of ``P`` pieces over ``Tk`` keys in place, ``L`` layers.
+    """One backward call per layer (:func:`layers`) of ``P`` pieces over ``Tk`` keys in place, ``L``
+    layers, ``E_l`` entries in layer ``l``'s call (:meth:`call` gives them).
 
-    - ``cu_k``: ``[L, P + 1]`` int32, per layer each piece's first key: the layer's pieces'
-      own, the others' set where the layer's ranges before them end, so that every row
-      is non-decreasing and each entry's ``[cu_k, cu_k + used_k)`` ends before the next begins.
-    - ``used_q``, ``used_k``: ``[L, P]`` int32, per layer the query rows and keys of each
-      piece: its own in its layer, 0 elsewhere (and 0 for pieces without query rows).
+    - ``cu_q``, ``cu_k``: ``[sum(E_l + 1)]`` int32, per layer each entry's first query row and
+      first key, then the query rows' and keys' ends; within a layer, both non-decreasing, and
+      each entry's ``[cu_k, cu_k + used_k)`` ends before the next begins.
+    - ``used_q``, ``used_k``: ``[sum(E_l)]`` int32, per layer each entry's query rows and keys.
     - ``index``: ``[L, Tk]`` int64, per layer, the row of the layers' stacked gradients
       (``[L Tk + 1]``, layer ``l``'s rows ``[l Tk, (l + 1) Tk)``) holding each key's
       partial gradient, ``L Tk`` (the spare row) where no piece of the layer reads the key.
+    - ``entries``: the ``E_l``.
     """
 
+    cu_q: torch.Tensor
     cu_k: torch.Tensor
     used_q: torch.Tensor
     used_k: torch.Tensor
     index: torch.Tensor
+    entries: tuple[int, ...]
+
+    def call(self, layer: int) -> dict:
+        """Layer ``layer``'s call: ``cu_q``, ``cu_k`` ``[E + 1]``, ``seqused_q``, ``seqused_k`` ``[E]``."""
+        first = sum(self.entries[:layer])
+        n = self.entries[layer]
+        cu = slice(first + layer, first + layer + n + 1)
+        used = slice(first, first + n)
+        entries = {"cu_q": self.cu_q[cu], "cu_k": self.cu_k[cu]}
+        return entries | {"seqused_q": self.used_q[used], "seqused_k": self.used_k[used]}
 
 
 @per_plan
 @twinned
 def layer_calls(
-    cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int, num_layers: int
+    cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int, num_layers: int, live=None
 ) -> LayerCalls:
     """:class:`LayerCalls` of pieces ``cu_q [P + 1]`` reading keys ``[k_start, k_start + k_len)`` of
     ``num_keys`` in ``num_layers`` layers (``Scratch.num_layers``), whose live pieces' starts never
-    fall (``Scratch.ordered``); once per plan, on the host twins where the plan has them. No sync."""
+    fall (``Scratch.ordered``); once per plan, on the host twins where the plan has them. No sync.
+
+    ``live``: the live pieces per layer (``Scratch.layer_live``): each layer's call takes its own
+    live pieces alone, its grid no larger than their work. Without them (a captured backward:
+    nothing is read on the host) every piece is an entry of every call, the other layers' with
+    no rows and keys set where the layer's ranges before them end.
+    """
     q_len = (cu_q[1:] - cu_q[:-1]).long()
     k_len = torch.where(q_len > 0, k_len.long(), 0)
     layer, _ = layers(k_start, k_len)
@@ -186,13 +211,24 @@ def layer_calls(
     # each layer's ranges increase with the pieces: where they have ended so far, for the others
     ended = torch.where(mine, end, 0).cummax(1).values
     before = torch.cat([ended.new_zeros(num_layers, 1), ended[:, :-1]], 1)
-    cu_k = torch.cat([torch.where(mine, start, before), ended.new_full((num_layers, 1), num_keys)], 1)
-    used_k = torch.where(mine, k_len, 0)
+    first_k, used_q, used_k = torch.where(mine, start, before), torch.where(mine, q_len, 0), torch.where(mine, k_len, 0)
+    pieces = q_len.shape[0]
+    entries = (pieces,) * num_layers if live is None else tuple(live)
+    chosen = (
+        torch.arange(num_layers * pieces, device=layer.device)
+        if live is None
+        else torch.nonzero_static(mine.flatten(), size=sum(entries)).flatten()  # layer by layer, in piece order
+    )
+    cu_q_of, cu_k_of = [], []
+    for part in torch.split(chosen, entries):
+        cu_q_of += [cu_q[part % pieces].long(), cu_q[-1:].long()]
+        cu_k_of += [first_k.flatten()[part], first_k.new_full((1,), num_keys)]
     reads = torch.stack([keys_read(k_start, n, num_keys) for n in used_k])  # [L, Tk]
     key = torch.arange(num_keys, device=layer.device)
     rows = torch.arange(num_layers, device=layer.device)[:, None] * num_keys + key
     index = torch.where(reads, rows, num_layers * num_keys)
-    return LayerCalls(cu_k.int(), torch.where(mine, q_len, 0).int(), used_k.int(), index)
+    used = [t.flatten()[chosen].int() for t in (used_q, used_k)]
+    return LayerCalls(torch.cat(cu_q_of).int(), torch.cat(cu_k_of).int(), *used, index, entries)
 
 
 def add_back(

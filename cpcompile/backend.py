@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .comm.groups import resolve_group
+from .comm.groups import held_group, resolve_group
 from .config import Config, resolve_config
 from .passes.overlap_matmul import overlap_matmul_pass
 from .passes.shard_attention import check_unsupported, shard_attention_pass
@@ -194,6 +194,7 @@ def backend(
 
         model = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
     """
+    group = held_group(group)  # by name: Dynamo keeps the backend, which must not keep the group alive
     compile_inner = _inner_backend(inner)
     if not isinstance(captured_step, bool):
         raise TypeError(f"captured_step must be a bool, got {captured_step!r}")

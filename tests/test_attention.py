@@ -123,3 +123,17 @@ def test_packed_attention_compiles_with_inductor():
     torch._dynamo.reset()
     compiled = torch.compile(cpcompile.packed_attention, backend="inductor", dynamic=True)
     torch.testing.assert_close(compiled(q, k, v, cu), cpcompile.packed_attention(q, k, v, cu))
+
+
+def test_backend_keeps_the_group_by_name(single_rank_group):
+    """Dynamo keeps compiled backends until ``torch._dynamo.reset()``: one holding the ``ProcessGroup``
+    kept it past ``destroy_process_group()`` to interpreter exit, where gloo aborts the process. The
+    backend keeps the group's name; a group of another type is an error when the backend is made."""
+    import torch.distributed as dist
+
+    backend = cpcompile.backend(group=single_rank_group)
+    held = [cell.cell_contents for cell in backend.__closure__ or ()]
+    assert not any(isinstance(x, dist.ProcessGroup) for x in held)
+    assert single_rank_group.group_name in held
+    with pytest.raises(TypeError, match="group must be a ProcessGroup, its name or None, got int"):
+        cpcompile.backend(group=3)

@@ -42,6 +42,18 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
     return group if isinstance(group, str) else resolve_group(group).group_name
 
 
+def held_group(group: dist.ProcessGroup | str | None) -> str | None:
+    """What an object that outlives a call keeps of ``group``: its name (``None`` stays the default
+    group, resolved at use). Torch keeps compiled backends (``torch._dynamo``'s cache, until
+    ``torch._dynamo.reset()``), so one holding the ``ProcessGroup`` kept it past
+    ``destroy_process_group()`` to interpreter exit, where gloo's threads abort the process."""
+    if group is None or isinstance(group, str):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    raise TypeError(f"group must be a ProcessGroup, its name or None, got {type(group).__name__}")
+
+
 def digest(t: torch.Tensor) -> str:
     """A collision-resistant fingerprint of ``t``'s values (reads them: a host sync on CUDA)."""
     data = t.detach().to("cpu", torch.int64).contiguous()

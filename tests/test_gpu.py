@@ -101,7 +101,7 @@ LAYOUT_CASES = [(s, c) for s in ("dual_chunk_swap", "no_load_balance", "striped"
 @pytest.mark.parametrize(("strategy", "causal"), LAYOUT_CASES)
 def test_simulated_ranks_bf16(strategy, causal, kernel):
     """Each rank's pieces through the kernel, against K/V gathered by hand."""
-    _simulated_ranks(strategy, causal, kernel, kv_heads=2)
+    _check_simulated_ranks(strategy, causal, kernel, kv_heads=2)
 
 
 @_needs_fa4
@@ -109,10 +109,10 @@ def test_simulated_ranks_bf16(strategy, causal, kernel):
 def test_simulated_ranks_bf16_fa4_without_gqa(strategy, causal):
     """As above with as many K/V heads as query heads: FA4's backward then writes dK/dV without
     float32 accumulators, and two layers of pieces run in place (``varlen.IN_PLACE_LAYERS``)."""
-    _simulated_ranks(strategy, causal, "fa4", kv_heads=8)
+    _check_simulated_ranks(strategy, causal, "fa4", kv_heads=8)
 
 
-def _simulated_ranks(strategy, causal, kernel, kv_heads):
+def _check_simulated_ranks(strategy, causal, kernel, kv_heads):
     name, kernel = kernel, kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cp = 4
     lengths = [1, 700, 129, 2048, 64]

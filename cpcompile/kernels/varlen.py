@@ -119,7 +119,7 @@ class VarlenKernel:
         # only the copies: take the copies where they are fewer than the keys no piece reads
         # (an all-gather's rank reading a small part of the pack)
         few_unread = n - scratch.live_read <= scratch.rows
-        live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
+        live_rows = dead_rows.live_rows(cu_q, k_len, q.shape[0])  # rows whose piece sees a key
         launch = (max_q, max_k, causal, scale, band)
         most = IN_PLACE_LAYERS if q.shape[1] == k.shape[1] else IN_PLACE_LAYERS_GQA
         if self._in_place and scratch.ordered and scratch.num_layers <= most and few_unread:
@@ -129,7 +129,7 @@ class VarlenKernel:
             for i in range(scratch.num_layers):
                 rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
                 self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
-            dq = dead_rows.zero(dq, live)
+            dq = dead_rows.zero(dq, live_rows)
             if scratch.num_layers == 1 and grads is None and scratch.live_read == n:
                 return dq, dks[:n], dvs[:n]  # each key's gradient is one piece's, written: nothing to add
             return dq, *add_back_grads(dks, dvs, scratch, grads, calls.index)
@@ -143,7 +143,7 @@ class VarlenKernel:
         else:
             dq, dkc, dvc = call(dout, q, kc, vc, out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
-        return dead_rows.zero(dq, live), dk, dv
+        return dead_rows.zero(dq, live_rows), dk, dv
 
     def _entries_call(self, dout, q, k, v, out, lse, entries, launch, rows):
         """One backward call of an ``in_place_backward`` kernel over ``entries`` (:meth:`LayerCalls.call`),

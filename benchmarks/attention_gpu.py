@@ -117,13 +117,15 @@ def rank_reads(plans: list, cp: int, window) -> list | None:
 
 def single_step(attention, q, k, v, backward: bool):
     """A step of ``attention(q, k, v) -> out`` on leaves of ``q``, ``k``, ``v``: forward, and with
-    ``backward`` the backward of ``out`` (its own values as the gradient)."""
+    ``backward`` the gradients for ``out`` (its own values as the gradient), returned rather
+    than accumulated into the leaves' ``.grad``: from the second call on, that would add an
+    elementwise pass over Q, K and V that the ranks' steps (``kernel_step``) do not make."""
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
 
     def run():
         out = attention(*leaves)
         if backward:
-            out.backward(out)
+            torch.autograd.grad(out, leaves, out)
 
     return run
 

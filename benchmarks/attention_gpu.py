@@ -171,7 +171,8 @@ def measure(
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
-    (default all); ``rounds``: each layout's reference and ranks timed that many times in turn, medians kept."""
+    (default all); ``rounds``: the single-GPU calls, and each layout's reference and ranks, timed that many times in
+    turn, medians kept."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -200,7 +201,10 @@ def measure(
         singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band)
     for name in measured:
         singles[f"[{name}]"] = packed_step(*whole, name, band)
-    single_ms = {what: timed(step) for what, step in singles.items()}
+    # in turn, ``rounds`` times, as the ranks: one timing each would set the single-GPU rows (FA4's own
+    # call against ``packed_attention``'s) apart by the GPU's state when each ran
+    single_rounds = [[timed(step) for step in singles.values()] for _ in range(rounds)]
+    single_ms = dict(zip(singles, (statistics.median(column) for column in zip(*single_rounds))))
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
@@ -292,7 +296,11 @@ def table(title: str, rows: list[dict], fits: dict[str, float], ranks: int, back
 
 def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
     """What the tables hold, below the section's header."""
-    repeat = f"; the reference and each rank timed in {rounds} rounds in turn, each their median" if rounds > 1 else ""
+    repeat = (
+        f"; the single-GPU calls, and the reference and each rank, timed in {rounds} rounds in turn, each their median"
+        if rounds > 1
+        else ""
+    )
     return [
         f"{tokens} tokens per pack from `{source}`; each cell the median over {packs} packs of a median of 5 timed "
         f"runs, each queued behind an untimed call{repeat}. Single GPU = `cpcompile.packed_attention` (or torch's "
@@ -320,8 +328,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=-1, help="a sliding window (W, 0) throughout; -1: causal")
     parser.add_argument("--strategies", nargs="+", choices=[s.strategy.value for s in STRATEGIES], help="the layouts "
                         "timed (default: all; balanced includes balanced told the window)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=1, help="each layout's reference and ranks timed this many "
-                        "times in turn, medians kept (the spread between runs: docs/measurement.md)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="the single-GPU calls, and each layout's reference and "
+                        "ranks, timed this many times in turn, medians kept (the spread between runs: "
+                        "docs/measurement.md)")  # fmt: skip
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())

@@ -91,11 +91,6 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
             compiled(q, q, q, cu)
 
 
-@pytest.mark.parametrize("check", [_one_rank_is_wrong, _ranks_disagree, _compiled_ranks_disagree])
-def test_every_rank_fails_fast(check):
-    run_ranks(check, 2, timeout_s=20)
-
-
 def _configs_differ(rank: int, world: int) -> None:
     """Ranks configured for different K/V paths: every rank is told, before either path, through
     ``cp_attention`` and through a compiled graph's op. Nothing else catches it: each rank plans
@@ -115,10 +110,6 @@ def _configs_differ(rank: int, world: int) -> None:
         with cpcompile.strategy("no_load_balance"):
             with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
                 compiled(q, q, q, cu)
-
-
-def test_configs_that_differ_fail_fast():
-    run_ranks(_configs_differ, 2, timeout_s=20)
 
 
 def _errors_release_the_group(rank: int, world: int) -> None:
@@ -141,5 +132,14 @@ def _errors_release_the_group(rank: int, world: int) -> None:
         gc.enable()
 
 
-def test_errors_release_the_group():
-    run_ranks(_errors_release_the_group, 2, timeout_s=20)
+CHECKS = (_one_rank_is_wrong, _ranks_disagree, _compiled_ranks_disagree, _configs_differ, _errors_release_the_group)
+
+
+def _every_check(rank: int, world: int) -> None:
+    for check in CHECKS:
+        check(rank, world)
+
+
+def test_every_rank_fails_fast():
+    """Every check above, in turn on one pair of ranks: starting the processes costs more than the checks."""
+    run_ranks(_every_check, 2, timeout_s=20)

@@ -1,7 +1,8 @@
 """Tier 4: cp_attention on real gloo processes against a float64 single-device reference.
 
-One spawn per world size runs every strategy, causal and not, GQA and MHA: process
-start-up is the expensive part, so cases share it.
+One spawn per world size runs every strategy, causal and not, GQA and MHA, on both K/V
+paths, and the other checks of that world size: process start-up is the expensive part,
+so cases share it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ TOLERANCE = 1e-4
 SPECS = strategy_specs(stripe_size=4)
 
 
-def _check_rank(rank: int, world: int) -> None:
+def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
     for case, (spec, causal, (hq, hkv)) in enumerate(
         (s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2))
     ):
@@ -38,9 +39,10 @@ def _check_rank(rank: int, world: int) -> None:
             cu_seqlens_padded=sharded.cu_seqlens_padded,
             strategy=spec,
             causal=causal,
+            config=config,
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {config}"
         assert relative_error(out, ref) < TOLERANCE, f"out {label}"
         for name, got, want in zip("qkv", grads, ref_grads):
             assert relative_error(got, want) < TOLERANCE, f"d{name} {label}"
@@ -63,22 +65,7 @@ def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("kv", ["never", "always"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_cp_attention_matches_fp64_reference(world, kv, monkeypatch):
-    """Both K/V paths, forced: the all-gather, and the sparse exchange of the rows that are read."""
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)  # spawned ranks inherit it
-    run_ranks(_check_rank, world)
-
-
-def test_kv_gather_pipelined_over_head_groups(monkeypatch):
-    """The same checks with the K/V gather pipelined over two head groups (opt-in)."""
-    monkeypatch.setenv("CPCOMPILE_KV_CHUNKS", "2")
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "never")
-    run_ranks(_check_rank, 2)
-
-
-def _masks_share_a_plan(rank: int, world: int) -> None:
+def _masks_share_a_plan(rank: int, world: int, config: cpcompile.Config | None) -> None:
     """A causal and a full layer on one plan, in both orders: they read different keys, so their
     backwards write different rows of the same kept dK/dV buffers (all-gather) or exchange
     different rows (float64 reference on one device)."""
@@ -90,20 +77,16 @@ def _masks_share_a_plan(rank: int, world: int) -> None:
     plan = cpcompile.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
     for causal_first in (True, False):
         local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
-        x = cpcompile.cp_attention(*local, cu, strategy=spec, causal=causal_first, plan=plan)
-        out = cpcompile.cp_attention(x, *local[1:], cu, strategy=spec, causal=not causal_first, plan=plan)
+        kw = {"strategy": spec, "plan": plan, "config": config}
+        x = cpcompile.cp_attention(*local, cu, causal=causal_first, **kw)
+        out = cpcompile.cp_attention(x, *local[1:], cu, causal=not causal_first, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
         full = [t.double().requires_grad_() for t in (q, k, v)]
         y = attention_fp64(*full, cu, causal=causal_first)
         ref_grads = torch.autograd.grad(attention_fp64(y, *full[1:], cu, causal=not causal_first), full, dout.double())
         for name, got, want in zip("qkv", grads, ref_grads):
-            assert relative_error(got, want[sharded.indices]) < TOLERANCE, f"d{name} causal first: {causal_first}"
-
-
-@pytest.mark.parametrize("kv", ["never", "always"])
-def test_causal_and_full_layers_share_a_plan(kv, monkeypatch):
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv)
-    run_ranks(_masks_share_a_plan, 2)
+            label = f"d{name} causal first: {causal_first} {config}"
+            assert relative_error(got, want[sharded.indices]) < TOLERANCE, label
 
 
 def _ranks_that_read_nothing(rank: int, world: int) -> None:
@@ -128,6 +111,23 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
                 assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"
 
 
-def test_ranks_that_read_nothing(monkeypatch):
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", "always")
-    run_ranks(_ranks_that_read_nothing, 3)
+def _every_case(rank: int, world: int, kv_env: str) -> None:
+    """Both K/V paths forced, the all-gather and the sparse exchange of the rows that are read: ``kv_env``
+    through the environment the ranks imported cpcompile with, the other through ``Config``."""
+    assert cpcompile.config.default_config().kv_exchange == kv_env
+    other = cpcompile.Config(kv_exchange="always" if kv_env == "never" else "never")
+    for config in (None, other):
+        _check_rank(rank, world, config)
+    if world == 2:
+        # the K/V gather pipelined over two head groups (opt-in)
+        _check_rank(rank, world, cpcompile.Config(kv_exchange="never", kv_chunks=2))
+        for config in (None, other):
+            _masks_share_a_plan(rank, world, config)
+    else:
+        _ranks_that_read_nothing(rank, world)  # through the exchange, from the environment
+
+
+@pytest.mark.parametrize(("world", "kv_env"), [(2, "never"), (3, "always")])
+def test_cp_attention_matches_fp64_reference(world, kv_env, monkeypatch):
+    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv_env)  # spawned ranks inherit it
+    run_ranks(_every_case, world, kv_env)

@@ -230,16 +230,16 @@ def _fsdp_training(rank: int, world: int, checkpointing: bool, fused_loss: bool 
             assert relative_error(p.full_tensor(), p_ref) < TOLERANCE, f"{name} after the optimizer step {label}"
 
 
+def _fsdp_variants(rank: int, world: int) -> None:
+    _fsdp_training(rank, world, False)
+    _fsdp_training(rank, world, True)  # over HF-checkpointed layers
+    _fsdp_training(rank, world, False, True)  # the loss in the output projection
+
+
 def test_fsdp2_cp_training_matches_one_process():
-    run_ranks(_fsdp_training, 2, False)
-
-
-def test_fsdp2_with_hf_checkpointing_matches_one_process():
-    run_ranks(_fsdp_training, 2, True)
-
-
-def test_fsdp2_with_the_loss_in_the_output_projection_matches_one_process():
-    run_ranks(_fsdp_training, 2, False, True)
+    """Plain, with HF checkpointing, and with the loss in the output projection, in turn on one pair of
+    ranks: starting the processes (and importing transformers) costs more than a variant."""
+    run_ranks(_fsdp_variants, 2)
 
 
 # --- activation checkpointing --------------------------------------------------------------------
@@ -263,10 +263,6 @@ def _hf_checkpointing(rank: int, world: int) -> None:
             recorder.check_forward(step, checkpointed=True, label=label)
             loss.backward()
             assert_matches_summed_over_ranks(loss, want, model, reference, label, TOLERANCE)
-
-
-def test_hf_gradient_checkpointing_matches_one_process():
-    run_ranks(_hf_checkpointing, 2)
 
 
 def _checkpointed_gpt(rank: int, world: int) -> None:
@@ -299,5 +295,12 @@ def _checkpointed_gpt(rank: int, world: int) -> None:
             assert_matches_summed_over_ranks(loss, want, model, reference, label, TOLERANCE)
 
 
-def test_torch_checkpointed_blocks_match_one_process():
-    run_ranks(_checkpointed_gpt, 2)
+def _checkpointing(rank: int, world: int) -> None:
+    _hf_checkpointing(rank, world)
+    _checkpointed_gpt(rank, world)
+
+
+def test_hf_and_torch_checkpointing_match_one_process():
+    """HF gradient checkpointing of a Llama, then PackedGPT's blocks through ``torch.utils.checkpoint``,
+    on one pair of ranks."""
+    run_ranks(_checkpointing, 2)

@@ -122,23 +122,20 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
         assert ("cpcompile.cp_head_attention.default" in ops) == head_parallel, ops
 
 
+# Each test runs several cases in turn on one pair of ranks: starting the processes (and importing
+# transformers there) costs more than a case.
+
+
+def _archs_and_windows(rank: int, world: int, windows: tuple[int, ...]) -> None:
+    _check_cp_training(rank, world, ["llama", "qwen2_sliding"])  # Qwen2's architecture, its window too
+    _check_cp_training(rank, world, ["qwen2_sliding"], False, cpcompile.StrategySpec("balanced", windows=windows))
+
+
 def test_compiled_cp_training_matches_single_device():
-    run_ranks(_check_cp_training, 2, ["llama", "qwen2_sliding"])  # Qwen2's architecture, its window too
-
-
-def test_alternating_windows_train_exactly_under_balanced_told_them():
-    """balanced told each layer's window (``layer_windows``: the sliding layer's 3, the global one's -1)."""
+    """Llama and the alternating Qwen2 under the active strategy, then the Qwen2 under balanced told
+    each layer's window (``layer_windows``: the sliding layer's 3, the global one's -1)."""
     windows = cphf.layer_windows(tiny_model("qwen2_sliding", "eager").config)
-    run_ranks(_check_cp_training, 2, ["qwen2_sliding"], False, cpcompile.StrategySpec("balanced", windows=windows))
-
-
-def test_regionally_compiled_cp_training_matches_single_device():
-    run_ranks(_check_cp_training, 2, ["llama"], True)
-
-
-def test_compiled_head_parallel_training_matches_single_device():
-    """Ulysses through the HF attention function: 4 query heads, 2 K/V heads over 2 ranks."""
-    run_ranks(_check_cp_training, 2, ["llama"], False, cpcompile.StrategySpec("no_load_balance", head_parallel=2))
+    run_ranks(_archs_and_windows, 2, windows)
 
 
 def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
@@ -159,8 +156,16 @@ def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
     assert compiled_graphs() == 1, compiled_graphs()
 
 
-def test_one_graph_over_fifty_packs_of_varying_length_and_document_count():
-    run_ranks(_count_graphs_over_packs, 2, 50)
+def _regional_head_parallel_and_many_packs(rank: int, world: int) -> None:
+    _check_cp_training(rank, world, ["llama"], True)
+    _check_cp_training(rank, world, ["llama"], False, cpcompile.StrategySpec("no_load_balance", head_parallel=2))
+    _count_graphs_over_packs(rank, world, 50)
+
+
+def test_regional_and_head_parallel_training_and_one_graph_over_fifty_packs():
+    """Each decoder layer compiled on its own; Ulysses through the HF attention function (4 query heads,
+    2 K/V heads over 2 ranks); then one graph over fifty packs of varying length and document count."""
+    run_ranks(_regional_head_parallel_and_many_packs, 2)
 
 
 def test_single_device_matches_per_document():

@@ -196,14 +196,6 @@ def _train_on_capacity(rank: int, world: int) -> None:
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
 
 
-def test_compiled_model_trains_like_one_process_on_packs_padded_to_a_capacity():
-    """2 gloo ranks, dual_chunk_swap, ``dynamic=False``: three packs of 1-6 documents (a zero-length
-    one among them) padded to one capacity give the single-process loss and gradients, one graph."""
-    from tests.dist import run_ranks
-
-    run_ranks(_train_on_capacity, 2)
-
-
 class OneGraphPerBucketHF(FakeGroupTestCase):
     def test_hf_packs_of_a_bucket_share_one_graph_without_dynamic_shapes(self):
         """A Hugging Face Llama through ``shard_flattened_batch`` with a capacity and a fixed
@@ -246,12 +238,21 @@ def _eager_on_capacity(rank: int, world: int) -> None:
                     assert relative_error(got, want) < 1e-4, f"d{name} {label}"
 
 
-def test_cp_attention_on_packs_padded_to_a_capacity_all_gather_and_ring():
-    """2 gloo ranks, eager ``cp_attention`` with the capacity's spec (its plan made in the call):
-    float64 single-device attention and gradients, all-gather and ring, three layouts, both masks."""
+def _on_capacity(rank: int, world: int) -> None:
+    _eager_on_capacity(rank, world)
+    _train_on_capacity(rank, world)
+
+
+def test_cp_attention_and_a_compiled_model_on_packs_padded_to_a_capacity():
+    """2 gloo ranks (both checks on one pair: starting the processes costs more than either).
+
+    Eager ``cp_attention`` with the capacity's spec (its plan made in the call): float64 single-device
+    attention and gradients, all-gather and ring, three layouts, both masks. Then a compiled model,
+    dual_chunk_swap, ``dynamic=False``: three packs of 1-6 documents (a zero-length one among them)
+    padded to one capacity give the single-process loss and gradients, one graph."""
     from tests.dist import run_ranks
 
-    run_ranks(_eager_on_capacity, 2)
+    run_ranks(_on_capacity, 2)
 
 
 def test_every_op_but_the_captured_pair_is_kept_out_of_cuda_graphs():

@@ -321,13 +321,14 @@ class TorchCompileMode(FakeGroupTestCase):
         cfg = GPTConfig(vocab=32, dim=16, heads=2, kv_heads=1, layers=1, max_position=64)
         model = PackedGPT(cfg)
         pack = synthetic_pack([5, 9, 2], cfg.vocab, torch.Generator().manual_seed(0))
-        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
 
         def step(spec, dynamic, **kwargs):
             torch._dynamo.reset()
             names = ("input_ids", "position_ids")
             batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
                                           strategy=spec)  # fmt: skip
+            # made here, under the stand-in: a backend made before it would keep inductor's own compile_fx
+            backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
             compiled = torch.compile(model, backend=backend, dynamic=dynamic, **kwargs)
             with cpcompile.strategy(batch.spec):
                 compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
@@ -354,7 +355,9 @@ class TorchCompileMode(FakeGroupTestCase):
             for option, needed in (("graph_partition", "graph_partition=True"), ("triton.cudagraph_trees", "trees")):
                 with pytest.raises(BackendCompilerFailed, match=f"CUDA graphs .* need inductor's .*{needed}"):
                     step(bucket, False, options={"triton.cudagraphs": True, option: False})
+            seen.clear()
             step(StrategySpec("balanced"), True)  # without CUDA graphs: neither is needed
+            assert seen and all(patches is None for patches in seen), seen  # the stand-in, with no patches
 
 
 def _fits(cu, spec, cp) -> bool:

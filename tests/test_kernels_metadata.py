@@ -1,7 +1,8 @@
 """Tier 1 (CUDA cases skipped elsewhere): what the GPU backwards derive from a plan.
 
-The scratch rows and their sums, and the row chunks, against loops over the pieces;
-the chunks also against the reference kernel on the whole pieces (float64).
+The scratch rows and their sums, the row chunks and the forward's longest-first entries,
+against loops over the pieces; the chunks and the entries also against the reference kernel
+on the whole pieces (float64).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from cpcompile.kernels import KeyGrads, Pieces, reference, varlen
-from cpcompile.kernels.metadata import chunks, scratch
-from tests.emulated import in_place_backward_call
+from cpcompile.kernels.metadata import chunks, order, scratch
+from tests.emulated import forward_call, in_place_backward_call
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 
@@ -118,6 +119,13 @@ def test_scratch_of_no_pieces_is_empty():
     s = scratch.scratch_rows(torch.zeros(1, dtype=torch.int32), none, none, 5)
     assert (s.rows, s.max_q, s.max_k, s.num_read, s.live.numel()) == (0, 0, 0, 0, 0)
     assert torch.equal(scratch.add_back(torch.zeros(1, 2, 3), s), torch.zeros(5, 2, 3))
+
+
+def test_longest_first_of_no_pieces_has_empty_entries():
+    none = torch.zeros(0, dtype=torch.int32)
+    got = order.longest_first(torch.zeros(1, dtype=torch.int32), none, none, 2 * order.ROWS, 5, True)
+    assert got.used_q.tolist() == got.used_k.tolist() == [0, 0]
+    assert got.cu_q.tolist() == [0, 0, 2 * order.ROWS] and got.cu_k.tolist() == [0, 0, 5]
 
 
 def test_scratch_refuses_ranges_whose_ends_are_not_in_order():
@@ -252,3 +260,52 @@ def test_backward_without_live_pieces_launches_nothing_and_gives_zeros(in_place_
     assert calls == []
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert t.abs().sum() == 0, name
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_longest_first_cuts_live_pieces_into_tile_aligned_chunks_most_keys_first(seed, monkeypatch):
+    """Each piece with rows and keys, in chunks of ``ROWS`` rows from its first row, each reading the
+    keys up to its last row (all of them when not causal), ordered by those keys (capped at the
+    window), most first, ties in row order; then empty entries up to ``P + Tq // ROWS``."""
+    monkeypatch.setattr(order, "ROWS", 8)
+    cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
+    k_len = torch.where(k_len >= cu_q[1:] - cu_q[:-1], k_len, 0)  # a causal piece reads none or a key per row
+    causal, left = seed % 4 != 3, (-1 if seed % 3 else 5)
+    num_rows = int(cu_q[-1])
+    got = order.longest_first(cu_q, k_start, k_len, num_rows, num_keys, causal, left)
+    want = []  # (cost, first row, rows, first key, keys), in row order
+    for a, b, start, n in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), k_start.tolist(), k_len.tolist()):
+        for lo in range(0, b - a if n else 0, 8):
+            hi = min(lo + 8, b - a)
+            keys = n - (b - a) + hi if causal else n
+            want.append((keys if left < 0 else min(keys, left + 1), a + lo, hi - lo, start, keys))
+    want.sort(key=lambda e: -e[0])  # stable: ties stay in row order
+    e = k_len.shape[0] + num_rows // 8
+    assert got.cu_q.shape == got.cu_k.shape == (e + 1,) and got.used_q.shape == got.used_k.shape == (e,)
+    assert all(t.dtype == torch.int32 for t in got)
+    empty = e - len(want)
+    assert got.used_q.tolist() == [w[2] for w in want] + [0] * empty
+    assert got.used_k.tolist() == [w[4] for w in want] + [0] * empty
+    assert got.cu_q.tolist()[: len(want)] == [w[1] for w in want] and got.cu_q.tolist()[-1] == num_rows
+    assert got.cu_k.tolist()[: len(want)] == [w[3] for w in want] and got.cu_k.tolist()[-1] == num_keys
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_in_place_forward_runs_chunks_longest_first_and_equals_the_reference(seed, monkeypatch):
+    """A kernel that takes used query rows (FA4's) attends over its chunks, longest first, as the
+    reference does over the pieces (float64): causal or not, under a window, pieces that read no
+    keys or have no rows; rows that no chunk holds (the kernel leaves them unwritten) are 0, lse -inf."""
+    monkeypatch.setattr(order, "ROWS", 8)
+    cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
+    k_len = torch.where(k_len >= cu_q[1:] - cu_q[:-1], k_len, 0)  # a causal piece reads none or a key per row
+    causal = seed % 4 != 3
+    window = (3, 0) if causal and seed % 3 == 0 else (-1, -1)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(cu_q[-1]), 4, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(num_keys, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    p, kw = Pieces(cu_q, k_start, k_len, max_q=int((cu_q[1:] - cu_q[:-1]).max())), {"causal": causal, "scale": 0.3}
+    want = reference.forward(q, k, v, p, window=window, **kw)
+    kernel = varlen.VarlenKernel("test", forward_call, None, in_place_backward=True)
+    got = kernel.forward(q, k, v, p, window=window, **kw)
+    for name, a, b in zip(("out", "lse"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

@@ -3,8 +3,10 @@ kernel contract (``contract``), arranged as every flash-style varlen kernel is (
 
 FA4 is the fastest attention kernel on Hopper and Blackwell (docs/attention-kernels.md).
 Its forward reads each piece's keys in place (``cu_seqlens_k`` not monotone,
-``seqused_k``). Its backward writes dK/dV per entry, which is wrong for pieces whose
-key ranges overlap or decrease; it takes each entry's used rows (``seqused_q``,
+``seqused_k``), and its entries' query rows from ``seqused_q`` in any order, which
+puts a rank's longest work first (``metadata.order``). Its backward writes dK/dV per
+entry, which is wrong for pieces whose key ranges overlap or decrease, and pads its
+accumulators by entry order, so its entries stay in row order; it takes each entry's used rows (``seqused_q``,
 ``seqused_k``) and output buffers, so it runs in place where the pieces form one layer
 of disjoint, increasing ranges, and on each piece's own copy of its keys otherwise
 (``varlen``). FA4 compiles each kernel variant on first use (seconds), keyed on
@@ -80,9 +82,10 @@ def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window) -> dict:
     return entries | {"softmax_scale": scale, "causal": causal}
 
 
-def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, seqused_k=None):
+def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, seqused_k=None, seqused_q=None):
     kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
-    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, seqused_k=seqused_k, return_lse=True, **kw)
+    used = {"seqused_q": seqused_q, "seqused_k": seqused_k}
+    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, return_lse=True, **used, **kw)
     return out, lse
 
 

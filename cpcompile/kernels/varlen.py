@@ -13,15 +13,20 @@ more for small stripes; its size is read on the host once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
 single-device attention), the backward is one plain call with no copies.
 
-A backward that takes each entry's used rows (``seqused_q``, ``seqused_k``) and
-output buffers (FA4's: ``in_place_backward``) copies no key either: the pieces fall
+A kernel that takes each entry's used rows (``seqused_q``, ``seqused_k``) and output
+buffers (FA4's: ``in_place_backward``) runs its forward entries longest first
+(``metadata.order``: it schedules entries in order, and a rank's long pieces would
+otherwise finish its call alone), and its backward copies no key either: the pieces fall
 into layers whose key ranges are disjoint and increasing (``metadata.scratch.layers``;
 one for no_load_balance and for balanced under a window, two for balanced and
 dual_chunk_swap), and one call per layer reads the keys in place, its entries that
 layer's live pieces alone (``metadata.scratch.layer_calls``), writing dQ into one buffer
 and each layer's dK/dV into its own, which are then added into the caller's buffers
 (``KeyGrads``, as the CP ops pass them), or kept as they are where there are none and
-one layer reads every key. Up to ``IN_PLACE_LAYERS`` layers (``IN_PLACE_LAYERS_GQA``
+one layer reads every key. The layers' calls are independent (their own dK/dV buffers,
+their pieces' own dQ rows) and run side by side on streams of their own: each call's
+last thread blocks, a long piece's, then share the GPU with the other call's work
+instead of running alone at its end. Up to ``IN_PLACE_LAYERS`` layers (``IN_PLACE_LAYERS_GQA``
 with grouped query heads, whose float32 dK/dV accumulators span every key of each
 call), and where the keys no piece reads are fewer than the copies; else the copies,
 in one call, its entries again the live pieces alone. Such a kernel's grid grows with
@@ -31,27 +36,37 @@ its entries, and a rank's plan has 5-13 live pieces among 100-150 piece slots at
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Protocol
 
 import torch
 
 from ..per_plan import per_plan
 from .contract import Pieces, check_options, gpu_window
+from .metadata import order
 from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
 from .triton import dead_rows
 
 #: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``),
 #: without and with grouped query heads: FA4's GQA backward sums dK/dV in float32 accumulators over
-#: every key of a call, so a second call costs about what the copies do (docs/attention-kernels.md).
+#: every key of a call, so a second call cost about what the copies do, until the layers' calls ran
+#: side by side (docs/attention-kernels.md, "Forward entries longest first").
 IN_PLACE_LAYERS = 2
-IN_PLACE_LAYERS_GQA = 1
+IN_PLACE_LAYERS_GQA = 2
 
 
 class ForwardCall(Protocol):
-    def __call__(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, seqused_k=None):
+    def __call__(
+        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, seqused_k=None,
+        seqused_q=None,
+    ):  # fmt: skip
         """q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]``, ``cu_q``/``cu_k`` ``[B + 1]`` int32 (``cu_k``
         monotone unless ``seqused_k [B]`` gives the lengths), ``window``: ``(left, right)`` of
-        ``varlen_attn`` (``(-1, -1)``: none) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
+        ``varlen_attn`` (``(-1, -1)``: none) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``. ``seqused_q``
+        (an ``in_place_backward`` kernel's only): ``[B]`` int32, each entry's query rows from
+        ``cu_q[b]`` (``cu_q`` then not monotone; entries' rows disjoint); rows no entry holds
+        are left unwritten."""
 
 
 class BackwardCall(Protocol):
@@ -69,6 +84,29 @@ def _consecutive_cu_k(k_start: torch.Tensor, k_len: torch.Tensor) -> torch.Tenso
     """``[P + 1]`` cumulative key offsets of pieces whose key ranges are consecutive
     (``disjoint_keys``); built once per plan, shared by forward and backward."""
     return torch.cat([k_start, k_start[-1:] + k_len[-1:]])
+
+
+@contextlib.contextmanager
+def _side_by_side(device: torch.device, n: int):
+    """``n`` stream contexts for ``n`` independent calls: on CUDA the current stream and ``n - 1`` others
+    of the device, which start after the work queued so far and which the current stream waits for at
+    the end; elsewhere, ``n`` no-ops. Memory the calls allocate belongs to their stream, and what
+    they read or write from before stays in use until the current stream has waited for them."""
+    if device.type != "cuda" or n < 2:
+        yield [contextlib.nullcontext()] * n
+        return
+    current = torch.cuda.current_stream(device)
+    others = _streams(device, n - 1)
+    for stream in others:
+        stream.wait_stream(current)
+    yield [torch.cuda.stream(current), *map(torch.cuda.stream, others)]
+    for stream in others:
+        current.wait_stream(stream)
+
+
+@functools.cache
+def _streams(device: torch.device, n: int) -> tuple[torch.cuda.Stream, ...]:
+    return tuple(torch.cuda.Stream(device) for _ in range(n))
 
 
 class VarlenKernel:
@@ -89,8 +127,14 @@ class VarlenKernel:
         if pieces.disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
             cu_k = _consecutive_cu_k(k_start, k_len)
             return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band)
-        cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
-        out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, seqused_k=k_len)
+        if self._in_place:  # it takes each entry's query rows (seqused_q): the pieces' chunks, longest first
+            entries = order.longest_first(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal, band[0])
+            used = {"seqused_q": entries.used_q, "seqused_k": entries.used_k}
+            launch = (min(max_q, order.ROWS), max_k, causal, scale, band)
+            out, lse = self._forward_call(q, k, v, entries.cu_q, entries.cu_k, *launch, **used)
+        else:
+            cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
+            out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, seqused_k=k_len)
         live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
         # in place: the kernel's fresh outputs
         return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
@@ -126,9 +170,11 @@ class VarlenKernel:
             calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers, scratch.layer_live)
             dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
             dks, dvs = (t.new_empty((scratch.num_layers * n + 1, *t.shape[1:])) for t in (k, v))
-            for i in range(scratch.num_layers):
-                rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
-                self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
+            with _side_by_side(q.device, scratch.num_layers) as streams:
+                for i, stream in enumerate(streams):
+                    rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+                    with stream:
+                        self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
             dq = dead_rows.zero(dq, live_rows)
             if scratch.num_layers == 1 and grads is None and scratch.live_read == n:
                 return dq, dks[:n], dvs[:n]  # each key's gradient is one piece's, written: nothing to add

@@ -99,9 +99,11 @@ def _side_by_side(device: torch.device, n: int):
     others = _streams(device, n - 1)
     for stream in others:
         stream.wait_stream(current)
-    yield [torch.cuda.stream(current), *map(torch.cuda.stream, others)]
-    for stream in others:
-        current.wait_stream(stream)
+    try:
+        yield [torch.cuda.stream(current), *map(torch.cuda.stream, others)]
+    finally:  # also after an error: memory the calls use stays theirs until they are done
+        for stream in others:
+            current.wait_stream(stream)
 
 
 @functools.cache

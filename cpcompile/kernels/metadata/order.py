@@ -65,8 +65,8 @@ def longest_first(
     device = k_len.device
     if p == 0:  # no pieces: entries without rows or keys
         none = torch.zeros(e, dtype=torch.int32, device=device)
-        ends = torch.tensor([num_rows, num_keys], dtype=torch.int32, device=device)
-        return Entries(torch.cat([none, ends[:1]]), torch.cat([none, ends[1:]]), none, none)
+        last_q, last_k = (torch.full((1,), n, dtype=torch.int32, device=device) for n in (num_rows, num_keys))
+        return Entries(torch.cat([none, last_q]), torch.cat([none, last_k]), none, none)
     q_start, q_len, k_len = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long(), k_len.long()
     count = torch.where((q_len > 0) & (k_len > 0), (q_len + ROWS - 1) // ROWS, 0)
     ends = count.cumsum(0)

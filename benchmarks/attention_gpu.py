@@ -36,6 +36,8 @@ from cpcompile.comm import exchange
 from cpcompile.comm.kv_gather import grad_buffers
 from cpcompile.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
+from cpcompile.kernels.contract import KeyPartials
+from cpcompile.kernels.metadata.scratch import columns, sum_partials
 from cpcompile.ops import gathered
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
@@ -75,22 +77,29 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
     return statistics.median(times)
 
 
-def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None):
+def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0):
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
-    rank reads, dK/dV for those alone, into float32 buffers as the exchange's backward passes
-    them; else over all the keys (all-gathered), the backward writing dK/dV sums in the
-    all-gather's order into the buffers the reduce-scatter reads."""
+    rank (``rank``) reads, the backward giving dK/dV as parts, of which those of the keys other ranks own
+    are summed into float32 rows to send, as the exchange's backward does before its
+    all-to-all (what it does after, adding the returned sums to the rank's own parts, is not
+    timed, as no communication is); else over all the keys (all-gathered), the backward
+    writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     k_start, k_len, _ = window_keys(*plan[1:], window)  # (w, 0): bottom-right aligned, no positions
     kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window}
     bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
     if read is not None:
         k, v = k[read.rows], v[read.rows]
         pieces = kernels.Pieces(plan.cu_q, read.k_start, k_len, **bounds)
+        others = (read.owner != rank).nonzero().flatten()  # the compact rows other ranks own
 
-        def sums():  # float32 buffers of the keys read, as the exchange's backward gives the kernel
-            dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-            return {"pack_keys": plan.gather_index.shape[0], "grads": kernels.KeyGrads(dk=dk, dv=dv)}
+        def sums():  # the parts, as the exchange's backward asks for them
+            return {"pack_keys": plan.gather_index.shape[0], "grads": kernels.KeyGrads(partial=True)}
+
+        def finish(parts):  # other ranks' rows summed into float32 rows to send
+            for p in parts:
+                sent = torch.empty((others.shape[0], *k.shape[1:]), dtype=torch.float32, device=k.device)
+                sum_partials(KeyPartials(p.rows, columns(p.index, others), p.spare), sent)
     else:
         pieces = kernels.Pieces(plan.cu_q, k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)
@@ -99,10 +108,13 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
             dk_sums, dv_sums = grad_buffers(plan.gather_index, pieces.tensors, k, 1)
             return {"grads": kernels.KeyGrads(key_order, dk_sums[0], dv_sums[0])}
 
+        def finish(parts):
+            pass
+
     def run():
         out, lse = kernel.forward(q, k, v, pieces, **kw)
         if backward:
-            kernel.backward(out, q, k, v, out, lse, pieces, **sums(), **kw)
+            finish(kernel.backward(out, q, k, v, out, lse, pieces, **sums(), **kw)[1:])
 
     return run
 
@@ -219,8 +231,8 @@ def measure(
         q_local = q[: n // cp]  # values do not matter, sizes and pieces do
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
         steps = [
-            kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads)
-            for plan, reads in zip(plans, read or [None] * cp)
+            kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank)
+            for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
         ]
         timings = []  # per round: the reference, in the GPU's power state of the ranks' timings, then the ranks
         for _ in range(rounds):

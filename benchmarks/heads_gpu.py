@@ -121,7 +121,7 @@ def rank_steps(spec, plans, cu, padded, heads: Heads, cp: int, backward: bool, k
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
         return [
             kernel_step(kernel, q_u[: n // cp], k_u[:n], v_u[:n], p, CAUSAL, max_len, backward, bound,
-                        None if read is None else read[r])
+                        None if read is None else read[r], r)
             for r, p in enumerate(plans)
         ]  # fmt: skip
     # the hybrid calls cp_attention with the document bound for queries and keys, never exchanging

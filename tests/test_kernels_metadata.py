@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cpcompile.kernels import KeyGrads, Pieces, reference, varlen
+from cpcompile.kernels.contract import KeyPartials
 from cpcompile.kernels.metadata import chunks, order, scratch
 from tests.emulated import forward_call, in_place_backward_call
 
@@ -72,6 +73,60 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
     out = torch.full((num_keys, 2, 3), 7.0, device=device)
     got = scratch.place(dense, k_start, k_len, order.to(device), out).cpu()
     assert torch.equal(got[read[order]], dense.float().cpu()[order][read[order]]) and (got[~read[order]] == 7).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_sum_layers_adds_a_second_source_after_the_first_leaving_out_spare_rows(seed, device):
+    """Two sources of rows (bf16 and float32, as the exchange's own parts and returned sums), each
+    with its own index and ``spare`` (a row of its own, or past its last): every key's rows added in
+    order, spare rows never read (NaN there would show); against a float64 loop."""
+    g = torch.Generator().manual_seed(seed)
+    keys = int(torch.randint(0, 40, (1,), generator=g))
+    a = torch.randn(30, 2, 3, generator=g).to(torch.bfloat16)
+    b = torch.randn(12, 2, 3, generator=g)
+    a[29], index_a = float("nan"), torch.randint(0, 30, (2, keys), generator=g)  # 29: a's spare, a row of it
+    index_b = torch.randint(0, 13, (3, keys), generator=g)  # 12: b's spare, past its last row
+    want = torch.zeros(keys, 2, 3, dtype=torch.float64)
+    for key in range(keys):
+        for rows, index, spare in ((a, index_a, 29), (b, index_b, 12)):
+            for row in index[:, key].tolist():
+                want[key] += 0 if row == spare else rows[row].double()
+    more = (b.to(device), index_b.to(device), 12)
+    got = scratch.sum_layers(a.to(device), index_a.to(device), 29, more=more)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-6, atol=1e-6)
+    out = torch.full((keys, 2, 3), 7.0, dtype=torch.bfloat16, device=device)  # rounded once, some rows only
+    rows = torch.arange(0, keys, 2, device=device)
+    scratch.sum_layers(a.to(device), index_a.to(device), 29, out, rows, more)
+    torch.testing.assert_close(out.cpu()[::2].double(), want[::2].to(torch.bfloat16).double(), rtol=0, atol=0)
+    assert (out.cpu()[1::2] == 7).all()
+
+
+def test_key_grads_partial_takes_no_order_or_buffers():
+    with pytest.raises(ValueError, match="partial=True"):
+        KeyGrads(torch.arange(3), partial=True)
+    with pytest.raises(ValueError, match="partial=True"):
+        KeyGrads(dk=torch.zeros(3), dv=torch.zeros(3), partial=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_parts_are_each_keys_gradient_and_none_for_keys_no_piece_reads(seed):
+    """A backend without scratch rows (``reference``, as cuDNN and flash on whole documents) gives
+    its whole dK/dV as one layer of parts; keys no piece reads have no part, whatever their rows hold."""
+    cu_q, k_start, k_len, num_keys = (_band_pieces if seed % 2 else _prefix_pieces)(seed)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(cu_q[-1]), 2, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(num_keys, 1, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    p, kw = Pieces(cu_q, k_start, k_len), {"causal": True, "scale": 0.5}
+    out, lse = reference.forward(q, k, v, p, **kw)
+    dout = torch.randn_like(q)
+    want = reference.backward(dout, q, k, v, out, lse, p, **kw)
+    got = reference.backward(dout, q, k, v, out, lse, p, grads=KeyGrads(partial=True), **kw)
+    read = scratch.keys_read(k_start, k_len, num_keys)
+    for parts, whole in zip(got[1:], want[1:]):
+        assert parts.index.shape == (1, num_keys) and torch.equal(parts.index[0] == parts.spare, ~read)
+        parts.rows[~read] = float("nan")
+        torch.testing.assert_close(scratch.sum_partials(parts), whole, rtol=0, atol=0)
 
 
 def _band_pieces(seed: int):
@@ -225,9 +280,13 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
     torch.use_deterministic_algorithms(True)  # with this, torch.empty fills with NaN
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     try:
-        for grads, at in ((None, slice(None)), (KeyGrads(order, *buffers), order)):
+        cases = ((None, slice(None)), (KeyGrads(order, *buffers), order), (KeyGrads(partial=True), slice(None)))
+        for grads, at in cases:
             calls.clear()
             got = kernel.backward(dout, q, k, v, out, lse, p, grads=grads, **kw)
+            if grads is not None and grads.partial:  # the parts (the layers' rows, or the copies'), summed here
+                assert all(isinstance(t, KeyPartials) and t.index.shape[1] == num_keys for t in got[1:])
+                got = (got[0], *(scratch.sum_partials(t) for t in got[1:]))
             # a call per layer over the keys, or one over the copies; the live pieces alone as entries
             live = s.live.shape[0]
             assert len(calls) == (s.num_layers if in_place else 1) * (live > 0)
@@ -236,7 +295,7 @@ def test_in_place_backward_runs_a_call_per_layer_and_equals_the_reference(seed, 
             assert all(bool((rows["seqused_q"] > 0).all()) for rows, _ in calls)
             # the kernel's own dK (a view of its layers' buffer) only where one layer reads every key
             kept = in_place and s.num_layers == 1 and grads is None and s.live_read == num_keys
-            assert (got[1]._base is not None) == kept
+            assert (got[1]._base is not None) == kept or (grads is not None and grads.partial)
             for name, a, b in zip(("dq", "dk", "dv"), got, (want[0], want[1][at], want[2][at]), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
     finally:

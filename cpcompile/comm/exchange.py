@@ -11,10 +11,10 @@ on the host, as ``plan.step_plan`` makes it), and each layer then:
   behind a copy of the rank's own rows (made while they travel), and one gather takes
   the *compact* keys ``[R, Hkv, D]`` from it (the read rows in physical order, so that
   each piece's keys stay one range, at a new start ``k_start``); the kernel runs over them;
-- backward: the same exchange; the kernel writes the compact dK/dV sums (float32;
-  float64 for float64 inputs) into one buffer per tensor, other ranks' rows go back to
-  their owners in one all-to-all each, received into the same buffer, and one
-  ``sum_rows`` pass adds each local row's own sum and the returned ones, in sender
+- backward: the same exchange; the kernel gives the compact keys' dK/dV as parts not yet
+  added (its layers' rows), other ranks' rows are summed (float32; float64 for float64
+  inputs) straight into what goes back to their owners in one all-to-all each, and one
+  ``sum_rows`` pass adds each local row's own parts and the returned sums, in sender
   order (deterministic), rounding once to the input dtype.
 
 Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
@@ -58,8 +58,8 @@ class Exchange(NamedTuple):
       the received ones.
     - ``send_rows``: ``[n_send]`` int64, the local rows others read, in receiver order.
     - ``recv_dst``: ``[n_recv]`` int64, the compact rows of the received keys, in sender order.
-    - ``sums``: ``[L, T_local]`` int64, per layer the row of ``[compact sums; returned
-      sums; spare]`` that holds a part of each local row's gradient: layer 0 its own
+    - ``sums``: ``[L, T_local]`` int64, per layer the row of ``[compact rows; returned
+      rows; spare]`` that holds a part of each local row's gradient: layer 0 its own
       compact row, then one layer per sender, in rank order (``spare``: no part).
     - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
     - ``idle``: no piece reads a key (``R`` is then 1: kernels need keys).
@@ -276,17 +276,12 @@ def fetch_keys(k: torch.Tensor, v: torch.Tensor, ex: Exchange, group) -> list[to
     return compact
 
 
-def return_grads(sums: list[torch.Tensor], ex: Exchange, group) -> list:
-    """Start sending other ranks' rows of the compact sums back to their owners.
+def return_grads(sent: list[torch.Tensor], ex: Exchange, group) -> list:
+    """Start sending other ranks' rows of dK/dV back to their owners.
 
-    ``sums``: per tensor ``[R + returned + 1, Hkv, D]``: the ``R`` compact rows (the kernel's),
-    then the rows other ranks return to this rank (received in place), then a spare row.
-    Returns one ``(buffer, work)`` per tensor; the sums are complete after ``work.wait()``.
+    ``sent``: per tensor ``[n_recv, Hkv, D]``, the gradients of the keys this rank received, in
+    :attr:`Exchange.recv_dst`'s order. Returns one ``(returned, work)`` per tensor: after
+    ``work.wait()``, ``returned [n_send, Hkv, D]`` holds the rows other ranks return to this
+    rank, by sender in rank order (:attr:`Exchange.sums` numbers them after the ``R`` compact rows).
     """
-    r = ex.gather.shape[0]
-    return [  # both in flight at once
-        all_to_all_rows(
-            s[:r].index_select(0, ex.recv_dst), ex.send_counts, ex.recv_counts, group, async_op=True, out=s[r:-1]
-        )
-        for s in sums
-    ]
+    return [all_to_all_rows(s, ex.send_counts, ex.recv_counts, group, async_op=True) for s in sent]  # all in flight

@@ -111,15 +111,38 @@ class KeyGrads:
     - ``dk``, ``dv``: two ``[Tk, Hkv, D]`` buffers, given together (rows in ``key_order``),
       0 at the rows of keys that no piece reads: the sums are written into the other
       rows, in the buffers' dtype, and the buffers returned.
+    - ``partial``: return the parts of the sums, not the sums (:class:`KeyPartials`), in key
+      order: a caller that adds other ranks' parts anyway (the sparse exchange) then sums
+      every key's rows once, where a kernel's float32 sums of its layers would be written
+      and read again. Not with ``key_order`` or buffers.
     """
 
     key_order: Tensor | None = None
     dk: Tensor | None = None
     dv: Tensor | None = None
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if (self.dk is None) != (self.dv is None):
             raise ValueError("KeyGrads takes dk and dv together, or neither")
+        if self.partial and (self.key_order is not None or self.dk is not None):
+            raise ValueError("KeyGrads(partial=True) takes no key_order and no buffers: the parts come in key order")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyPartials:
+    """dK or dV of ``Tk`` keys as rows not yet added (what :class:`KeyGrads` ``partial`` asks for):
+    key ``i``'s gradient is the sum over ``l`` of ``rows[index[l, i]]``, leaving out ``spare``.
+
+    - ``rows``: ``[m, Hkv, D]``, in the kernel's dtype (each a piece's, or a layer of pieces',
+      gradient of one key; or a key's whole sum).
+    - ``index``: ``[L, Tk]`` int64 rows of ``rows``; ``spare`` where layer ``l`` adds nothing
+      to key ``i`` (no piece of it reads the key). ``rows[spare]``, where it exists, is never read.
+    """
+
+    rows: Tensor
+    index: Tensor
+    spare: int
 
 
 class BackwardOptions(TypedDict, total=False):
@@ -225,6 +248,7 @@ class AttentionKernel(Protocol):
             ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
             over all pieces (where each key's gradient is one piece's, so there is nothing
             to add, they may come in ``k``'s dtype: ``disjoint_keys``, or pieces whose key
-            ranges are disjoint and cover every key), or ``grads``' buffers.
+            ranges are disjoint and cover every key), or ``grads``' buffers; with
+            ``grads.partial``, two :class:`KeyPartials` instead.
         """
         ...

@@ -1,11 +1,15 @@
 """Sparse-exchange CP attention: the kernel over the compact keys ``comm.exchange`` brings.
 
 Forward: fetch the K/V rows the rank's pieces read (``comm.exchange.fetch_keys``), run the
-kernel over them. Backward: fetch them again (autograd saves nothing of size ``T``), the
-kernel writes the compact dK/dV sums (float32; float64 for float64 inputs) into one buffer
-per tensor, other ranks' rows go back to their owners (``comm.exchange.return_grads``),
-and one ``sum_rows`` pass adds each local row's own sum and the returned ones, in sender
-order (deterministic), rounding once to the input dtype.
+kernel over them. Backward: fetch them again (autograd saves nothing of size ``T``); the
+kernel gives the compact keys' dK/dV as parts not yet added (``KeyGrads(partial=True)``:
+FA4's layers of pieces, the copies' rows); one ``sum_rows`` pass sums other ranks' rows
+(float32; float64 for float64 inputs) into what goes back to their owners
+(``comm.exchange.return_grads``), and one more adds each local row's own parts and the
+returned sums, in sender order (deterministic), rounding once to the input dtype. A rank's
+own keys are most of those it reads (40-65 % under balanced at cp=8): their parts are read
+once, where float32 sums of every compact key were written, read back and copied to a
+send buffer (docs/attention-kernels.md, "The backward's dK/dV buffers").
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 
 from ..comm.exchange import Exchange, fetch_keys, return_grads
 from ..kernels import KeyGrads, Pieces
-from ..kernels.metadata.scratch import sum_layers
+from ..kernels.contract import KeyPartials
+from ..kernels.metadata.scratch import columns, sum_partials
+from ..per_plan import per_plan
 
 
 def _compact(pieces: Pieces, ex: Exchange) -> Pieces:
@@ -36,24 +42,47 @@ def forward(kernel, q, k, v, ex: Exchange, pieces: Pieces, group, **kw):
 def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, group, **kw):
     """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]``, summed over ranks."""
     k_read, v_read = fetch_keys(k, v, ex, group)  # re-fetched, not saved by the forward
-    # per tensor one buffer: the compact keys' sums (the kernel's), the sums other ranks return
-    # (received in place), and the spare row; at least float32, rounded once at the end
-    r, returned = ex.gather.shape[0], sum(ex.send_counts)  # R compact keys, rows returned to this rank
-    acc = torch.promote_types(k.dtype, torch.float32)
-    sums = [k.new_empty((r + returned + 1, *k.shape[1:]), dtype=acc) for _ in range(2)]
-    if ex.idle:  # the kernel writes the rows of keys that are read: here none
-        for s in sums:
-            s[:r].zero_()
     pack_keys = k.shape[0] * group.size()  # what the kernel's scratch is budgeted against
-    dq, _, _ = kernel.backward(
+    dq, *parts = kernel.backward(
         *(dout, q, k_read, v_read, out, lse, _compact(pieces, ex)),
-        grads=KeyGrads(dk=sums[0][:r], dv=sums[1][:r]),
+        grads=KeyGrads(partial=True),
         pack_keys=pack_keys,
         **kw,
     )
+    # other ranks' rows, summed (at least float32) straight into what goes back to them; the
+    # parts of keys no piece read (an idle rank's one key) are none: those rows are 0
+    acc = torch.promote_types(k.dtype, torch.float32)
+    sent = [sum_partials(_columns(p, ex.recv_dst), _like(k, ex.recv_dst.shape[0], acc)) for p in parts]
     grads = []
-    for s, x, (_, work) in zip(sums, (k, v), return_grads(sums, ex, group)):
+    for p, x, (returned, work) in zip(parts, (k, v), return_grads(sent, ex, group)):
+        own, senders = _local(p, ex)
         work.wait()
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        grads.append(sum_layers(s, ex.sums, r + returned, total))  # own, then senders in rank order
+        # each local row: its own parts (the kernel's layers, in order), then the senders' sums in rank order
+        grads.append(sum_partials(own, total, more=KeyPartials(returned, senders, returned.shape[0])))
     return dq, *grads
+
+
+def _columns(parts: KeyPartials, keys: torch.Tensor) -> KeyPartials:
+    """``parts`` of the compact keys ``keys`` ``[n]`` alone, in that order."""
+    return KeyPartials(parts.rows, columns(parts.index, keys), parts.spare)
+
+
+def _like(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((rows, *x.shape[1:]), dtype=dtype, device=x.device)
+
+
+def _local(parts: KeyPartials, ex: Exchange) -> tuple[KeyPartials, torch.Tensor]:
+    """The rank's own rows' parts among ``parts`` (``[L, T_local]``, the compact row's layers; none
+    for rows no piece of the rank reads), and ``[senders, T_local]``, each sender's returned row."""
+    own, senders = _local_rows(parts.index, parts.spare, ex.sums, ex.gather.shape[0])
+    return KeyPartials(parts.rows, own, parts.spare), senders
+
+
+@per_plan
+def _local_rows(index: torch.Tensor, spare: int, sums: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_local`'s indices from :attr:`Exchange.sums` (``[1 + senders, T_local]``: the
+    compact row, then the returned rows after the ``r`` compact ones); once per plan."""
+    compact = sums[0]
+    own = torch.where(compact < r, index[:, compact.clamp(max=r - 1)], spare)
+    return own, sums[1:] - r

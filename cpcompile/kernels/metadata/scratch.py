@@ -31,12 +31,14 @@ is shorter, made cuDNN's backward markedly slower: docs/attention-kernels.md).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ...per_plan import per_plan, twinned
 from ...reads import keys_read
+from ..contract import KeyPartials
 from ..triton import sum_rows
 
 if TYPE_CHECKING:
@@ -250,44 +252,64 @@ def add_back(
     small part of the pack's keys (balanced: docs/attention-kernels.md, "The backward's
     dK/dV buffers"), and the other rows need not be written again in every layer.
     Left in float32: callers add the sums over ranks before the one rounding.
-    Deterministic: each key's rows are added in layer order. The torch way zeroes
-    the spare row ``partial[rows]`` and reads it where a layer has no row.
+    Deterministic: each key's rows are added in layer order.
     """
     index = scratch.index if index is None else index
-    index = index if key_order is None else _columns(index, key_order)
+    index = index if key_order is None else columns(index, key_order)
     rows = None if out is None else _rows(scratch.read, key_order, scratch.num_read)
     return sum_layers(partial, index, partial.shape[0] - 1, out, rows)
 
 
 def add_back_grads(
     dk: torch.Tensor, dv: torch.Tensor, scratch: Scratch, grads: KeyGrads | None = None, index=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple:
     """:func:`add_back` of per-scratch-row (or with ``index``, per-layer) dK and dV, in the order and
-    buffers ``grads`` asks for."""
+    buffers ``grads`` asks for; where it asks for the parts (``partial``), the rows as they are
+    (:class:`~cpcompile.kernels.contract.KeyPartials`, their last row the spare one)."""
+    if grads is not None and grads.partial:
+        index = scratch.index if index is None else index
+        return tuple(KeyPartials(t, index, t.shape[0] - 1) for t in (dk, dv))
     order, dk_out, dv_out = _destination(grads)
     return add_back(dk, scratch, order, dk_out, index), add_back(dv, scratch, order, dv_out, index)
 
 
-def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None) -> torch.Tensor:
+def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, rows=None, more=None) -> torch.Tensor:
     """``out[k] = sum over l of partial[index[l, k]]``: ``partial [n, H, D]``, ``index [L, Tk]``
-    int64 (``spare``, a row of ``partial``: none), summed in at least float32.
+    int64 (``spare``: none; a row of ``partial`` or past its last), summed in at least float32.
 
     ``out``: ``[Tk, H, D]`` to write, in its dtype (default: a new float32 one); ``rows``:
-    ``[m]`` int64, the only rows of ``out`` computed (its others are kept). On CUDA one
-    ``sum_rows`` kernel (float32 sums); elsewhere, and for float64, torch gathers, reading
-    ``partial[spare]`` zeroed, and sums over the layers with ``torch.sum`` (deterministic).
+    ``[m]`` int64, the only rows of ``out`` computed (its others are kept); ``more``: a second
+    source ``(partial, index, spare)`` (its own dtype, ``[L', Tk]``), its layers added after
+    the first's. On CUDA one ``sum_rows`` kernel (float32 sums); elsewhere, and for float64,
+    torch gathers, leaving out the spare rows, and sums over the layers with ``torch.sum``
+    (deterministic).
     """
-    if sum_rows.available(partial) and partial.dtype != torch.float64:
-        return sum_rows.sum_rows(partial, index, spare, out, rows)
-    partial[spare].zero_()  # the gathers' source where a layer has no row
-    acc = torch.promote_types(partial.dtype, torch.float32)
+    sources = [(partial, index, spare)] + ([] if more is None else [more])
+    if sum_rows.available(partial) and all(source[0].dtype != torch.float64 for source in sources):
+        return sum_rows.sum_rows(partial, index, spare, out, rows, more)
+    acc = functools.reduce(torch.promote_types, (source[0].dtype for source in sources), torch.float32)
+    parts = [_gathered(p, i if rows is None else i[:, rows], n, acc) for p, i, n in sources]
+    total = torch.sum(torch.cat(parts), dim=0, dtype=acc)
     if out is None:
-        return torch.sum(partial[index], dim=0, dtype=acc)
+        return total
     if rows is None:
-        out.copy_(torch.sum(partial[index], dim=0, dtype=acc))
+        out.copy_(total)
     else:
-        out[rows] = torch.sum(partial[index[:, rows]], dim=0, dtype=acc).to(out.dtype)
+        out[rows] = total.to(out.dtype)
     return out
+
+
+def _gathered(partial: torch.Tensor, index: torch.Tensor, spare: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[L, Tk, H, D]`` in ``dtype``: ``partial[index]``, 0 where ``index`` is ``spare`` (whatever that row holds)."""
+    none = index == spare
+    gathered = partial[index.masked_fill(none, 0)].to(dtype)
+    return gathered.masked_fill_(none.view(*none.shape, *(1,) * (partial.dim() - 1)), 0)
+
+
+def sum_partials(parts: KeyPartials, out=None, rows=None, more: KeyPartials | None = None) -> torch.Tensor:
+    """:func:`sum_layers` of :class:`~cpcompile.kernels.contract.KeyPartials` (and ``more``'s after them)."""
+    extra = None if more is None else (more.rows, more.index, more.spare)
+    return sum_layers(parts.rows, parts.index, parts.spare, out, rows, extra)
 
 
 def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_order=None, out=None) -> torch.Tensor:
@@ -306,10 +328,22 @@ def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_or
 
 def place_grads(
     dk: torch.Tensor, dv: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, grads: KeyGrads | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`place` of whole dK and dV, in the order and buffers ``grads`` asks for."""
+) -> tuple:
+    """:func:`place` of whole dK and dV, in the order and buffers ``grads`` asks for; where it
+    asks for the parts (``partial``), the gradients as they are, one layer whose rows are the
+    keys', the spare (past the last row) where no piece reads a key."""
+    if grads is not None and grads.partial:
+        index = _read_index(k_start, k_len, dk.shape[0])
+        return tuple(KeyPartials(t, index, t.shape[0]) for t in (dk, dv))
     order, dk_out, dv_out = _destination(grads)
     return place(dk, k_start, k_len, order, dk_out), place(dv, k_start, k_len, order, dv_out)
+
+
+@per_plan
+def _read_index(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[1, Tk]`` int64: each key's own row where a piece reads it, else ``Tk``; once per plan."""
+    key = torch.arange(num_keys, device=k_start.device)
+    return torch.where(keys_read(k_start, k_len, num_keys), key, num_keys)[None]
 
 
 def _destination(grads: KeyGrads | None) -> tuple:
@@ -326,9 +360,9 @@ def _placement(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int, key_or
 
 
 @per_plan
-def _columns(index: torch.Tensor, key_order: torch.Tensor) -> torch.Tensor:
-    """``index [L, Tk]`` with its columns in ``key_order``; once per plan."""
-    return index[:, key_order]
+def columns(index: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``index [L, Tk]``'s columns ``keys`` (``[n]`` int64), in that order; once per plan."""
+    return index[:, keys]
 
 
 @per_plan

@@ -30,6 +30,15 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _add_layers(total, partial, index, key, num_layers, num_keys, spare, cols, inside, width: tl.constexpr):
+        # total [block] float32 plus, layer by layer, partial[index[layer, key]] where it is not ``spare``
+        for layer in range(num_layers):
+            row = tl.load(index + layer * num_keys + key)  # int32 product: L * Tk < 2^31
+            if row != spare:  # the layer has no row for this key: nothing to read
+                total += tl.load(partial + row * width + cols, mask=inside).to(tl.float32)
+        return total
+
+    @triton.jit
     def _sum_rows(
         partial,
         index,
@@ -38,12 +47,18 @@ if triton is not None:
         num_layers,
         num_keys,
         spare,
+        more,
+        more_index,
+        more_layers,
+        more_spare,
         width: tl.constexpr,
         block: tl.constexpr,
         some: tl.constexpr,
+        two: tl.constexpr,
     ):
         # partial [R, width], index [num_layers, num_keys] int64, out [num_keys, width] (the sum is
-        # float32, rounded once to out's dtype on the store);
+        # float32, rounded once to out's dtype on the store); with ``two``, then ``more``'s layers
+        # (``more_index [more_layers, num_keys]``) on the same sums;
         # program (key, column block), the key the program's own or, with ``some``, keys[program]
         if some:
             key = tl.load(keys + tl.program_id(0))
@@ -52,25 +67,35 @@ if triton is not None:
         cols = tl.program_id(1) * block + tl.arange(0, block)
         inside = cols < width
         total = tl.zeros([block], dtype=tl.float32)
-        for layer in range(num_layers):
-            row = tl.load(index + layer * num_keys + key)  # int32 product: L * Tk < 2^31
-            if row != spare:  # the layer has no row for this key: nothing to read
-                total += tl.load(partial + row * width + cols, mask=inside).to(tl.float32)
+        total = _add_layers(total, partial, index, key, num_layers, num_keys, spare, cols, inside, width)
+        if two:
+            total = _add_layers(total, more, more_index, key, more_layers, num_keys, more_spare, cols, inside, width)
         tl.store(out + key * width + cols, total, mask=inside)
 
 
-def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, keys=None) -> torch.Tensor:
+def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, keys=None, more=None) -> torch.Tensor:
     """``partial [R, H, D]``, ``index [L, Tk]`` int64 rows of ``partial`` (``spare``: none)
     -> ``[Tk, H, D]``, ``out[k] = sum over l of partial[index[l, k]]``, summed in float32.
 
     ``out``: the ``[Tk, H, D]`` tensor to write, float32 or a dtype to round the sums to
     once (default: a new float32 one); ``keys``: ``[n]`` int64, the only rows computed and
-    written (``out``'s others are kept).
+    written (``out``'s others are kept). ``more``: ``(partial, index, spare)`` of a second
+    source, its own dtype and ``[L', Tk]`` index, whose layers follow on the same sums.
     """
     num_layers, num_keys = index.shape
     partial, index = partial.contiguous(), index.contiguous()
     width = partial[0].numel()
     shape = (num_keys, *partial.shape[1:])
+    if more is not None:
+        extra, extra_index, extra_spare = more
+        extra, extra_index = extra.contiguous(), extra_index.contiguous()
+        if extra[0].numel() != width or extra_index.shape[1] != num_keys:
+            raise ValueError(
+                f"sum_rows: more must have rows of {width} values and an index of {num_keys} columns, got "
+                f"{list(extra.shape)} and {list(extra_index.shape)}"
+            )
+    else:  # unused: the kernel's second source is compiled out
+        extra, extra_index, extra_spare = partial, index, spare
     if out is None:
         if keys is not None:
             raise ValueError("sum_rows: keys needs out, the tensor whose other rows it keeps")
@@ -87,6 +112,7 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, k
         with torch.cuda.device(partial.device):  # launched on that device's current stream
             _sum_rows[grid](
                 partial, index, index if keys is None else keys, out, num_layers, num_keys, spare,
-                width=width, block=block, some=keys is not None,
+                extra, extra_index, extra_index.shape[0], extra_spare,
+                width=width, block=block, some=keys is not None, two=more is not None,
             )  # fmt: skip
     return out

@@ -100,6 +100,10 @@ def test_sum_layers_adds_a_second_source_after_the_first_leaving_out_spare_rows(
     scratch.sum_layers(a.to(device), index_a.to(device), 29, out, rows, more)
     torch.testing.assert_close(out.cpu()[::2].double(), want[::2].to(torch.bfloat16).double(), rtol=0, atol=0)
     assert (out.cpu()[1::2] == 7).all()
+    # a second source of no rows and no layers (no rank returns any: cp=1) adds nothing
+    alone = scratch.sum_layers(a.to(device), index_a.to(device), 29)
+    none = (b[:0].to(device), index_b[:0].to(device), 0)
+    assert torch.equal(scratch.sum_layers(a.to(device), index_a.to(device), 29, more=none), alone)
 
 
 def test_key_grads_partial_takes_no_order_or_buffers():

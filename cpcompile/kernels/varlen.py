@@ -13,24 +13,25 @@ more for small stripes; its size is read on the host once per plan. When the
 caller knows the key ranges are consecutive (``disjoint_keys``: unpadded
 single-device attention), the backward is one plain call with no copies.
 
-A kernel that takes each entry's used rows (``seqused_q``, ``seqused_k``) and output
-buffers (FA4's: ``in_place_backward``) runs its forward entries longest first
-(``metadata.order``: it schedules entries in order, and a rank's long pieces would
-otherwise finish its call alone), and its backward copies no key either: the pieces fall
-into layers whose key ranges are disjoint and increasing (``metadata.scratch.layers``;
-one for no_load_balance and for balanced under a window, two for balanced and
-dual_chunk_swap), and one call per layer reads the keys in place, its entries that
-layer's live pieces alone (``metadata.scratch.layer_calls``), writing dQ into one buffer
-and each layer's dK/dV into its own, which are then added into the caller's buffers
-(``KeyGrads``, as the CP ops pass them), or kept as they are where there are none and
-one layer reads every key. The layers' calls are independent (their own dK/dV buffers,
-their pieces' own dQ rows) and run side by side on streams of their own: each call's
-last thread blocks, a long piece's, then share the GPU with the other call's work
-instead of running alone at its end. Up to ``IN_PLACE_LAYERS`` layers (``IN_PLACE_LAYERS_GQA``
-with grouped query heads, whose float32 dK/dV accumulators span every key of each
-call), and where the keys no piece reads are fewer than the copies; else the copies,
-in one call, its entries again the live pieces alone. Such a kernel's grid grows with
-its entries, and a rank's plan has 5-13 live pieces among 100-150 piece slots at cp=8
+A kernel that takes each entry's used rows (``seqused_q``, ``seqused_k``) and output buffers
+(FA4's: ``in_place_backward``) runs its forward entries longest first (``metadata.order``:
+it schedules entries in order, and a rank's long pieces would otherwise finish its call
+alone), and its backward copies no key either: the pieces fall into layers whose key ranges
+are disjoint and increasing (``metadata.scratch.layers``; one for no_load_balance and for
+balanced under a window, two for balanced and dual_chunk_swap), and one call per layer reads
+the keys in place, its entries that layer's live pieces alone
+(``metadata.scratch.layer_calls``), writing dQ into one buffer and each layer's dK/dV into
+its own, which are then added into the caller's buffers (``KeyGrads``, as the all-gather
+passes them), handed over as they are with their index (``KeyGrads(partial=True)``: the
+sparse exchange adds them to other ranks' sums), or kept as they are where there are none
+and one layer reads every key. The layers' calls are independent (their own dK/dV buffers,
+their pieces' own dQ rows) and run side by side on streams of their own: each call's last
+thread blocks, a long piece's, then share the GPU with the other call's work instead of
+running alone at its end. Up to ``IN_PLACE_LAYERS`` layers (``IN_PLACE_LAYERS_GQA`` with
+grouped query heads, whose float32 dK/dV accumulators span every key of each call), and
+where the keys no piece reads are fewer than the copies; else the copies, in one call, its
+entries again the live pieces alone. Such a kernel's grid grows with its entries, and a
+rank's plan has 5-13 live pieces among 100-150 piece slots at cp=8
 (docs/attention-kernels.md, "FlashAttention-4").
 """
 

@@ -13,6 +13,8 @@ The measurements: docs/attention-kernels.md.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -84,12 +86,14 @@ def sum_rows(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None, k
     """
     num_layers, num_keys = index.shape
     partial, index = partial.contiguous(), index.contiguous()
-    width = partial[0].numel()
+    width = math.prod(partial.shape[1:])  # not partial[0]: a source may have no rows
     shape = (num_keys, *partial.shape[1:])
+    if more is not None and more[1].shape[0] == 0:  # a second source of no layers adds nothing
+        more = None
     if more is not None:
         extra, extra_index, extra_spare = more
         extra, extra_index = extra.contiguous(), extra_index.contiguous()
-        if extra[0].numel() != width or extra_index.shape[1] != num_keys:
+        if math.prod(extra.shape[1:]) != width or extra_index.shape[1] != num_keys:
             raise ValueError(
                 f"sum_rows: more must have rows of {width} values and an index of {num_keys} columns, got "
                 f"{list(extra.shape)} and {list(extra_index.shape)}"

@@ -320,9 +320,9 @@ def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
         "timed again right before each layout's ranks; max/mean = slowest rank over the mean; short = pieces per "
         "rank under 128 query rows; K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads "
         "(exchange; its backward timed with the sums of the rows it sends back, not the one adding the rows it "
-        "gets back to its own); communication not timed. `[flash]` torch's varlen flash kernel, `[cudnn]` cuDNN's fused "
-        "attention on the ragged pieces, `[fa4]` FlashAttention-4 (`flash-attn-4`), `[auto]` FA4 where installed, "
-        "else cuDNN's forward and the backward chosen per call. "
+        "gets back to its own); communication not timed. `[flash]` torch's varlen flash kernel, `[cudnn]` cuDNN's "
+        "fused attention on the ragged pieces, `[fa4]` FlashAttention-4 (`flash-attn-4`), `[auto]` FA4 where "
+        "installed, else cuDNN's forward and the backward chosen per call. "
         "Analyses: [docs/attention-kernels.md](docs/attention-kernels.md), "
         "[docs/measurement.md](docs/measurement.md).",
         "",

@@ -20,6 +20,8 @@ import torch
 import cpcompile
 from cpcompile import Capacity, StrategySpec
 from cpcompile.kernels import KeyGrads, Pieces, reference
+from cpcompile.kernels.contract import KeyPartials
+from cpcompile.kernels.metadata import scratch
 from cpcompile.ops.captured import LAYERS, capturable
 from cpcompile.plan import make_plan
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
@@ -66,6 +68,23 @@ def test_captured_backward_of_every_rank_equals_float64_attention(strategy, cp, 
                 wanted = (want_grads[0], want_grads[1][order], want_grads[2][order])
                 for name, a, b in zip(("dq", "dk", "dv"), grads, wanted, strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{name} {label}")
+
+
+def test_captured_backward_hands_over_the_layers_rows_when_asked_for_parts():
+    """``KeyGrads(partial=True)`` on a captured backward: each layer's rows with their index (every
+    layer's call writes every key row it reads), summing to the reference's dK/dV."""
+    cu_q = torch.tensor([0, 4, 8, 11], dtype=torch.int32)  # a head piece and a tail piece of one document
+    k_start, k_len = torch.tensor([0, 0, 9], dtype=torch.int32), torch.tensor([4, 9, 3], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(11, 2, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(12, 1, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    pieces, kw = Pieces(cu_q, k_start, k_len), {"causal": True, "scale": 0.5}
+    out, lse = reference.forward(q, k, v, pieces, **kw)
+    want = reference.backward(dout, q, k, v, out, lse, pieces, **kw)
+    dq, *parts = emulated.fa4().backward(dout, q, k, v, out, lse, pieces, grads=KeyGrads(partial=True), layers=2, **kw)
+    assert all(isinstance(p, KeyPartials) and p.index.shape == (2, 12) for p in parts)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, *map(scratch.sum_partials, parts)), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_a_pack_beyond_the_layers_fails_on_the_host_and_on_the_device_not_silently():

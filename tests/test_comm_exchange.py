@@ -85,7 +85,7 @@ def _as_ranks_told_each_other(plans, causal: bool, choice: str) -> list[Exchange
         own_compact = own.nonzero().squeeze(1)
         sums = _sum_layers(m.local_row[own_compact], own_compact, send_rows, send_counts, gather.shape[0], t_local)
         recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
-        out.append(Exchange(m.k_start, gather, send_rows, by_owner, sums, recv_counts, send_counts, m.idle))
+        out.append(Exchange(m.k_start, gather, send_rows, by_owner, sums, recv_counts, send_counts))
     return out
 
 

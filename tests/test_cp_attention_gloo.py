@@ -7,6 +7,8 @@ so cases share it.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -125,6 +127,46 @@ def _every_case(rank: int, world: int, kv_env: str) -> None:
             _masks_share_a_plan(rank, world, config)
     else:
         _ranks_that_read_nothing(rank, world)  # through the exchange, from the environment
+
+
+def _parts_through_the_exchange(rank: int, world: int) -> None:
+    """The exchange's backward on a kernel arranged as FA4 (``tests.emulated``, float64), whose
+    parts are its layers' rows in place (one or two layers: no_load_balance, balanced and
+    dual_chunk_swap) or the copies' rows, not the one layer of a whole dK/dV that the reference
+    gives: own parts and returned sums added per local row, other ranks' rows sent. Packs with
+    one-token and empty documents, and ranks holding only padding."""
+    from cpcompile import kernels
+    from cpcompile.kernels import varlen
+    from cpcompile.kernels.metadata import order
+    from tests import emulated
+
+    kernel = emulated.fa4()
+    kernels.select = lambda *args, **kw: kernel  # this spawned process's own module
+    order.ROWS = 4  # forward entries in chunks of 4 rows
+    config = cpcompile.Config(kv_exchange="always")
+    cases = [[1, 13, 1, 7, 2], [0, 9, 1], [2, 0, 1], [23]]
+    for copies, (case, lengths), name, causal in itertools.product(
+        (False, True), enumerate(cases), ("balanced", "no_load_balance", "dual_chunk_swap"), (True, False)
+    ):
+        varlen.IN_PLACE_LAYERS = varlen.IN_PLACE_LAYERS_GQA = 0 if copies else 2
+        hq, hkv = (4, 2) if causal else (2, 2)
+        spec = cpcompile.StrategySpec(cpcompile.Strategy(name))
+        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case)
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+        local = [sharded.tensors[n].double().requires_grad_() for n in "qkv"]
+        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": spec, "causal": causal, "config": config}
+        out = cpcompile.cp_attention(*local, cu, **kw)
+        grads = torch.autograd.grad(out, local, sharded.tensors["dout"].double())
+        want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
+        label = f"rank {rank}/{world} {name} {lengths} causal={causal} copies={copies}"
+        assert relative_error(out, want) < TOLERANCE, f"out {label}"
+        for n, got, w in zip("qkv", grads, want_grads):
+            assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"
+
+
+def test_kernel_parts_through_the_exchange_match_fp64_reference():
+    run_ranks(_parts_through_the_exchange, 3)
 
 
 @pytest.mark.parametrize(("world", "kv_env"), [(2, "never"), (3, "always")])

@@ -92,7 +92,7 @@ def test_sum_layers_adds_a_second_source_after_the_first_leaving_out_spare_rows(
         for rows, index, spare in ((a, index_a, 29), (b, index_b, 12)):
             for row in index[:, key].tolist():
                 want[key] += 0 if row == spare else rows[row].double()
-    more = (b.to(device), index_b.to(device), 12)
+    more = KeyPartials(b.to(device), index_b.to(device), 12)
     got = scratch.sum_layers(a.to(device), index_a.to(device), 29, more=more)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-6, atol=1e-6)
     out = torch.full((keys, 2, 3), 7.0, dtype=torch.bfloat16, device=device)  # rounded once, some rows only
@@ -102,7 +102,7 @@ def test_sum_layers_adds_a_second_source_after_the_first_leaving_out_spare_rows(
     assert (out.cpu()[1::2] == 7).all()
     # a second source of no rows and no layers (no rank returns any: cp=1) adds nothing
     alone = scratch.sum_layers(a.to(device), index_a.to(device), 29)
-    none = (b[:0].to(device), index_b[:0].to(device), 0)
+    none = KeyPartials(b[:0].to(device), index_b[:0].to(device), 0)
     assert torch.equal(scratch.sum_layers(a.to(device), index_a.to(device), 29, more=none), alone)
 
 

@@ -62,7 +62,9 @@ class Exchange(NamedTuple):
       rows; spare]`` that holds a part of each local row's gradient: layer 0 its own
       compact row, then one layer per sender, in rank order (``spare``: no part).
     - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
-    - ``idle``: no piece reads a key (``R`` is then 1: kernels need keys).
+
+    A rank whose pieces read no key still reads one (``R`` is 1: kernels need keys); no piece
+    reads it, so the kernel gives it no gradient parts and its owner gets 0 back.
     """
 
     k_start: torch.Tensor
@@ -72,7 +74,6 @@ class Exchange(NamedTuple):
     sums: torch.Tensor
     recv_counts: list[int]
     send_counts: list[int]
-    idle: bool
 
 
 def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
@@ -226,7 +227,6 @@ def make_exchange(
         sums=_sum_layers(own_rows, own_compact, send_rows, send_counts, gather.shape[0], t_local),
         recv_counts=recv_counts,
         send_counts=send_counts,
-        idle=bool(idle[rank]),
     )
 
 

@@ -134,8 +134,9 @@ class KeyPartials:
     """dK or dV of ``Tk`` keys as rows not yet added (what :class:`KeyGrads` ``partial`` asks for):
     key ``i``'s gradient is the sum over ``l`` of ``rows[index[l, i]]``, leaving out ``spare``.
 
-    - ``rows``: ``[m, Hkv, D]``, in the kernel's dtype (each a piece's, or a layer of pieces',
-      gradient of one key; or a key's whole sum).
+    - ``rows``: ``[m, Hkv, D]``, in the dtype the backend computes them in (``k``'s for FA4's
+      layers and the copies' rows; at least float32 for the reference), each a piece's, or a
+      layer of pieces', gradient of one key, or a key's whole sum.
     - ``index``: ``[L, Tk]`` int64 rows of ``rows``; ``spare`` where layer ``l`` adds nothing
       to key ``i`` (no piece of it reads the key). ``rows[spare]``, where it exists, is never read.
     """

@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 from ..per_plan import per_plan
-from .contract import Pieces, check_options, gpu_window
+from .contract import KeyPartials, Pieces, check_options, gpu_window
 from .metadata import order
 from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
 from .triton import dead_rows
@@ -205,12 +205,12 @@ class VarlenKernel:
         return rows["dq"], rows["dk"], rows["dv"]
 
     def _captured_backward(self, dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k, layers, grads):
-        """The backward of a call captured in a CUDA graph: ``layers`` calls in place (the bound of
-        the pieces' layers, fixed for every pack the capture replays; a layer without pieces is a
-        call whose entries use no rows), every size from the shapes, nothing read on the host. The
-        sums are written at every key row (0 where no piece reads it), so ``grads`` may not bring
-        buffers. A pack whose pieces do not fit the layers, or whose key ranges fall, fails a
-        device-side assertion: dK/dV summed without some piece would be wrong silently."""
+        """The backward of a call captured in a CUDA graph: ``layers`` calls in place (the bound of the pieces'
+        layers, fixed for every pack the capture replays; a layer without pieces is a call whose entries use
+        no rows), every size from the shapes, nothing read on the host. The sums are written at every key
+        row (0 where no piece reads it), so ``grads`` may not bring buffers; with ``grads.partial`` the
+        layers' rows come as they are. A pack whose pieces do not fit the layers, or whose key ranges fall,
+        fails a device-side assertion: dK/dV summed without some piece would be wrong silently."""
         if grads is not None and grads.dk is not None:
             raise ValueError("a captured backward writes every dK/dV row: pass KeyGrads without buffers")
         cu_q, k_start, k_len = pieces.tensors
@@ -228,5 +228,7 @@ class VarlenKernel:
             rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
             self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
         dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
+        if grads is not None and grads.partial:
+            return dq, *(KeyPartials(partial, calls.index, layers * n) for partial in (dks, dvs))
         index = calls.index if grads is None or grads.key_order is None else calls.index[:, grads.key_order]
         return dq, *(sum_layers(partial, index, layers * n) for partial in (dks, dvs))

@@ -7,9 +7,9 @@ FA4's layers of pieces, the copies' rows); one ``sum_rows`` pass sums other rank
 (float32; float64 for float64 inputs) into what goes back to their owners
 (``comm.exchange.return_grads``), and one more adds each local row's own parts and the
 returned sums, in sender order (deterministic), rounding once to the input dtype. A rank's
-own keys are most of those it reads (40-65 % under balanced at cp=8): their parts are read
-once, where float32 sums of every compact key were written, read back and copied to a
-send buffer (docs/attention-kernels.md, "The backward's dK/dV buffers").
+own keys are 40-65 % of those it reads under balanced at cp=8: their parts are read once,
+where float32 sums of every compact key were written, read back and copied to a send buffer
+(docs/attention-kernels.md, "The backward's dK/dV buffers").
 """
 
 from __future__ import annotations
@@ -83,6 +83,6 @@ def _local(parts: KeyPartials, ex: Exchange) -> tuple[KeyPartials, torch.Tensor]
 def _local_rows(index: torch.Tensor, spare: int, sums: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_local`'s indices from :attr:`Exchange.sums` (``[1 + senders, T_local]``: the
     compact row, then the returned rows after the ``r`` compact ones); once per plan."""
-    compact = sums[0]
-    own = torch.where(compact < r, index[:, compact.clamp(max=r - 1)], spare)
+    compact = sums[0]  # a compact row, or past them (r + returned) where the rank reads no own key
+    own = torch.where(compact < r, index[:, compact.clamp(max=r - 1)], spare)  # clamped: a valid column to gather
     return own, sums[1:] - r

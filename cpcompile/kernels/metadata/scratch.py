@@ -279,14 +279,14 @@ def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None,
 
     ``out``: ``[Tk, H, D]`` to write, in its dtype (default: a new float32 one); ``rows``:
     ``[m]`` int64, the only rows of ``out`` computed (its others are kept); ``more``: a second
-    source ``(partial, index, spare)`` (its own dtype, ``[L', Tk]``), its layers added after
-    the first's. On CUDA one ``sum_rows`` kernel (float32 sums); elsewhere, and for float64,
+    source (:class:`~cpcompile.kernels.contract.KeyPartials`, its own dtype, ``[L', Tk]``), its
+    layers added after the first's. On CUDA one ``sum_rows`` kernel (float32 sums); elsewhere, and for float64,
     torch gathers, leaving out the spare rows, and sums over the layers with ``torch.sum``
     (deterministic).
     """
-    sources = [(partial, index, spare)] + ([] if more is None else [more])
+    sources = [(partial, index, spare)] + ([] if more is None else [(more.rows, more.index, more.spare)])
     if sum_rows.available(partial) and all(source[0].dtype != torch.float64 for source in sources):
-        return sum_rows.sum_rows(partial, index, spare, out, rows, more)
+        return sum_rows.sum_rows(partial, index, spare, out, rows, *sources[1:])
     acc = functools.reduce(torch.promote_types, (source[0].dtype for source in sources), torch.float32)
     parts = [_gathered(p, i if rows is None else i[:, rows], n, acc) for p, i, n in sources]
     total = torch.sum(torch.cat(parts), dim=0, dtype=acc)
@@ -308,8 +308,7 @@ def _gathered(partial: torch.Tensor, index: torch.Tensor, spare: int, dtype: tor
 
 def sum_partials(parts: KeyPartials, out=None, rows=None, more: KeyPartials | None = None) -> torch.Tensor:
     """:func:`sum_layers` of :class:`~cpcompile.kernels.contract.KeyPartials` (and ``more``'s after them)."""
-    extra = None if more is None else (more.rows, more.index, more.spare)
-    return sum_layers(parts.rows, parts.index, parts.spare, out, rows, extra)
+    return sum_layers(parts.rows, parts.index, parts.spare, out, rows, more)
 
 
 def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_order=None, out=None) -> torch.Tensor:

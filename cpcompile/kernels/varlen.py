@@ -171,13 +171,7 @@ class VarlenKernel:
         most = IN_PLACE_LAYERS if q.shape[1] == k.shape[1] else IN_PLACE_LAYERS_GQA
         if self._in_place and scratch.ordered and scratch.num_layers <= most and few_unread:
             calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers, scratch.layer_live)
-            dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
-            dks, dvs = (t.new_empty((scratch.num_layers * n + 1, *t.shape[1:])) for t in (k, v))
-            with _side_by_side(q.device, scratch.num_layers) as streams:
-                for i, stream in enumerate(streams):
-                    rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
-                    with stream:
-                        self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
+            dq, dks, dvs = self._layer_calls(dout, q, k, v, out, lse, calls, scratch.num_layers, launch, True)
             dq = dead_rows.zero(dq, live_rows)
             if scratch.num_layers == 1 and grads is None and scratch.live_read == n:
                 return dq, dks[:n], dvs[:n]  # each key's gradient is one piece's, written: nothing to add
@@ -193,6 +187,22 @@ class VarlenKernel:
             dq, dkc, dvc = call(dout, q, kc, vc, out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
         return dead_rows.zero(dq, live_rows), dk, dv
+
+    def _layer_calls(self, dout, q, k, v, out, lse, calls, layers: int, launch, side_by_side: bool):
+        """One in-place call per layer of ``calls`` (``metadata.scratch.LayerCalls``), side by side
+        (:func:`_side_by_side`) or in turn -> ``dq`` (rows of pieces that see no key unwritten) and the
+        layers' stacked ``dks``, ``dvs`` ``[L Tk + 1, Hkv, D]`` (layer ``l``'s rows ``[l Tk, (l + 1) Tk)``,
+        the spare row last)."""
+        n = k.shape[0]
+        dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
+        dks, dvs = (t.new_empty((layers * n + 1, *t.shape[1:])) for t in (k, v))
+        in_turn = contextlib.nullcontext([contextlib.nullcontext()] * layers)
+        with _side_by_side(q.device, layers) if side_by_side else in_turn as contexts:
+            for i, stream in enumerate(contexts):
+                rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
+                with stream:
+                    self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
+        return dq, dks, dvs
 
     def _entries_call(self, dout, q, k, v, out, lse, entries, launch, rows):
         """One backward call of an ``in_place_backward`` kernel over ``entries`` (:meth:`LayerCalls.call`),
@@ -221,12 +231,9 @@ class VarlenKernel:
         torch._assert_async((used_k.sum(0) == live).all(), "a piece fits none of the captured layers")
         ends = cu_k[:, :-1] + used_k
         torch._assert_async((ends <= cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
-        dq = torch.empty_like(q)  # each layer's call writes its pieces' rows
-        dks, dvs = (t.new_empty((layers * n + 1, *t.shape[1:])) for t in (k, v))
         launch = (max_q, max_k, causal, scale, band)
-        for i in range(layers):
-            rows = {"dq": dq, "dk": dks[i * n : (i + 1) * n], "dv": dvs[i * n : (i + 1) * n]}
-            self._entries_call(dout, q, k, v, out, lse, calls.call(i), launch, rows)
+        # in turn, on the capture's stream: other streams would have to be forked and joined in the graph
+        dq, dks, dvs = self._layer_calls(dout, q, k, v, out, lse, calls, layers, launch, False)
         dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
         if grads is not None and grads.partial:
             return dq, *(KeyPartials(partial, calls.index, layers * n) for partial in (dks, dvs))

@@ -280,9 +280,9 @@ def sum_layers(partial: torch.Tensor, index: torch.Tensor, spare: int, out=None,
     ``out``: ``[Tk, H, D]`` to write, in its dtype (default: a new float32 one); ``rows``:
     ``[m]`` int64, the only rows of ``out`` computed (its others are kept); ``more``: a second
     source (:class:`~cpcompile.kernels.contract.KeyPartials`, its own dtype, ``[L', Tk]``), its
-    layers added after the first's. On CUDA one ``sum_rows`` kernel (float32 sums); elsewhere, and for float64,
-    torch gathers, leaving out the spare rows, and sums over the layers with ``torch.sum``
-    (deterministic).
+    layers added after the first's. On CUDA one ``sum_rows`` kernel (float32 sums); elsewhere,
+    and for float64, torch gathers, leaving out the spare rows, and sums over the layers with
+    ``torch.sum`` (deterministic).
     """
     sources = [(partial, index, spare)] + ([] if more is None else [(more.rows, more.index, more.spare)])
     if sum_rows.available(partial) and all(source[0].dtype != torch.float64 for source in sources):

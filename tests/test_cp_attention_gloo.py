@@ -8,13 +8,14 @@ so cases share it.
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import attention_case, doc_lengths, strategy_specs
+from tests.fixtures import KINDS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
 
 TOLERANCE = 1e-4
@@ -133,8 +134,9 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
     """The exchange's backward on a kernel arranged as FA4 (``tests.emulated``, float64), whose
     parts are its layers' rows in place (one or two layers: no_load_balance, balanced and
     dual_chunk_swap) or the copies' rows, not the one layer of a whole dK/dV that the reference
-    gives: own parts and returned sums added per local row, other ranks' rows sent. Packs with
-    one-token and empty documents, and ranks holding only padding."""
+    gives: own parts and returned sums added per local row, other ranks' rows sent. Fixed packs
+    with one-token and empty documents and ranks holding only padding, then a random pack of
+    every kind (``tests.fixtures.KINDS``, one seeded generator: every rank draws the same)."""
     from cpcompile import kernels
     from cpcompile.kernels import varlen
     from cpcompile.kernels.metadata import order
@@ -144,7 +146,8 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
     kernels.select = lambda *args, **kw: kernel  # this spawned process's own module
     order.ROWS = 4  # forward entries in chunks of 4 rows
     config = cpcompile.Config(kv_exchange="always")
-    cases = [[1, 13, 1, 7, 2], [0, 9, 1], [2, 0, 1], [23]]
+    rng = random.Random(world)
+    cases = [[1, 13, 1, 7, 2], [0, 9, 1], [2, 0, 1], [23]] + [random_pack(rng, world, kind) for kind in KINDS]
     for copies, (case, lengths), name, causal in itertools.product(
         (False, True), enumerate(cases), ("balanced", "no_load_balance", "dual_chunk_swap"), (True, False)
     ):
@@ -165,8 +168,9 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
             assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"
 
 
-def test_kernel_parts_through_the_exchange_match_fp64_reference():
-    run_ranks(_parts_through_the_exchange, 3)
+@pytest.mark.parametrize("world", [2, 4])
+def test_kernel_parts_through_the_exchange_match_fp64_reference(world):
+    run_ranks(_parts_through_the_exchange, world)
 
 
 @pytest.mark.parametrize(("world", "kv_env"), [(2, "never"), (3, "always")])

@@ -36,8 +36,7 @@ from cpcompile.comm import exchange
 from cpcompile.comm.kv_gather import grad_buffers
 from cpcompile.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
-from cpcompile.kernels.contract import KeyPartials
-from cpcompile.kernels.metadata.scratch import columns, sum_partials
+from cpcompile.ops import exchange as exchange_op
 from cpcompile.ops import gathered
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
@@ -96,10 +95,8 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
         def sums():  # the parts, as the exchange's backward asks for them
             return {"pack_keys": plan.gather_index.shape[0], "grads": kernels.KeyGrads(partial=True)}
 
-        def finish(parts):  # other ranks' rows summed into float32 rows to send
-            for p in parts:
-                sent = torch.empty((others.shape[0], *k.shape[1:]), dtype=torch.float32, device=k.device)
-                sum_partials(KeyPartials(p.rows, columns(p.index, others), p.spare), sent)
+        def finish(parts):  # other ranks' rows summed into float32 rows to send, as the op does
+            exchange_op.sums_to_send(parts, others, k)
     else:
         pieces = kernels.Pieces(plan.cu_q, k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)

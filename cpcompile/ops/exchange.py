@@ -49,10 +49,7 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, grou
         pack_keys=pack_keys,
         **kw,
     )
-    # other ranks' rows, summed (at least float32) straight into what goes back to them; the
-    # parts of keys no piece read (an idle rank's one key) are none: those rows are 0
-    acc = torch.promote_types(k.dtype, torch.float32)
-    sent = [sum_partials(_columns(p, ex.recv_dst), _like(k, ex.recv_dst.shape[0], acc)) for p in parts]
+    sent = sums_to_send(parts, ex.recv_dst, k)
     grads = []
     for p, x, (returned, work) in zip(parts, (k, v), return_grads(sent, ex, group)):
         own, senders = _local(p, ex)
@@ -61,6 +58,14 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, grou
         # each local row: its own parts (the kernel's layers, in order), then the senders' sums in rank order
         grads.append(sum_partials(own, total, more=KeyPartials(returned, senders, returned.shape[0])))
     return dq, *grads
+
+
+def sums_to_send(parts: list[KeyPartials], keys: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    """Per tensor's parts, ``[n, Hkv, D]`` in at least float32 (``k``'s shape and dtype promoted): the
+    sums of the compact keys ``keys`` ``[n]`` (other ranks' keys, in the order they go back), straight
+    into what is sent. The parts of keys no piece read (an idle rank's one key) are none: those rows are 0."""
+    acc = torch.promote_types(k.dtype, torch.float32)
+    return [sum_partials(_columns(p, keys), _like(k, keys.shape[0], acc)) for p in parts]
 
 
 def _columns(parts: KeyPartials, keys: torch.Tensor) -> KeyPartials:

@@ -38,6 +38,7 @@ from cpcompile.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
 from cpcompile.ops import exchange as exchange_op
 from cpcompile.ops import gathered
+from cpcompile.per_plan import upload
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
 from cpcompile.window import window_keys
@@ -223,7 +224,8 @@ def measure(
         n = int(padded[-1])
         plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
         short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
-        plans = [cpcompile.AttentionPlan(*(x.to(dev) for x in p)) for p in plans]
+        # uploaded with their host twins, as a training step's plans are (step_plan): metadata reads them
+        plans = [cpcompile.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
         read = rank_reads(plans, cp, band)
         q_local = q[: n // cp]  # values do not matter, sizes and pieces do
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it

@@ -17,6 +17,14 @@ starts then fall as well as rise: the kernel reads each entry's rows from
 ``seqused_q`` (FA4's forward takes that; its backward does not: it pads its
 accumulators by entry order, ``varlen``).
 
+FA4 launches a thread block per entry's possible query tile, ``(rows + entries x (tile - 1)) /
+tile`` per head, whether an entry has rows or not; the empty ones start, find no work and end,
+after the real ones. A rank has 100-170 piece slots and 20-30 chunks at cp=8, so most of its
+blocks were empty, which cost up to 8 % of a short forward (docs/attention-kernels.md). So where
+the plan has host twins (``per_plan``: a plan made by ``step_plan``, as a training step's is) the
+entries are the chunks there are, counted on the twins; without them, and in a CUDA graph capture,
+the bound stays: counting on the device would be a host sync in the forward.
+
 Whole documents on one device (``disjoint_keys``) keep their plain call: there the
 chunks ran slower and the order alone moved nothing beyond the timings' spread
 (docs/attention-kernels.md, "Forward entries longest first").
@@ -28,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...per_plan import per_plan
+from ...per_plan import per_plan, twin
 
 #: Query rows per chunk, a multiple of the kernel's 128-row tiles: the fastest of 256, 512, 1024
 #: and whole pieces per rank (docs/attention-kernels.md, "Forward entries longest first").
@@ -36,8 +44,9 @@ ROWS = 1024
 
 
 class Entries(NamedTuple):
-    """``E = P + Tq // ROWS`` forward entries (a bound fixed by the shapes; those past the chunks
-    have no rows and keys), longest first.
+    """``E`` forward entries, longest first: with the plan's host twins the live pieces' chunks (at
+    least one entry, so that the kernel has a grid), else the bound ``P + Tq // ROWS`` fixed by the
+    shapes, those past the chunks without rows and keys.
 
     - ``cu_q``, ``cu_k``: ``[E + 1]`` int32, each entry's first query row and first key
       (not monotone), then ``Tq`` and ``Tk``.
@@ -59,9 +68,14 @@ def longest_first(
     ``[k_start, k_start + k_len)`` (``[P]``) of ``num_keys``: the pieces that have rows and
     keys, in chunks of :data:`ROWS` rows, ordered by the keys a chunk's last tile reads
     (``causal``; ``window_left`` >= 0 caps that at the window), most first, ties in row order.
-    On the device, no host sync (a captured forward builds it too); once per plan."""
+    On the device, no host sync (a captured forward builds it too); the number of chunks is
+    counted on the twins of ``cu_q`` and ``k_len`` where they have them; once per plan."""
     p = k_len.shape[0]
     e = p + num_rows // ROWS  # sum(ceil(n / ROWS)) <= P + sum(n) // ROWS
+    host_cu, host_len = twin(cu_q), twin(k_len)  # None in a capture
+    if host_cu is not None and host_len is not None:  # the chunks there are: FA4 launches blocks for every entry
+        rows = (host_cu[1:] - host_cu[:-1]).long()
+        e = max(1, int(torch.where((rows > 0) & (host_len > 0), (rows + ROWS - 1) // ROWS, 0).sum()))
     device = k_len.device
     if p == 0:  # no pieces: entries without rows or keys
         none = torch.zeros(e, dtype=torch.int32, device=device)

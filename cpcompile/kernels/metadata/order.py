@@ -59,6 +59,12 @@ class Entries(NamedTuple):
     used_k: torch.Tensor
 
 
+def _chunks(cu_q: torch.Tensor, k_len: torch.Tensor) -> torch.Tensor:
+    """``[P]`` int64: each piece's chunks, none for a piece without rows or keys."""
+    q_len = (cu_q[1:] - cu_q[:-1]).long()
+    return torch.where((q_len > 0) & (k_len > 0), (q_len + ROWS - 1) // ROWS, 0)
+
+
 @per_plan
 def longest_first(
     cu_q: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, num_rows: int, num_keys: int, causal: bool,
@@ -74,15 +80,14 @@ def longest_first(
     e = p + num_rows // ROWS  # sum(ceil(n / ROWS)) <= P + sum(n) // ROWS
     host_cu, host_len = twin(cu_q), twin(k_len)  # None in a capture
     if host_cu is not None and host_len is not None:  # the chunks there are: FA4 launches blocks for every entry
-        rows = (host_cu[1:] - host_cu[:-1]).long()
-        e = max(1, int(torch.where((rows > 0) & (host_len > 0), (rows + ROWS - 1) // ROWS, 0).sum()))
+        e = max(1, int(_chunks(host_cu, host_len).sum()))
     device = k_len.device
     if p == 0:  # no pieces: entries without rows or keys
         none = torch.zeros(e, dtype=torch.int32, device=device)
         last_q, last_k = (torch.full((1,), n, dtype=torch.int32, device=device) for n in (num_rows, num_keys))
         return Entries(torch.cat([none, last_q]), torch.cat([none, last_k]), none, none)
     q_start, q_len, k_len = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long(), k_len.long()
-    count = torch.where((q_len > 0) & (k_len > 0), (q_len + ROWS - 1) // ROWS, 0)
+    count = _chunks(cu_q, k_len)
     ends = count.cumsum(0)
     entry = torch.arange(e, device=device)
     piece = torch.searchsorted(ends, entry, right=True).clamp(max=p - 1)  # the piece whose chunks hold it

@@ -77,6 +77,18 @@ def timed(fn, warmup: int = 2, iters: int = 5, calls: int = 4) -> float:
     return statistics.median(times)
 
 
+def in_turn(steps: list, rounds: int) -> list[float]:
+    """The median over ``rounds`` of :func:`timed` of each of ``steps``, timed in turn, each round
+    starting one step later. Where a timing falls in the run moves it by several % (the GPU's power
+    state after the step before: docs/measurement.md, "A timing's place in the run"), so no step
+    keeps one place, as the first in every round or the one after a lighter kernel."""
+    timings = [[0.0] * len(steps) for _ in range(rounds)]
+    for round_ in range(rounds):
+        for i in sorted(range(len(steps)), key=lambda i: (i - round_) % len(steps)):
+            timings[round_][i] = timed(steps[i])
+    return [statistics.median(column) for column in zip(*timings)]
+
+
 def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0):
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
@@ -213,8 +225,7 @@ def measure(
         singles[f"[{name}]"] = packed_step(*whole, name, band)
     # in turn, ``rounds`` times, as the ranks: one timing each would set the single-GPU rows (FA4's own
     # call against ``packed_attention``'s) apart by the GPU's state when each ran
-    single_rounds = [[timed(step) for step in singles.values()] for _ in range(rounds)]
-    single_ms = dict(zip(singles, (statistics.median(column) for column in zip(*single_rounds))))
+    single_ms = dict(zip(singles, in_turn(list(singles.values()), rounds)))
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
@@ -233,10 +244,8 @@ def measure(
             kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank)
             for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
         ]
-        timings = []  # per round: the reference, in the GPU's power state of the ranks' timings, then the ranks
-        for _ in range(rounds):
-            timings.append([timed(best)] + [timed(step) for step in steps])
-        reference, *per_rank = (statistics.median(column) for column in zip(*timings))
+        # the reference among the ranks, in the GPU's power state of their timings
+        reference, *per_rank = in_turn([best, *steps], rounds)
         predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model)
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
@@ -308,7 +317,8 @@ def table(title: str, rows: list[dict], fits: dict[str, float], ranks: int, back
 def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
     """What the tables hold, below the section's header."""
     repeat = (
-        f"; the single-GPU calls, and the reference and each rank, timed in {rounds} rounds in turn, each their median"
+        f"; the single-GPU calls, and the reference and each rank, timed in {rounds} rounds in turn (each round"
+        " starting one later), each their median"
         if rounds > 1
         else ""
     )

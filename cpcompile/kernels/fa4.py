@@ -2,17 +2,18 @@
 kernel contract (``contract``), arranged as every flash-style varlen kernel is (``varlen``).
 
 FA4 is the fastest attention kernel on Hopper and Blackwell (docs/attention-kernels.md).
-Its forward reads each piece's keys in place (``cu_seqlens_k`` not monotone,
-``seqused_k``), and its entries' query rows from ``seqused_q`` in any order, which
-puts a rank's longest work first (``metadata.order``). Its backward writes dK/dV per
-entry, which is wrong for pieces whose key ranges overlap or decrease, and pads its
-accumulators by entry order, so its entries stay in row order; it takes each entry's used rows (``seqused_q``,
-``seqused_k``) and output buffers, so it runs in place where the pieces form one layer
-of disjoint, increasing ranges, and on each piece's own copy of its keys otherwise
-(``varlen``). FA4 compiles each kernel variant on first use (seconds), keyed on
-dtypes, head dims, causality and tile sizes, not on token counts: packs of any
-size reuse it. It calls no host sync. Its functions are called inside cpcompile's
-ops, so compiled graphs see only those ops.
+Its forward reads each piece's keys in place (``cu_seqlens_k`` not monotone, ``seqused_k``),
+and its entries' query rows from ``seqused_q`` in any order, which puts a rank's longest
+work first (``metadata.order``). Its backward writes dK/dV per entry, which is wrong for
+pieces whose key ranges overlap or decrease, and pads its accumulators by entry order, so
+its entries stay in row order; it takes each entry's used rows (``seqused_q``,
+``seqused_k``) and output buffers, so it runs in place, one call per layer of pieces whose
+ranges are disjoint and increasing (up to ``varlen.IN_PLACE_LAYERS`` layers, the calls side
+by side), and on each piece's own copy of its keys where the pieces need more layers or
+leave more keys unread than they would copy (``varlen``). FA4 compiles each kernel variant
+on first use (seconds), keyed on dtypes, head dims, causality and tile sizes, not on token
+counts: packs of any size reuse it. It calls no host sync. Its functions are called inside
+cpcompile's ops, so compiled graphs see only those ops.
 """
 
 from __future__ import annotations

@@ -162,9 +162,9 @@ class VarlenKernel:
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
         n = k.shape[0]
-        # in place, the kernel's float32 dK/dV accumulators span every key, read or not; copied,
-        # only the copies: take the copies where they are fewer than the keys no piece reads
-        # (an all-gather's rank reading a small part of the pack)
+        # in place, the layers' dK/dV buffers (and with GQA the kernel's float32 accumulators) span
+        # every key, read or not; copied, only the copies: take the copies where they are fewer than
+        # the keys no piece reads (an all-gather's rank reading a small part of the pack)
         few_unread = n - scratch.live_read <= scratch.rows
         live_rows = dead_rows.live_rows(cu_q, k_len, q.shape[0])  # rows whose piece sees a key
         launch = (max_q, max_k, causal, scale, band)

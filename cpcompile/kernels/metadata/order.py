@@ -14,8 +14,8 @@ most first: the longest thread blocks start first (longest-processing-time order
 Chunks start at multiples of :data:`ROWS` from their piece's first row, so the
 query tiles and the result are the piece's own, bit for bit. The entries' query
 starts then fall as well as rise: the kernel reads each entry's rows from
-``seqused_q`` (FA4's forward takes that; its backward does not: it pads its
-accumulators by entry order, ``varlen``).
+``seqused_q``. FA4's forward takes that; its backward takes ``seqused_q`` too, but not
+query starts that fall: it pads its accumulators by entry order (``varlen``).
 
 FA4 launches a thread block per entry's possible query tile, ``(rows + entries x (tile - 1)) /
 tile`` per head, whether an entry has rows or not; the empty ones start, find no work and end,

@@ -82,9 +82,11 @@ def in_turn(steps: list, rounds: int) -> list[float]:
     starting one step later. Where a timing falls in the run moves it by several % (the GPU's power
     state after the step before: docs/measurement.md, "A timing's place in the run"), so no step
     keeps one place, as the first in every round or the one after a lighter kernel."""
-    timings = [[0.0] * len(steps) for _ in range(rounds)]
+    n = len(steps)
+    timings = [[0.0] * n for _ in range(rounds)]
     for round_ in range(rounds):
-        for i in sorted(range(len(steps)), key=lambda i: (i - round_) % len(steps)):
+        for j in range(n):
+            i = (round_ + j) % n
             timings[round_][i] = timed(steps[i])
     return [statistics.median(column) for column in zip(*timings)]
 

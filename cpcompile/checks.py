@@ -9,6 +9,9 @@ never on fake tensors while tracing.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -98,6 +101,21 @@ def check_padded(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> N
         )
 
 
+def check_scale_and_bound(scale: object, max_seqlen: object) -> None:
+    """``scale``: ``None`` or a finite positive number; ``max_seqlen``: ``None`` or an int of at least 1
+    (a launch bound: it is never read as a tensor)."""
+    if torch.compiler.is_compiling():
+        return  # symbolic while tracing: the ops' schemas type them
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"scale must be None (head_dim ** -0.5) or a finite positive number, got {scale!r}")
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1
+    ):
+        raise ValueError(f"max_seqlen must be None or an int of at least 1 (the longest document), got {max_seqlen!r}")
+
+
 def check_qkv(q: object, k: object, v: object) -> None:
     """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` with ``Hq % Hkv == 0``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -113,6 +131,9 @@ def check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in tokens (dim 0) and head_dim (dim 2)")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] == 0 or t.shape[2] == 0:
+            raise ValueError(f"{name} must have at least one head and a head_dim of at least 1, got {tuple(t.shape)}")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for grouped-query attention"

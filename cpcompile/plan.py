@@ -56,11 +56,13 @@ class AttentionPlan(NamedTuple):
 class Origin(NamedTuple):
     """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
     :func:`cpcompile.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
-    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`)."""
+    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`), laid out by
+    ``spec`` (``auto`` resolved; ``None``: not known)."""
 
     pack: Pack
     rank: int
     window: tuple[int, int]
+    spec: StrategySpec | None = None
 
 
 def origin(k_len: torch.Tensor) -> Origin | None:
@@ -71,10 +73,12 @@ def origin(k_len: torch.Tensor) -> Origin | None:
     return found if isinstance(found, Origin) else None
 
 
-def _attach_origin(plan: AttentionPlan, pack: Pack, rank: int) -> None:
-    # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan)
-    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0)))
-    attach(plan.k_len_full, Origin(pack, rank, (-1, -1)))
+def attach_origin(plan, pack: Pack, rank: int, spec: StrategySpec | None) -> None:
+    """Remember with ``plan``'s ``k_len_causal`` and ``k_len_full`` what it was made from (:func:`origin`)."""
+    # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan);
+    # cp_attention checks a caller's plan (AttentionPlan or RingPlan) against its arguments
+    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0), spec))
+    attach(plan.k_len_full, Origin(pack, rank, (-1, -1), spec))
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -116,9 +120,9 @@ def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
 
 
 def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, num_tokens):
-    """``(requested, cu_seqlens_padded, layout [cp, T_local])``: the arguments checked, ``auto``
-    resolved (alike on every rank), the pack padded for the layout where not given, every rank's
-    positions (:func:`all_partition_indices`)."""
+    """``(requested, spec, cu_seqlens_padded, layout [cp, T_local])``: the arguments checked, ``auto``
+    resolved (alike on every rank: ``spec``), the pack padded for the layout where not given, every
+    rank's positions (:func:`all_partition_indices`)."""
     check_cp(cp_size, rank)
     requested = resolve_strategy(strategy)
     spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
@@ -126,7 +130,7 @@ def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, nu
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)
     layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
-    return requested, cu_seqlens_padded, layout
+    return requested, spec, cu_seqlens_padded, layout
 
 
 def make_plan(
@@ -148,7 +152,9 @@ def make_plan(
             same answer on every rank), which costs the cost model's host time per call: pass the
             ``ShardedBatch.spec`` the data loader resolved instead.
     """
-    requested, cu_seqlens_padded, layout = _layout(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens)
+    requested, spec, cu_seqlens_padded, layout = _layout(
+        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
+    )
     t_local = layout.shape[1]
     device = layout.device
 
@@ -175,7 +181,7 @@ def make_plan(
         k_len_full=k_len_full.to(torch.int32),
     )
     # copies of the offsets: the caller's, held here, would outlive the plans cached by them
-    _attach_origin(plan, Pack(layout, cu_seqlens.clone(), cu_seqlens_padded.clone()), rank)
+    attach_origin(plan, Pack(layout, cu_seqlens.clone(), cu_seqlens_padded.clone()), rank, spec)
     return plan
 
 
@@ -226,7 +232,7 @@ def step_plan(
     plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through
-        _attach_origin(uploaded, made.pack, rank)
+        attach_origin(uploaded, made.pack, rank, made.spec)
     return uploaded
 
 
@@ -288,7 +294,9 @@ def make_hybrid_plan(
     yields the rows in the same order as an all-gather over all ``cp`` ranks: the
     ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
     """
-    requested, cu_seqlens_padded, layout = _layout(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens)
+    requested, _, cu_seqlens_padded, layout = _layout(
+        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
+    )
     u = head_parallel
     flat = layout.reshape(-1)  # [T]
     gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))

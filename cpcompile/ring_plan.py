@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .per_plan import per_plan
-from .plan import make_plan
+from .plan import attach_origin, make_plan, origin
 from .strategy import StrategyLike
 
 
@@ -105,4 +105,8 @@ def make_ring_plan(
         cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank, strategy=strategy, num_tokens=num_tokens
     )
     ranges = block_key_ranges(plan.gather_index, plan.k_start, (plan.k_len_causal, plan.k_len_full), cp_size=cp_size)
-    return RingPlan(plan.cu_q, *ranges)
+    ring = RingPlan(plan.cu_q, *ranges)
+    made = origin(plan.k_len_causal)
+    if made is not None:  # what it was made from, for cp_attention's checks of a caller's plan
+        attach_origin(ring, made.pack, rank, made.spec)
+    return ring

@@ -45,8 +45,53 @@ def _one_rank_is_wrong(rank: int, world: int) -> None:
         ),
         ("device", dict(cu=CU.to("meta") if bad else CU), r"cu_seqlens must be on the device of q \(cpu\), got meta"),
     ]
+    cases += [
+        (
+            "max_seqlen",
+            dict(max_seqlen=4.5 if bad else 4),
+            r"max_seqlen must be None or an int of at least 1.*got 4\.5",
+        ),
+        (
+            "scale",
+            dict(scale=float("nan") if bad else None),
+            "scale must be None .* or a finite positive number, got nan",
+        ),
+        ("k/v heads", dict(kv=torch.randn(8, 0 if bad else 2, 4)), r"k must have at least one head .*got \(8, 0, 4\)"),
+    ]
     for _argument, call, own in cases:
         _expect(rank, 1, own, rejected.format(own), strategy=call.pop("strategy", "no_load_balance"), **call)
+
+
+def _plans_of_another_call(rank: int, world: int) -> None:
+    """A caller's plan made for another rank, another pack or another layout than the call's is
+    refused on that rank, and the others are told, before any collective: run, it would attend over
+    other documents or leave the ranks in mismatched collectives. A ring with a window runs from an
+    ``AttentionPlan``: a ``RingPlan`` holds no windows."""
+    bad = rank == 1
+    rejected = r"rank 1 rejected its arguments \((Value|Type)Error: .*{}"
+    kinds = {"ring": cpcompile.ring_plan.make_ring_plan, "all_gather": cpcompile.make_plan}
+    other_cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    for comm, make in kinds.items():
+        plans = [make(CU, cp_size=world, rank=r, strategy="no_load_balance") for r in range(world)]
+        cases = [
+            ("rank", plans[0], "plan was made for rank 0 of cp_size 2, but this is rank 1 of a group of 2"),
+            (
+                "cu_seqlens",
+                make(other_cu, cp_size=world, rank=rank, strategy="no_load_balance"),
+                "plan was made from other cu_seqlens: the plan's pack holds 2 document\\(s\\), cu_seqlens 4",
+            ),
+            (
+                "strategy",
+                make(CU, cp_size=world, rank=rank, strategy="striped"),
+                "plan was made for the layout 'striped' .*, but strategy is 'no_load_balance'",
+            ),
+        ]
+        for _argument, plan, own in cases:
+            call = dict(strategy="no_load_balance", comm=comm, plan=plan if bad else plans[rank])
+            _expect(rank, 1, own, rejected.format(own), **call)
+    ring = cpcompile.ring_plan.make_ring_plan(CU, cp_size=world, rank=rank, strategy="striped")
+    own = r"plan must be a AttentionPlan for comm='ring' with window_size=\(2, 0\), got RingPlan"
+    _expect(rank, rank, own, own, strategy="striped", comm="ring", window_size=(2, 0), plan=ring)
 
 
 def _ranks_disagree(rank: int, world: int) -> None:
@@ -66,8 +111,15 @@ def _ranks_disagree(rank: int, world: int) -> None:
         ("comm", dict(comm=("ring", "all_gather"), strategy=("striped",) * 2), ("'ring'", "'all_gather'")),
         ("cu_seqlens", dict(cu=(CU, CU_COLLIDING), strategy=("no_load_balance",) * 2), ("'[0-9a-f]+'", "'[0-9a-f]+'")),
     ]
+    gradients = r"\(True, True, True, True\)", r"\(True, False, False, False\)"
+    cases.append(("gradients \\(grad mode; q, k, v requires_grad\\)", dict(grad=(True, False)), gradients))
     for argument, call, shown in cases:
         mine = {key: values[rank] for key, values in call.items()}
+        if "grad" in mine:  # rank 1's output needs no gradient: its backward would leave rank 0 waiting
+            q = torch.randn(8, 2, 4, requires_grad=mine.pop("grad"))
+            with pytest.raises(ValueError, match=disagree(argument, shown)):
+                cpcompile.cp_attention(q, q, q, CU, strategy="no_load_balance")
+            continue
         with pytest.raises(ValueError, match=disagree(argument, shown)):
             q = torch.randn(8, 2, 4)
             cpcompile.cp_attention(q, q, q, mine.pop("cu", CU), **mine)
@@ -86,6 +138,10 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     with cpcompile.strategy("dual_chunk_swap" if rank else "no_load_balance"):
         with pytest.raises(ValueError, match=r"disagree on layout \(strategy and cu_seqlens\)"):
             compiled(q, q, q, cu)
+    # striped's gather_index depends on the token count alone: the plan's pack tells the packs apart
+    with cpcompile.strategy("striped"):
+        with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(the plan's\)"):
+            compiled(q, q, q, cu if rank else CU)
     with cpcompile.strategy("striped", comm="ring" if rank else "all_gather"):
         with pytest.raises(ValueError, match=r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"):
             compiled(q, q, q, cu)
@@ -132,7 +188,14 @@ def _errors_release_the_group(rank: int, world: int) -> None:
         gc.enable()
 
 
-CHECKS = (_one_rank_is_wrong, _ranks_disagree, _compiled_ranks_disagree, _configs_differ, _errors_release_the_group)
+CHECKS = (
+    _one_rank_is_wrong,
+    _plans_of_another_call,
+    _ranks_disagree,
+    _compiled_ranks_disagree,
+    _configs_differ,
+    _errors_release_the_group,
+)
 
 
 def _every_check(rank: int, world: int) -> None:

@@ -19,17 +19,26 @@ import dataclasses
 import torch
 
 from .. import kernels
-from ..checks import agreement_enabled, check_cu_seqlens, check_device, check_padded, check_qkv, data_checks_enabled
+from ..checks import (
+    agreement_enabled,
+    check_cu_seqlens,
+    check_device,
+    check_padded,
+    check_qkv,
+    check_scale_and_bound,
+    data_checks_enabled,
+)
 from ..comm.exchange import exchange_plan
 from ..comm.groups import agree, agreed, digest, resolve_group
 from ..config import Config, resolve_config
-from ..per_plan import per_plan
+from ..per_plan import on_host, per_plan, twin
 from ..plan import (
     AttentionPlan,
     head_step_plan,
     hybrid_step_plan,
     make_plan,
     max_piece_len,
+    origin,
     plan_extras,
     step_plan,
 )
@@ -169,6 +178,7 @@ def packed_attention(
     """
     window = resolve_window(causal, window_size)
     check_qkv(q, k, v)
+    check_scale_and_bound(scale, max_seqlen)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
@@ -221,7 +231,8 @@ def _cp_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
-    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), q, k, window, scale, gather_index, config)
+    group = resolve_group(group_name)  # _cp_call's, the same
+    agree_in_op("cp_attention (all_gather)", group, q, k, window, scale, gather_index, config, k_len)
     group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
@@ -343,6 +354,7 @@ def cp_attention(
     max_seqlen_q = max_seqlen  # a plan from the caller may be of any strategy: the safe bound
     try:
         check_qkv(q, k, v)
+        check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         config = resolve_config(config)
         spec = resolve_strategy(strategy)
@@ -374,12 +386,12 @@ def cp_attention(
             if max_seqlen is not None:
                 max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
         else:
-            _check_plan(plan, comm, q.shape[0], cp)
-    except (ValueError, TypeError) as e:
+            _check_plan(plan, comm, window, q.shape[0], cp, rank, cu_seqlens, spec)
+    except Exception as e:  # any failure on one rank alone, not just the checks' own: the others must learn of it
         error = e
     try:
         if agreement_enabled(pg, q):
-            record = {} if error else _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
+            record = {} if error else _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
             agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
         elif error is not None:
             raise error
@@ -406,7 +418,7 @@ def cp_attention(
         return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
 
 
-def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
+def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
@@ -422,15 +434,55 @@ def _call_record(q, k, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
         "scale": scale,
         "cu_seqlens": digest(cu_seqlens),
         "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
+        # a rank whose output needs no gradient would leave the others alone in the backward's collectives
+        "gradients (grad mode; q, k, v requires_grad)": (
+            torch.is_grad_enabled(),
+            *(t.requires_grad for t in (q, k, v)),
+        ),
     }
 
 
-def _check_plan(plan: AttentionPlan | RingPlan, comm: str, local_tokens: int, cp: int) -> None:
-    """A caller's plan must be of the kind ``comm`` runs, and made for this rank's token count and cp."""
-    kind = RingPlan if comm == "ring" else AttentionPlan
+def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, spec) -> None:
+    """A caller's plan must be of the kind ``comm`` runs (a windowed ring runs from an
+    :class:`AttentionPlan`), made for this rank's token count and cp, and, where it is known what
+    it was made from (:func:`cpcompile.plan.origin`: plans from ``make_plan`` and ``make_ring_plan``),
+    for this rank, ``strategy`` and ``cu_seqlens``: a plan of another rank, layout or pack would
+    compute other documents' attention without an error, or leave ranks in mismatched collectives."""
+    kind = RingPlan if comm == "ring" and window in UNBANDED else AttentionPlan
     if not isinstance(plan, kind):
-        raise TypeError(f"plan must be a {kind.__name__} for comm={comm!r}, got {type(plan).__name__}")
-    if comm == "ring" and plan.k_start.shape[0] != cp:
+        what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" else "")
+        raise TypeError(f"plan must be a {kind.__name__} for {what}, got {type(plan).__name__}")
+    if kind is RingPlan and plan.k_start.shape[0] != cp:
         raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")
-    if comm != "ring" and plan.gather_index.shape[0] != local_tokens * cp:
+    if kind is AttentionPlan and plan.gather_index.shape[0] != local_tokens * cp:
         raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {local_tokens} x cp_size {cp}")
+    made = origin(plan.k_len_causal)
+    if made is None:
+        return
+    if made.rank != rank or made.pack.layout.shape[0] != cp:
+        raise ValueError(
+            f"plan was made for rank {made.rank} of cp_size {made.pack.layout.shape[0]}, but this is rank {rank} of a "
+            f"group of {cp}"
+        )
+    layout = None if made.spec is None else (made.spec.strategy, made.spec.stripe_size, made.spec.windows)
+    if layout and spec.strategy is not Strategy.AUTO and layout != (spec.strategy, spec.stripe_size, spec.windows):
+        raise ValueError(
+            f"plan was made for the layout {_layout_name(made.spec)}, but strategy is {_layout_name(spec)}"
+        )
+    if data_checks_enabled(cu_seqlens) or twin(cu_seqlens) is not None:  # no host sync
+        (given,) = on_host(cu_seqlens)
+        if not torch.equal(given.to(made.pack.cu_seqlens.dtype), made.pack.cu_seqlens):
+            raise ValueError(f"plan was made from other cu_seqlens: {_first_difference(made.pack.cu_seqlens, given)}")
+
+
+def _layout_name(spec) -> str:
+    windows = f", windows={spec.windows}" if spec.windows else ""
+    return f"{spec.strategy.value!r} (stripe_size={spec.stripe_size}{windows})"
+
+
+def _first_difference(made: torch.Tensor, given: torch.Tensor) -> str:
+    """Where the plan's ``cu_seqlens`` and the call's part, in a few words (a pack may hold thousands)."""
+    if made.shape != given.shape:
+        return f"the plan's pack holds {made.shape[0] - 1} document(s), cu_seqlens {given.shape[0] - 1}"
+    i = int((made != given.to(made.dtype)).nonzero()[0, 0])
+    return f"cu_seqlens[{i}] is {int(given[i])}, the plan's {int(made[i])}"

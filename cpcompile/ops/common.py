@@ -8,6 +8,7 @@ import torch
 
 from ..checks import agreement_enabled
 from ..comm.groups import agree, already_agreed, digest
+from ..plan import origin
 
 #: Tags of every cpcompile op but the captured pair (``ops.captured``): kept out of CUDA graphs. The
 #: attention and plan ops derive host-side data from their tensors' values (the plan, the kernels'
@@ -69,10 +70,14 @@ def op_record(op: str, q, k, mask, scale, layout: torch.Tensor | None, config: d
     }
 
 
-def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, config: dict) -> None:
-    """An op's own agreement, where no wrapper ran one for this call; ``mask``: ``causal`` or the window."""
+def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, config: dict, k_len=None) -> None:
+    """An op's own agreement, where no wrapper ran one for this call; ``mask``: ``causal`` or the window;
+    ``k_len``: the plan's, whose pack (:func:`cpcompile.plan.origin`, where known) is compared too: for
+    some layouts ``gather_index`` depends on the token count alone, not on the documents."""
     if not already_agreed() and agreement_enabled(group, q):
-        agree(group, None, op_record(op, q, k, mask, scale, layout, config))
+        made = None if k_len is None else origin(k_len)
+        pack = {} if made is None else {"cu_seqlens (the plan's)": digest(made.pack.cu_seqlens)}
+        agree(group, None, op_record(op, q, k, mask, scale, layout, config) | pack)
 
 
 def register_attention_autograd(op, backward_op, num_plan: int) -> None:

@@ -18,7 +18,7 @@ from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .per_plan import upload
 from .plan import head_step_plan, plan_extras, step_plan
-from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
+from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 DEFAULT_PAD_VALUES = {"labels": -100}
 
@@ -84,6 +84,13 @@ def shard_batch(
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
     requested = resolve_strategy(strategy)
+    check_head_parallel(requested.head_parallel, cp_size)
+    if pad_values is not None and (
+        not isinstance(pad_values, dict) or not all(isinstance(v, (bool, int, float)) for v in pad_values.values())
+    ):
+        raise ValueError(
+            f"pad_values must be a dict of tensor name -> fill value (bool, int, float), got {pad_values!r}"
+        )
     if requested.capacity is not None:  # zero-length documents after the last: one shape for the bucket
         cu_seqlens = _to_documents(cu_seqlens, requested.capacity)
     # auto: the strategy picked for this batch, recorded in the result for attention to use; picked

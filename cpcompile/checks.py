@@ -57,9 +57,13 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     return value
 
 
-def check_cp(cp_size: object, rank: object | None = None) -> None:
+def check_cp(cp_size: object, rank: object | None = None, *, rank_given: bool = False) -> None:
+    """``cp_size`` an int >= 1 and ``rank`` an int in ``[0, cp_size)``; ``None``: no rank, unless
+    ``rank_given`` (the caller's parameter is one that must be set)."""
     check_int("cp_size", cp_size, minimum=1)
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp_size):
+    if (rank is not None or rank_given) and (
+        not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp_size
+    ):
         raise ValueError(f"rank must be an int in [0, {cp_size}), got {rank!r}")
 
 

@@ -61,6 +61,13 @@ def test_shard_batch_follows_the_active_strategy():
             r"pad_values names tensors that are not in tensors: \['y'\]",
         ),
         ({"x": torch.zeros(10)}, {"rank": 5}, r"rank must be an int in \[0, 2\), got 5"),
+        ({"x": torch.zeros(10)}, {"pad_values": {"x": "a"}}, r"pad_values must be a dict .*got \{'x': 'a'\}"),
+        ({"x": torch.zeros(10)}, {"pad_values": 7}, r"pad_values must be a dict .*got 7"),
+        (
+            {"x": torch.zeros(10)},
+            {"strategy": cpcompile.StrategySpec("striped", head_parallel=3)},
+            "head_parallel=3 must divide the CP size 2",
+        ),
     ],
 )
 def test_bad_batches(tensors, kwargs, message):
@@ -79,3 +86,18 @@ def test_one_rank_gets_the_pack_as_it_is():
             batch = cpcompile.shard_batch({"ids": ids}, cu, cp_size=1, rank=0)
         assert torch.equal(batch.cu_seqlens_padded, cu), strategy
         assert torch.equal(batch.tensors["ids"], ids), strategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rank": None}, r"rank must be an int in \[0, 2\), got None"),
+        ({"num_tokens": 16.0}, r"num_tokens must be an int >= 1, got 16\.0"),
+        ({"strategy": cpcompile.StrategySpec("striped", head_parallel=3)}, "head_parallel=3 must divide the CP size 2"),
+    ],
+)
+def test_bad_plans(kwargs, message):
+    """make_plan names the argument it cannot take, before it lays anything out."""
+    cu = torch.tensor([0, 4, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        cpcompile.make_plan(cu, **{"cp_size": 2, "rank": 0, **kwargs})

@@ -450,7 +450,7 @@ def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, 
     compute other documents' attention without an error, or leave ranks in mismatched collectives."""
     kind = RingPlan if comm == "ring" and window in UNBANDED else AttentionPlan
     if not isinstance(plan, kind):
-        what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" else "")
+        what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" and window not in UNBANDED else "")
         raise TypeError(f"plan must be a {kind.__name__} for {what}, got {type(plan).__name__}")
     if kind is RingPlan and plan.k_start.shape[0] != cp:
         raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")

@@ -30,7 +30,7 @@ from .cost import auto_candidates, resolve_auto
 from .partition import all_partition_indices, pad_for_cp, piece_marks
 from .per_plan import attach, attached, on_host, per_plan, upload
 from .reads import Pack
-from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
 class AttentionPlan(NamedTuple):
@@ -127,7 +127,6 @@ def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, nu
     if num_tokens is not None and not isinstance(num_tokens, torch.SymInt):
         check_int("num_tokens", num_tokens, minimum=1)
     requested = resolve_strategy(strategy)
-    check_head_parallel(requested.head_parallel, cp_size)
     spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)

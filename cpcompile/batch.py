@@ -79,7 +79,7 @@ def shard_batch(
         strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.cost.resolve_auto`:
             under the spec's ``windows``) and ``ShardedBatch.spec`` holds the strategy it picked.
     """
-    check_cp(cp_size, rank)
+    check_cp(cp_size, rank, rank_given=True)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")

@@ -120,6 +120,16 @@ def check_scale_and_bound(scale: object, max_seqlen: object) -> None:
         raise ValueError(f"max_seqlen must be None or an int of at least 1 (the longest document), got {max_seqlen!r}")
 
 
+def check_longest(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> None:
+    """``max_seqlen`` must bound the documents of ``cu_seqlens``: GPU kernels size their grids by it
+    and would leave longer documents' last rows uncomputed. Reads values (see the module's note)."""
+    if max_seqlen is None or cu_seqlens.shape[0] < 2 or not data_checks_enabled(cu_seqlens):
+        return
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if longest > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest document ({longest} tokens)")
+
+
 def check_qkv(q: object, k: object, v: object) -> None:
     """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` with ``Hq % Hkv == 0``."""
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -47,6 +47,11 @@ def _one_rank_is_wrong(rank: int, world: int) -> None:
     ]
     cases += [
         (
+            "longest",
+            dict(max_seqlen=3 if bad else 4),
+            r"max_seqlen=3 is shorter than the longest document \(4 tokens\)",
+        ),
+        (
             "max_seqlen",
             dict(max_seqlen=4.5 if bad else 4),
             r"max_seqlen must be None or an int of at least 1.*got 4\.5",

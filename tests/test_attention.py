@@ -94,13 +94,21 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
             ValueError,
             r"cu_seqlens must be on the device of q \(cpu\), got meta",
         ),
+        (
+            lambda a: {**a, "max_seqlen": 8},
+            ValueError,
+            r"max_seqlen=8 is shorter than the longest document \(9 tokens\)",
+        ),
+        (lambda a: {**a, "max_seqlen": 0}, ValueError, "max_seqlen must be None or an int of at least 1"),
+        (lambda a: {**a, "scale": float("nan")}, ValueError, "scale must be None .* a finite positive number, got nan"),
+        (lambda a: {**a, "k": a["k"][:, :0], "v": a["v"][:, :0]}, ValueError, "k must have at least one head"),
     ],
 )
 def test_packed_attention_rejects_bad_arguments(mutate, error, message):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
     args = mutate({"q": q, "k": k, "v": v, "cu_seqlens": cu})
     with pytest.raises(error, match=message):
-        cpcompile.packed_attention(args["q"], args["k"], args["v"], args["cu_seqlens"])
+        cpcompile.packed_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), **args)
 
 
 def test_cp_attention_rejects_bad_arguments(single_rank_group):

@@ -127,6 +127,14 @@ def _check_errors(tp, rank, group):
         cpcompile.ag_gemm(x, w, group=group)
     with pytest.raises(ValueError, match=f"disagree on token count \\(rows per TP rank\\) \\({listed}\\)"):
         cpcompile.gemm_rs(torch.randn(tp * (2 + rank), K), w, group=group)
+    # Rows of other widths or dtypes: garbage with the same bytes per row, else an aborted transport.
+    x = torch.randn(2, K + rank)
+    widths = "; ".join(f"rank {r}: {K + r}" for r in range(tp))
+    with pytest.raises(ValueError, match=f"disagree on row width \\({widths}\\)"):
+        cpcompile.ag_gemm(x, torch.randn(N, K + rank), group=group)
+    dtype = torch.float64 if rank else torch.float32
+    with pytest.raises(ValueError, match="disagree on dtype \\(rank 0: 'torch.float32'; rank"):
+        cpcompile.gemm_rs(torch.randn(tp * 2, K, dtype=dtype), torch.randn(N, K, dtype=dtype), group=group)
     # Only the last rank is over capacity: it says so, the others are told, none hangs.
     x = torch.randn(8 + (rank == tp - 1), K)
     over = "9 tokens per rank exceed capacity_tokens=8"

@@ -108,8 +108,9 @@ class TpRing(NamedTuple):
 
 def _enter_ring(ring: TpRing, x: torch.Tensor) -> dict:
     """The ring's buffer shape for ``x [rows, F]`` (``BUFFERS.prefix``'s keywords), after raising on
-    every rank, before any p2p, if ``rows`` exceeds the capacity or ranks disagree on it
-    (``groups.agree``, where ``checks.agreement_enabled`` says so: on CUDA it costs a host sync)."""
+    every rank, before any p2p, if ``rows`` exceeds the capacity or ranks disagree on it, on the rows'
+    width or on their dtype (``groups.agree``, where ``checks.agreement_enabled`` says so: on CUDA it
+    costs a host sync)."""
     pg, capacity, _ = ring
     rows = x.shape[0]
     error = None
@@ -120,7 +121,9 @@ def _enter_ring(ring: TpRing, x: torch.Tensor) -> dict:
         )
     try:
         if agreement_enabled(pg, x):
-            agree(pg, error, {"token count (rows per TP rank)": rows} if error is None else {})
+            # rows of other widths or dtypes would be read as garbage, or abort the transport
+            record = {"token count (rows per TP rank)": rows, "row width": x.shape[1], "dtype": str(x.dtype)}
+            agree(pg, error, record if error is None else {})
         elif error is not None:
             raise error
     finally:

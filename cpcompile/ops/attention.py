@@ -23,6 +23,7 @@ from ..checks import (
     agreement_enabled,
     check_cu_seqlens,
     check_device,
+    check_longest,
     check_padded,
     check_qkv,
     check_scale_and_bound,
@@ -180,6 +181,8 @@ def packed_attention(
     check_qkv(q, k, v)
     check_scale_and_bound(scale, max_seqlen)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    check_longest(cu_seqlens, max_seqlen)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
     else:
@@ -356,6 +359,8 @@ def cp_attention(
         check_qkv(q, k, v)
         check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        check_cu_seqlens("cu_seqlens", cu_seqlens)
+        check_longest(cu_seqlens, max_seqlen)
         config = resolve_config(config)
         spec = resolve_strategy(strategy)
         comm = check_comm(spec.comm if comm is None else comm)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from .checks import check_int
 from .comm.groups import held_group, resolve_group
 from .config import Config, resolve_config
 from .passes.overlap_matmul import overlap_matmul_pass
@@ -196,8 +197,11 @@ def backend(
     """
     group = held_group(group)  # by name: Dynamo keeps the backend, which must not keep the group alive
     compile_inner = _inner_backend(inner)
-    if not isinstance(captured_step, bool):
-        raise TypeError(f"captured_step must be a bool, got {captured_step!r}")
+    for name, flag in (("captured_step", captured_step), ("overlap_tp", overlap_tp)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if tp_capacity_tokens is not None:
+        check_int("tp_capacity_tokens", tp_capacity_tokens, minimum=1)
     if comm is not None:
         check_comm(comm)
     check_unsupported(unsupported)

@@ -59,3 +59,18 @@ def test_comm_comes_from_the_strategy_unless_given(single_rank_group):
 def test_bad_comm_names_the_argument(call):
     with pytest.raises(ValueError, match=r"comm must be one of \('all_gather', 'ring'\), got 'p2p'"):
         call()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"overlap_tp": "no"}, TypeError, "overlap_tp must be a bool, got 'no'"),
+        ({"captured_step": 1}, TypeError, "captured_step must be a bool, got 1"),
+        ({"tp_capacity_tokens": -5}, ValueError, "tp_capacity_tokens must be an int >= 1, got -5"),
+        ({"tp_capacity_tokens": "x"}, ValueError, "tp_capacity_tokens must be an int >= 1, got 'x'"),
+    ],
+)
+def test_backend_names_a_bad_argument(kwargs, error, message):
+    """The backend refuses its arguments when made, not at the first compile."""
+    with pytest.raises(error, match=message):
+        cpcompile.backend(**kwargs)

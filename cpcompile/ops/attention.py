@@ -181,13 +181,12 @@ def packed_attention(
     check_qkv(q, k, v)
     check_scale_and_bound(scale, max_seqlen)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    check_cu_seqlens("cu_seqlens", cu_seqlens)
-    check_longest(cu_seqlens, max_seqlen)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
     else:
         check_padded(cu_seqlens, cu_seqlens_padded)
         _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
+    check_longest(cu_seqlens, max_seqlen)
     kernel = resolve_config(config).kernel
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]

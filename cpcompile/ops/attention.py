@@ -233,8 +233,8 @@ def _cp_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
-    group = resolve_group(group_name)  # _cp_call's, the same
-    agree_in_op("cp_attention (all_gather)", group, q, k, window, scale, gather_index, config, k_len)
+    args = (q, k, window, scale, gather_index, config, k_len)
+    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), *args)  # before any collective
     group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:

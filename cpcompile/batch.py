@@ -11,9 +11,9 @@ import functools
 
 import torch
 
-from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .checks import agreement_enabled, check_cp, check_cu_seqlens, data_checks_enabled
 from .comm.collectives import all_gather_rows
-from .comm.groups import resolve_group
+from .comm.groups import agree_on, digest, resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
 from .per_plan import upload
@@ -81,6 +81,8 @@ def shard_batch(
     """
     check_cp(cp_size, rank, rank_given=True)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
+    if cu_seqlens.device.type == "meta":  # the layout is made from its values
+        raise ValueError("cu_seqlens must hold its values (on the host or a device), got a meta tensor")
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
     requested = resolve_strategy(strategy)
@@ -157,15 +159,27 @@ def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.
     Not differentiable; for evaluation, logging and tests.
     """
     pg = resolve_group(group)
-    if pg.size() != sharded.cp_size:
-        raise ValueError(f"group has {pg.size()} ranks, the batch was sharded for cp_size={sharded.cp_size}")
-    if local.shape[0] != sharded.indices.shape[0]:
-        raise ValueError(f"local has {local.shape[0]} rows, this rank holds {sharded.indices.shape[0]}")
-    layout = all_partition_indices(
-        sharded.cu_seqlens_padded,
-        cp_size=sharded.cp_size,
-        strategy=sharded.spec,
-        num_tokens=sharded.cp_size * local.shape[0],
-    ).to(local.device)
+
+    def check() -> torch.Tensor:
+        if pg.size() != sharded.cp_size:
+            raise ValueError(f"group has {pg.size()} ranks, the batch was sharded for cp_size={sharded.cp_size}")
+        if local.shape[0] != sharded.indices.shape[0]:
+            raise ValueError(f"local has {local.shape[0]} rows, this rank holds {sharded.indices.shape[0]}")
+        return all_partition_indices(
+            sharded.cu_seqlens_padded,
+            cp_size=sharded.cp_size,
+            strategy=sharded.spec,
+            num_tokens=sharded.cp_size * local.shape[0],
+        ).to(local.device)
+
+    def record() -> dict[str, object]:  # what the gather's sizes and the layout depend on
+        rows = {"local rows (shape, dtype)": (tuple(local.shape), str(local.dtype))}
+        return rows | {
+            "the batch's strategy": str(sharded.spec),
+            "cu_seqlens_padded": digest(sharded.cu_seqlens_padded),
+        }
+
+    # ranks with other batches or rows would gather mismatched sizes (gloo aborts the process)
+    layout = agree_on(pg, agreement_enabled(pg, local), check, record)
     gathered = all_gather_rows(local, pg)
     return torch.empty_like(gathered).index_copy_(0, layout.reshape(-1), gathered)

@@ -8,6 +8,8 @@ before any communication of the op, through ``cpcompile.comm.groups.agree``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -131,25 +133,64 @@ def _ranks_disagree(rank: int, world: int) -> None:
 
 
 def _compiled_ranks_disagree(rank: int, world: int) -> None:
-    """A compiled graph calls the CP ops directly: the ops compare what they run on."""
+    """A compiled graph calls the CP ops directly: its plan op compares the pack and the layout
+    (the ring's and the head-parallel ops see only the plan: nothing else would tell other packs
+    apart), the attention ops what they run on; a pack one rank's plan op rejects is an error on
+    every rank, not a wait in the attention's collectives."""
 
     def model(q, k, v, cu):
         return cpcompile.packed_attention(q, k, v, cu)
 
-    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    def expect(message: str, spec: dict, cu: torch.Tensor) -> None:
+        torch._dynamo.reset()  # a graph per case: no recompilation limit across the cases
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with cpcompile.strategy(**spec), pytest.raises(ValueError, match=message):
+            compiled(q, q, q, cu)
+
+    def disagree(argument: str, values: tuple[str, str]) -> str:
+        return rf"disagree on {argument} \(the plan's\) \(rank 0: {values[0]}; rank 1: {values[1]}\)"
+
     q = torch.randn(8, 2, 4)
     # The same padding for both layouts (documents of 8): only the layout tells them apart.
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    with cpcompile.strategy("dual_chunk_swap" if rank else "no_load_balance"):
-        with pytest.raises(ValueError, match=r"disagree on layout \(strategy and cu_seqlens\)"):
-            compiled(q, q, q, cu)
-    # striped's gather_index depends on the token count alone: the plan's pack tells the packs apart
-    with cpcompile.strategy("striped"):
-        with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(the plan's\)"):
-            compiled(q, q, q, cu if rank else CU)
-    with cpcompile.strategy("striped", comm="ring" if rank else "all_gather"):
-        with pytest.raises(ValueError, match=r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"):
-            compiled(q, q, q, cu)
+    for comm in ("all_gather", "ring"):
+        layouts = ("'no_load_balance'", "'dual_chunk_swap'")
+        spec = dict(value=layouts[rank].strip("'"), comm=comm)
+        expect(disagree("strategy", layouts), spec, cu)
+        # striped's gather_index depends on the token count alone: only the pack tells the packs apart
+        expect(disagree("cu_seqlens", ("'[0-9a-f]+'",) * 2), dict(value="striped", comm=comm), cu if rank else CU)
+        stripes = cpcompile.StrategySpec("striped", 2 if rank else 1, comm=comm)
+        expect(disagree("stripe_size", ("1", "2")), dict(value=stripes), cu)
+    heads = dict(value="no_load_balance", head_parallel=2)
+    expect(disagree("cu_seqlens", ("'[0-9a-f]+'",) * 2), heads, cu if rank else CU)
+    falling = torch.tensor([0, 8, 4, 12, 16], dtype=torch.int32)
+    own = r"cu_seqlens must be non-decreasing \(cumulative lengths\), got \[0, 8, 4, 12, 16\]"
+    message = own if rank else r"rank 1 rejected its arguments \(ValueError: " + own
+    expect(message, dict(value="no_load_balance"), falling if rank else CU)
+    ops = r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"
+    expect(ops, dict(value="striped", comm="ring" if rank else "all_gather"), cu)
+    # rank 1's call runs no backward (grad mode off, or inputs that need no gradient): rank 0 would
+    # wait in its backward's collectives
+    backward = r"disagree on backward of the plan's calls \(rank 0: \(True,\); rank 1: \(False,\)\)"
+    q = torch.randn(8, 2, 4, requires_grad=not rank)
+    expect(backward, dict(value="no_load_balance"), cu)
+    with torch.no_grad() if rank else contextlib.nullcontext():
+        expect(backward, dict(value="no_load_balance"), cu)
+
+
+def _unshard_of_other_batches(rank: int, world: int) -> None:
+    """``unshard`` on ranks holding other batches or rows of other shapes: an error on every rank
+    naming what differs, not a gather of mismatched sizes (gloo aborts the process)."""
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    mine = CU if rank else cu
+    sharded = cpcompile.shard_batch({"x": torch.arange(16.0)}, mine, cp_size=world, rank=rank, strategy="striped")
+    with pytest.raises(ValueError, match=r"disagree on cu_seqlens_padded \(rank 0: '[0-9a-f]+'; rank 1: '[0-9a-f]+'\)"):
+        cpcompile.unshard(sharded.tensors["x"], sharded)
+    sharded = cpcompile.shard_batch({"x": torch.arange(16.0)}, cu, cp_size=world, rank=rank, strategy="striped")
+    local = sharded.tensors["x"].unsqueeze(1).expand(-1, 2 if rank else 1)
+    with pytest.raises(ValueError, match=r"disagree on local rows \(shape, dtype\) \(rank 0: \(\(8, 1\), "):
+        cpcompile.unshard(local, sharded)
+    torch.testing.assert_close(cpcompile.unshard(sharded.tensors["x"], sharded), torch.arange(16.0))
 
 
 def _configs_differ(rank: int, world: int) -> None:
@@ -198,6 +239,7 @@ CHECKS = (
     _plans_of_another_call,
     _ranks_disagree,
     _compiled_ranks_disagree,
+    _unshard_of_other_batches,
     _configs_differ,
     _errors_release_the_group,
 )

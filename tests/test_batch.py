@@ -68,10 +68,11 @@ def test_shard_batch_follows_the_active_strategy():
             {"strategy": cpcompile.StrategySpec("striped", head_parallel=3)},
             "head_parallel=3 must divide the CP size 2",
         ),
+        ({"x": torch.zeros(10)}, {"cu_device": "meta"}, "cu_seqlens must hold its values .*got a meta tensor"),
     ],
 )
 def test_bad_batches(tensors, kwargs, message):
-    cu = torch.tensor([0, 10], dtype=torch.int32)
+    cu = torch.tensor([0, 10], dtype=torch.int32).to(kwargs.pop("cu_device", "cpu"))
     with pytest.raises(ValueError, match=message):
         cpcompile.shard_batch(tensors, cu, **{"cp_size": 2, "rank": 0, **kwargs})
 

@@ -96,7 +96,7 @@ def _errors(rank: int, world: int) -> None:
 
 def _compiled_ranks_disagree(rank: int, world: int) -> None:
     """A compiled graph calls the ops directly: ranks compiled with and without head parallelism
-    run different collectives, and the ops' own agreement says so on every rank."""
+    run different collectives, and the plan ops' agreement (the first CP op of the graph) says so on every rank."""
 
     def model(q, k, v, cu):
         return cpcompile.packed_attention(q, k, v, cu)
@@ -105,7 +105,7 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     q = torch.randn(8, 2, 4)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     with cpcompile.strategy("no_load_balance", head_parallel=2 if rank else 1):
-        with pytest.raises(ValueError, match=r"disagree on op \(comm\) \(rank 0: 'cp_attention \(all_gather\)'"):
+        with pytest.raises(ValueError, match=r"disagree on plan op \(rank 0: 'cp_plan'; rank 1: 'cp_head_plan'\);"):
             compiled(q, q, q, cu)
 
 

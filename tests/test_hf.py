@@ -242,6 +242,24 @@ def test_shard_to_a_capacity_gives_packs_one_shape_and_the_launch_bound_asked_fo
         cphf.shard_flattened_batch(flattened_batch([20, 1], seed=1), cp_size=2, rank=0, strategy=spec, max_length=8)
 
 
+def test_shard_refuses_a_batch_whose_parts_disagree():
+    """Labels or ``cu_seq_lens_q`` of another length than ``input_ids`` are named, not an IndexError
+    from the labels' shift."""
+    batch = flattened_batch([7, 5], seed=1)
+    cases = [
+        ({"labels": batch["labels"][:, :10]}, r"batch\['labels'\] must have input_ids' shape \(1, 12\), got \(1, 10\)"),
+        ({"position_ids": batch["position_ids"][:, :10]}, r"batch\['position_ids'\] must have input_ids' shape"),
+        (
+            {"cu_seq_lens_q": torch.tensor([0, 7, 20], dtype=torch.int32)},
+            r"batch\['cu_seq_lens_q'\]\[-1\] = 20 must be input_ids' token count 12",
+        ),
+        ({"cu_seq_lens_q": torch.tensor([0, 7, 12])}, r"batch\['cu_seq_lens_q'\] must have dtype torch.int32"),
+    ]
+    for change, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            cphf.shard_flattened_batch(batch | change, cp_size=2, rank=0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -164,7 +164,7 @@ class FlashAttnGraphs(base.FakeGroupTestCase):
         self.assertExpectedInline(
             self.backend_graph(fa2_model),
             """\
-cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1);  l_cu_ = cp_tokens = None
+cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', backward = [True]);  l_cu_ = cp_tokens = None
 gather_index: "i64[2*s85]" = cp_plan[0]
 cu_q: "i32[Min(s85, 3*s42 - 3) + 1]" = cp_plan[1]
 k_start: "i32[Min(s85, 3*s42 - 3)]" = cp_plan[2]
@@ -300,6 +300,15 @@ return (mul,)
                 compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
                 with self.assertRaisesRegex(Exception, "_flash_attn_varlen_forward.*inside a torch.autograd"):
                     compiled(*base.fake_rank_inputs())
+
+    def test_no_grad_on_inputs_that_require_grad_names_both_causes(self):
+        """Grad mode off on q/k/v that require grad is what a Function's forward compiled alone looks
+        like, and what ``torch.no_grad()`` on such inputs looks like: the pass cannot tell them apart
+        (the Function's backward would be wrong), so it refuses and names both."""
+        torch._dynamo.reset()
+        compiled = torch.compile(fa2_model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with torch.no_grad(), self.assertRaisesRegex(Exception, r"or under torch.no_grad\(\) \(pass q, k, v detached"):
+            compiled(*base.fake_rank_inputs())
 
     def test_unread_outputs_do_not_block_the_rewrite(self):
         """An unpacked output nobody reads (``out, lse, s_dmask, rng_state = ...``; Dynamo drops such

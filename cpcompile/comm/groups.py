@@ -11,7 +11,8 @@ import contextlib
 import ctypes
 import hashlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ import torch.distributed as dist
 # and gloo's worker threads then abort the process at interpreter exit.
 import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+T = TypeVar("T")
 
 
 def resolve_group(group: dist.ProcessGroup | str | None) -> dist.ProcessGroup:
@@ -105,6 +108,24 @@ def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, o
             f"cpcompile: ranks of process group {name!r} disagree on " + ", ".join(disagree) + "; this is rank "
             f"{group.rank()}. Every rank must pass the same arguments and the same global cu_seqlens."
         )
+
+
+def agree_on(group: dist.ProcessGroup, enabled: bool, check: Callable[[], T], record: Callable[[], dict]) -> T:
+    """``check()``'s result; where ``enabled`` (``checks.agreement_enabled``, alike on every rank), the
+    ranks first :func:`agree` on its failure, if any, or else on ``record()``: any exception, not
+    just a check's own, raises on every rank."""
+    if not enabled:
+        return check()
+    result, error = None, None
+    try:
+        result = check()
+    except Exception as e:  # any failure on one rank alone: the others must learn of it
+        error = e
+    try:
+        agree(group, error, {} if error else record())
+    finally:
+        error = None  # see agree: a raised error must not hold the frame that holds it
+    return result
 
 
 _skip = threading.local()

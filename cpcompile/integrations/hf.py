@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import ShardedBatch, shard_batch
-from ..checks import data_checks_enabled
+from ..checks import check_cu_seqlens, data_checks_enabled
 from ..ops import packed_attention
 from ..strategy import StrategyLike
 
@@ -236,8 +236,20 @@ def shard_flattened_batch(
         if not isinstance(batch.get(name), torch.Tensor):
             raise ValueError(f"batch[{name!r}] must be a [1, T] tensor, got {batch.get(name)!r}")
         _check_batch_of_one(f"batch[{name!r}]", batch[name])
+    shape = tuple(batch["input_ids"].shape)
+    for name in ("position_ids", "labels"):
+        if batch.get(name) is not None and (
+            not isinstance(batch[name], torch.Tensor) or tuple(batch[name].shape) != shape
+        ):
+            got = tuple(batch[name].shape) if isinstance(batch[name], torch.Tensor) else repr(batch[name])
+            raise ValueError(f"batch[{name!r}] must have input_ids' shape {shape}, got {got}")
     cu = batch.get("cu_seq_lens_q")
-    cu = flattened_cu_seqlens(batch["position_ids"]) if cu is None else cu
+    if cu is None:
+        cu = flattened_cu_seqlens(batch["position_ids"])
+    else:  # read here, before the labels are shifted by it
+        check_cu_seqlens("batch['cu_seq_lens_q']", cu)
+        if int(cu[-1]) != shape[1]:
+            raise ValueError(f"batch['cu_seq_lens_q'][-1] = {int(cu[-1])} must be input_ids' token count {shape[1]}")
     tensors = {"input_ids": batch["input_ids"][0], "position_ids": batch["position_ids"][0]}
     if batch.get("labels") is not None:
         tensors["labels"] = shift_labels(batch["labels"], cu)[0]  # padded with -100 by shard_batch

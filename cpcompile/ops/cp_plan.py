@@ -10,9 +10,13 @@ real implementation, at run time, before any communication.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..capture import note_plan, plan_in_capture
+from ..checks import agreement_enabled
+from ..comm.groups import agree_on, digest, resolve_group
 from ..kernels.metadata import scratch
 from ..per_plan import capturing, per_plan, readable
 from ..plan import max_pieces, step_plan
@@ -28,18 +32,52 @@ def _spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategyS
 def plan_op(name: str, make, parameters: str):
     """The step-plan function ``make`` (``-> AttentionPlan``) as the op ``cpcompile::<name>``,
     returning the plan's five tensors; ``parameters``: its schema's parameter list, given as a
-    string so that the op is ``make`` itself rather than a function restating its parameters."""
-    schema = f"({parameters}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    string so that the op is ``make`` itself rather than a function restating its parameters.
 
-    def run(*args):
+    The op takes the keywords ``group_name`` and ``backward`` too (the compiler pass gives them):
+    where a group is given, its ranks agree on the plan (:func:`agree_on_plan`)."""
+    schema = f"({parameters}, *, str group_name='', bool[] backward=[]) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+    def run(*args, group_name="", backward=()):
         args = tuple(tuple(a) if isinstance(a, list) else a for a in args)  # int[] as tuples: per_plan keys on values
         if capturing():  # a CUDA graph replays no host work: the plan comes from a CapturedStep's slot
             return plan_in_capture(make, args)
-        plan = tuple(make(*args))
+        plan = agree_on_plan(name, make, args, group_name, tuple(backward))
         note_plan(make, args, plan)
         return plan
 
     return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema, tags=NOT_CAPTURED)
+
+
+def agree_on_plan(
+    name: str, make, args: tuple, group_name: str, backward: tuple[bool, ...]
+) -> tuple[torch.Tensor, ...]:
+    """``make(*args)``; where the ranks of group ``group_name`` agree (``checks.agreement_enabled``),
+    each shares its failure, or its arguments but ``rank`` (``cu_seqlens`` by digest) and, per
+    attention call the plan feeds, whether its backward runs (``backward``), before any returns.
+
+    The plan op is a compiled graph's first CP op: a rank whose pack it rejected would otherwise
+    leave the others waiting in the attention's collectives; the attention ops see only the plan,
+    whose ``gather_index`` depends on the token count alone for some layouts (and the ring's and
+    head-parallel ops compare no layout), so ranks with other packs would run and be wrong; and a
+    rank whose calls run no backward would leave the others waiting in theirs."""
+    group = resolve_group(group_name) if group_name else None
+    enabled = group is not None and agreement_enabled(group, args[0])
+
+    def record() -> dict[str, object]:
+        parameters = inspect.signature(make).parameters
+        given = inspect.signature(make).bind(*args).arguments.items()
+        # arguments at their defaults (no window, no capacity) left out: ranks of another plan op
+        # then differ in the op alone
+        shown = {k: v for k, v in given if k != "rank" and not _is_default(v, parameters[k].default)}
+        values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
+        return {"plan op": name} | values | {"backward of the plan's calls": backward}
+
+    return agree_on(group, enabled, lambda: tuple(make(*args)), record)
+
+
+def _is_default(value, default) -> bool:
+    return default is not inspect.Parameter.empty and not isinstance(value, torch.Tensor) and value == default
 
 
 def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tensor, ...]:
@@ -94,7 +132,20 @@ cp_plan = plan_op(
 
 
 @cp_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows=(), capacity=(), _=0):
+def _(
+    cu_seqlens,
+    cu_seqlens_padded,
+    num_tokens,
+    cp_size,
+    rank,
+    strategy,
+    stripe_size,
+    windows=(),
+    capacity=(),
+    _=0,
+    group_name="",
+    backward=(),
+):
     spec = _spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)
     if spec.capacity is not None:

@@ -75,7 +75,18 @@ cp_hybrid_plan = plan_op(
 
 
 @cp_hybrid_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, head_parallel, rank, strategy, stripe_size):
+def _(
+    cu_seqlens,
+    cu_seqlens_padded,
+    num_tokens,
+    cp_size,
+    head_parallel,
+    rank,
+    strategy,
+    stripe_size,
+    group_name="",
+    backward=(),
+):
     spec = StrategySpec(Strategy(strategy), stripe_size)
     check_fake_tokens(num_tokens, cp_size, spec)
     t_local = num_tokens // cp_size

@@ -91,6 +91,13 @@ _IN_AUTOGRAD_FUNCTION = (
     "it runs inside a torch.autograd.Function's forward (as in flash_attn_varlen_func), whose own backward "
     "CP cannot replace; call the op itself, cpcompile.packed_attention or varlen_attn"
 )
+#: A call with grad mode off on inputs that require grad: what a Function's forward that Dynamo compiles
+#: alone looks like, and also a call under ``torch.no_grad()`` on such inputs; the pass cannot tell them apart.
+_GRAD_OFF_ON_GRAD_INPUTS = (
+    "it runs with grad mode off on q/k/v that require grad: either inside a torch.autograd.Function's forward "
+    "(as in flash_attn_varlen_func), whose own backward CP cannot replace (call the op itself, "
+    "cpcompile.packed_attention or varlen_attn), or under torch.no_grad() (pass q, k, v detached there)"
+)
 
 #: What the pass does with a recognized call that CP cannot compute exactly.
 UNSUPPORTED = ("raise", "single_device")
@@ -283,9 +290,17 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
         # Grad off on inputs that require it: the forward of an autograd.Function that Dynamo
         # compiles alone (flash_attn_varlen_func given one cu_seqlens tensor twice does so)
         if node in without_grad and any(getattr(_known(a[n]), "requires_grad", False) for n in qkv):
-            found = Unsupported(node, _IN_AUTOGRAD_FUNCTION)
+            found = Unsupported(node, _GRAD_OFF_ON_GRAD_INPUTS)
         (matches if isinstance(found, AttentionMatch) else skipped).append(found)
     return matches, skipped
+
+
+def _needs_backward(m: AttentionMatch) -> bool:
+    """Whether autograd runs the backward of call ``m``: whether its output requires grad (Dynamo's
+    fake values follow the grad mode and the inputs')."""
+    out = m.node.meta.get("example_value")
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return bool(getattr(out, "requires_grad", False))
 
 
 def _fake_value(node: fx.Node) -> None:
@@ -374,13 +389,14 @@ def rewrite_packed_attention(
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
         return why is None
 
-    def insert(target, args, name=None, origin=None):
-        node = graph.create_node("call_function", target, args, name=name)
+    def insert(target, args, name=None, origin=None, kwargs=None):
+        node = graph.create_node("call_function", target, args, kwargs, name=name)
         node.meta["stack_trace"] = origin.meta.get("stack_trace") if origin is not None else None
         _fake_value(node)
         return node
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
+    backward: dict[tuple[fx.Node, fx.Node | None], list[bool]] = {}  # per plan, whether each call's runs
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
     for m in matches:
@@ -396,6 +412,7 @@ def rewrite_packed_attention(
                          spec.stripe_size, *[list(x) for x in plan_extras(spec)], LAYERS[spec.strategy]),
                         "cp_plan",
                         m.node,
+                        {"group_name": group_name},
                     )  # fmt: skip
                     plans[key] = [
                         insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
@@ -413,10 +430,13 @@ def rewrite_packed_attention(
                 else:  # windows and capacity only where set: graphs without them stay as they were
                     extras = [list(x) for x in plan_extras(spec)]
                     target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *extras)
-                plan = insert(target, (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args), target._opname, m.node)
+                # the ranks agree on the pack in the plan op: see ops.cp_plan.agree_on_plan
+                plan_args = (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args)
+                plan = insert(target, plan_args, target._opname, m.node, {"group_name": group_name})
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
+            backward.setdefault(key, []).append(_needs_backward(m))
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None
@@ -503,6 +523,11 @@ def rewrite_packed_attention(
                 graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)
+    # the ranks compare it in the plan op: one whose calls run a backward (grad mode, inputs that
+    # require grad) while another's do not would leave that one waiting in the backward's collectives
+    for key, (index, *_) in plans.items():
+        plan = index.args[0]
+        plan.kwargs = {**plan.kwargs, "backward": backward[key]}
 
 
 def shard_attention_pass(

@@ -172,7 +172,7 @@ def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.
             num_tokens=sharded.cp_size * local.shape[0],
         ).to(local.device)
 
-    def record() -> dict[str, object]:  # what the gather's sizes and the layout depend on
+    def record(_layout) -> dict[str, object]:  # what the gather's sizes and the layout depend on
         rows = {"local rows (shape, dtype)": (tuple(local.shape), str(local.dtype))}
         return rows | {
             "the batch's strategy": str(sharded.spec),

@@ -110,10 +110,10 @@ def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, o
         )
 
 
-def agree_on(group: dist.ProcessGroup, enabled: bool, check: Callable[[], T], record: Callable[[], dict]) -> T:
+def agree_on(group: dist.ProcessGroup, enabled: bool, check: Callable[[], T], record: Callable[[T], dict]) -> T:
     """``check()``'s result; where ``enabled`` (``checks.agreement_enabled``, alike on every rank), the
-    ranks first :func:`agree` on its failure, if any, or else on ``record()``: any exception, not
-    just a check's own, raises on every rank."""
+    ranks first :func:`agree` on its failure, if any, or else on ``record(result)``: any exception,
+    not just a check's own, raises on every rank."""
     if not enabled:
         return check()
     result, error = None, None
@@ -122,7 +122,7 @@ def agree_on(group: dist.ProcessGroup, enabled: bool, check: Callable[[], T], re
     except Exception as e:  # any failure on one rank alone: the others must learn of it
         error = e
     try:
-        agree(group, error, {} if error else record())
+        agree(group, error, {} if error else record(result))
     finally:
         error = None  # see agree: a raised error must not hold the frame that holds it
     return result

@@ -30,7 +30,7 @@ from ..checks import (
     data_checks_enabled,
 )
 from ..comm.exchange import exchange_plan
-from ..comm.groups import agree, agreed, digest, resolve_group
+from ..comm.groups import agree_on, agreed, digest, resolve_group
 from ..config import Config, resolve_config
 from ..per_plan import on_host, per_plan, twin
 from ..plan import (
@@ -350,21 +350,21 @@ def cp_attention(
     """
     pg = resolve_group(group)
     cp, rank = pg.size(), pg.rank()
-    # Every check that can fail on one rank alone runs before the ranks agree: a rank that
-    # raised here while the others entered a collective would leave them waiting.
-    error = None
-    max_seqlen_q = max_seqlen  # a plan from the caller may be of any strategy: the safe bound
-    try:
+    # Every check that can fail on one rank alone runs before the ranks agree (agree_on): a rank
+    # that raised here while the others entered a collective would leave them waiting.
+
+    def prepare():
+        """``(config, spec, comm, window, plan, max_seqlen_q)`` of the call, resolved and checked."""
         check_qkv(q, k, v)
         check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_cu_seqlens("cu_seqlens", cu_seqlens)
         check_longest(cu_seqlens, max_seqlen)
-        config = resolve_config(config)
         spec = resolve_strategy(strategy)
-        comm = check_comm(spec.comm if comm is None else comm)
+        path = check_comm(spec.comm if comm is None else comm)
         window = resolve_window(causal, window_size)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
+        made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
         if spec.head_parallel > 1 and window not in UNBANDED:
             raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
         if spec.head_parallel > 1:
@@ -372,35 +372,33 @@ def cp_attention(
                 raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
             layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
             if spec.head_parallel == cp:
-                plan = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
-            elif comm != "all_gather":
+                made = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
+            elif path != "all_gather":
                 raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp} runs comm='all_gather' only")
             else:
                 args = (q.shape[0] * cp, cp, spec.head_parallel, rank, *layout)
-                plan = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
+                made = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
         elif plan is None:
             tokens = q.shape[0] * cp
-            if comm == "ring" and window in UNBANDED:
-                plan = make_ring_plan(
+            if path == "ring" and window in UNBANDED:
+                made = make_ring_plan(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
                 args = (cp, rank, spec.strategy.value, spec.stripe_size, *plan_extras(spec))
-                plan = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
+                made = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
             if max_seqlen is not None:
-                max_seqlen_q = max_piece_len(spec, cp, max_seqlen)
+                bound = max_piece_len(spec, cp, max_seqlen)
         else:
-            _check_plan(plan, comm, window, q.shape[0], cp, rank, cu_seqlens, spec)
-    except Exception as e:  # any failure on one rank alone, not just the checks' own: the others must learn of it
-        error = e
-    try:
-        if agreement_enabled(pg, q):
-            record = {} if error else _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
-            agree(pg, error, record | ({} if error else dataclasses.asdict(config)))
-        elif error is not None:
-            raise error
-    finally:
-        error = None  # see comm.groups.agree: a raised error must not hold the frame that holds it
+            _check_plan(plan, path, window, q.shape[0], cp, rank, cu_seqlens, spec)
+        return resolve_config(config), spec, path, window, made, bound
+
+    def record(prepared) -> dict[str, object]:
+        config, spec, comm, window, *_ = prepared
+        call = _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
+        return call | dataclasses.asdict(config)
+
+    config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     with agreed():  # the op need not compare again what this call just compared
         if 1 < spec.head_parallel < cp:
             kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}

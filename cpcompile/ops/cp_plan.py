@@ -64,7 +64,7 @@ def agree_on_plan(
     group = resolve_group(group_name) if group_name else None
     enabled = group is not None and agreement_enabled(group, args[0])
 
-    def record() -> dict[str, object]:
+    def record(_plan) -> dict[str, object]:
         parameters = inspect.signature(make).parameters
         given = inspect.signature(make).bind(*args).arguments.items()
         # arguments at their defaults (no window, no capacity) left out: ranks of another plan op

@@ -171,7 +171,8 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     expect(ops, dict(value="striped", comm="ring" if rank else "all_gather"), cu)
     # rank 1's call runs no backward (grad mode off, or inputs that need no gradient): rank 0 would
     # wait in its backward's collectives
-    backward = r"disagree on backward of the plan's calls \(rank 0: \(True,\); rank 1: \(False,\)\)"
+    calls = r"\(rank 0: \('causal, backward',\); rank 1: \('causal, no backward',\)\)"
+    backward = r"disagree on the plan's calls \(mask, backward\) " + calls
     q = torch.randn(8, 2, 4, requires_grad=not rank)
     expect(backward, dict(value="no_load_balance"), cu)
     with torch.no_grad() if rank else contextlib.nullcontext():

@@ -164,7 +164,7 @@ class FlashAttnGraphs(base.FakeGroupTestCase):
         self.assertExpectedInline(
             self.backend_graph(fa2_model),
             """\
-cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', backward = [True]);  l_cu_ = cp_tokens = None
+cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['causal, backward']);  l_cu_ = cp_tokens = None
 gather_index: "i64[2*s85]" = cp_plan[0]
 cu_q: "i32[Min(s85, 3*s42 - 3) + 1]" = cp_plan[1]
 k_start: "i32[Min(s85, 3*s42 - 3)]" = cp_plan[2]

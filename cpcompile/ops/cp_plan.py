@@ -34,27 +34,26 @@ def plan_op(name: str, make, parameters: str):
     returning the plan's five tensors; ``parameters``: its schema's parameter list, given as a
     string so that the op is ``make`` itself rather than a function restating its parameters.
 
-    The op takes the keywords ``group_name`` and ``backward`` too (the compiler pass gives them):
-    where a group is given, its ranks agree on the plan (:func:`agree_on_plan`)."""
-    schema = f"({parameters}, *, str group_name='', bool[] backward=[]) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    The op takes the keywords ``group_name`` and ``calls`` too (the compiler pass gives them: the
+    CP group, and per attention call the plan feeds its mask and whether its backward runs); where
+    a group is given, its ranks agree on the plan (:func:`agree_on_plan`)."""
+    schema = f"({parameters}, *, str group_name='', str[]? calls=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 
-    def run(*args, group_name="", backward=()):
+    def run(*args, group_name="", calls=None):
         args = tuple(tuple(a) if isinstance(a, list) else a for a in args)  # int[] as tuples: per_plan keys on values
         if capturing():  # a CUDA graph replays no host work: the plan comes from a CapturedStep's slot
             return plan_in_capture(make, args)
-        plan = agree_on_plan(name, make, args, group_name, tuple(backward))
+        plan = agree_on_plan(name, make, args, group_name, tuple(calls or ()))
         note_plan(make, args, plan)
         return plan
 
     return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema, tags=NOT_CAPTURED)
 
 
-def agree_on_plan(
-    name: str, make, args: tuple, group_name: str, backward: tuple[bool, ...]
-) -> tuple[torch.Tensor, ...]:
+def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
     """``make(*args)``; where the ranks of group ``group_name`` agree (``checks.agreement_enabled``),
     each shares its failure, or its arguments but ``rank`` (``cu_seqlens`` by digest) and, per
-    attention call the plan feeds, whether its backward runs (``backward``), before any returns.
+    attention call the plan feeds, its mask and whether its backward runs (``calls``), before any returns.
 
     The plan op is a compiled graph's first CP op: a rank whose pack it rejected would otherwise
     leave the others waiting in the attention's collectives; the attention ops see only the plan,
@@ -71,7 +70,7 @@ def agree_on_plan(
         # then differ in the op alone
         shown = {k: v for k, v in given if k != "rank" and not _is_default(v, parameters[k].default)}
         values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
-        return {"plan op": name} | values | {"backward of the plan's calls": backward}
+        return {"plan op": name} | values | {"the plan's calls (mask, backward)": calls}
 
     return agree_on(group, enabled, lambda: tuple(make(*args)), record)
 
@@ -144,7 +143,7 @@ def _(
     capacity=(),
     _=0,
     group_name="",
-    backward=(),
+    calls=None,
 ):
     spec = _spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)

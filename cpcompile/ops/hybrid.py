@@ -85,7 +85,7 @@ def _(
     strategy,
     stripe_size,
     group_name="",
-    backward=(),
+    calls=None,
 ):
     spec = StrategySpec(Strategy(strategy), stripe_size)
     check_fake_tokens(num_tokens, cp_size, spec)

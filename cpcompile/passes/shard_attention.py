@@ -295,12 +295,13 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
     return matches, skipped
 
 
-def _needs_backward(m: AttentionMatch) -> bool:
-    """Whether autograd runs the backward of call ``m``: whether its output requires grad (Dynamo's
-    fake values follow the grad mode and the inputs')."""
+def _describe_call(m: AttentionMatch) -> str:
+    """What call ``m`` makes of its plan: its mask and whether autograd runs its backward, i.e.
+    whether its output requires grad (Dynamo's fake values follow the grad mode and the inputs')."""
     out = m.node.meta.get("example_value")
     out = out[0] if isinstance(out, (tuple, list)) else out
-    return bool(getattr(out, "requires_grad", False))
+    mask = {(-1, 0): "causal", (-1, -1): "full"}.get(m.window, f"window {m.window}")
+    return f"{mask}, {'backward' if getattr(out, 'requires_grad', False) else 'no backward'}"
 
 
 def _fake_value(node: fx.Node) -> None:
@@ -396,7 +397,7 @@ def rewrite_packed_attention(
         return node
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
-    backward: dict[tuple[fx.Node, fx.Node | None], list[bool]] = {}  # per plan, whether each call's runs
+    calls: dict[tuple[fx.Node, fx.Node | None], list[str]] = {}  # per plan, what each call makes of it
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
     for m in matches:
@@ -436,7 +437,7 @@ def rewrite_packed_attention(
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
-            backward.setdefault(key, []).append(_needs_backward(m))
+            calls.setdefault(key, []).append(_describe_call(m))
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None
@@ -523,11 +524,15 @@ def rewrite_packed_attention(
                 graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
         graph.erase_node(m.node)
-    # the ranks compare it in the plan op: one whose calls run a backward (grad mode, inputs that
-    # require grad) while another's do not would leave that one waiting in the backward's collectives
+    # What the calls make of each plan, in its op: the ranks compare it there (a rank whose calls run
+    # no backward would leave the others waiting in theirs). It also keeps AOT autograd's CSE from
+    # merging the plan ops of two layers (each checkpointed layer's body has its own) whose calls
+    # read other outputs of the plan (a causal layer k_len_causal, a full one k_len_full): the merged
+    # op would be an earlier checkpointed region's, an output read only by a later region would make
+    # the partitioner save the op itself, and it cannot save a tuple (the compile fails).
     for key, (index, *_) in plans.items():
         plan = index.args[0]
-        plan.kwargs = {**plan.kwargs, "backward": backward[key]}
+        plan.kwargs = {**plan.kwargs, "calls": calls[key]}
 
 
 def shard_attention_pass(

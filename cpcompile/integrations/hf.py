@@ -238,10 +238,9 @@ def shard_flattened_batch(
         _check_batch_of_one(f"batch[{name!r}]", batch[name])
     shape = tuple(batch["input_ids"].shape)
     for name in ("position_ids", "labels"):
-        if batch.get(name) is not None and (
-            not isinstance(batch[name], torch.Tensor) or tuple(batch[name].shape) != shape
-        ):
-            got = tuple(batch[name].shape) if isinstance(batch[name], torch.Tensor) else repr(batch[name])
+        t = batch.get(name)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(f"batch[{name!r}] must have input_ids' shape {shape}, got {got}")
     cu = batch.get("cu_seq_lens_q")
     if cu is None:

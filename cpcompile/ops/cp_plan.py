@@ -64,11 +64,11 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
     enabled = group is not None and agreement_enabled(group, args[0])
 
     def record(_plan) -> dict[str, object]:
-        parameters = inspect.signature(make).parameters
-        given = inspect.signature(make).bind(*args).arguments.items()
+        signature = inspect.signature(make)
+        given = signature.bind(*args).arguments.items()
         # arguments at their defaults (no window, no capacity) left out: ranks of another plan op
         # then differ in the op alone
-        shown = {k: v for k, v in given if k != "rank" and not _is_default(v, parameters[k].default)}
+        shown = {k: v for k, v in given if k != "rank" and not _is_default(v, signature.parameters[k].default)}
         values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
         return {"plan op": name} | values | {"the plan's calls (mask, backward)": calls}
 

@@ -288,7 +288,8 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
         else:
             continue
         # Grad off on inputs that require it: the forward of an autograd.Function that Dynamo
-        # compiles alone (flash_attn_varlen_func given one cu_seqlens tensor twice does so)
+        # compiles alone (flash_attn_varlen_func given one cu_seqlens tensor twice does so), or a
+        # call under torch.no_grad() on such inputs: refused either way, the message names both
         if node in without_grad and any(getattr(_known(a[n]), "requires_grad", False) for n in qkv):
             found = Unsupported(node, _GRAD_OFF_ON_GRAD_INPUTS)
         (matches if isinstance(found, AttentionMatch) else skipped).append(found)

@@ -10,12 +10,10 @@ single-process loss and gradients, whatever its layers' masks and which of them 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import cpcompile
-from tests.dist import run_ranks
-from tests.reference import relative_error
+from tests.dist import assert_matches_summed_over_ranks, run_ranks
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -80,13 +78,7 @@ def _train_step(rank: int, world: int) -> None:
             batch = cpcompile.shard_batch({"x": x, "w": w}, cu, cp_size=world, rank=rank)
             loss = (compiled(batch.tensors["x"], cu) * batch.tensors["w"]).sum()
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        assert relative_error(total, want) < 1e-5, (stack, total, want)
-        for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            assert relative_error(grad, p_ref.grad) < 1e-4, (stack, name)
+        assert_matches_summed_over_ranks(loss, want, model, reference, f"of layers {stack}", 1e-5)
 
 
 def test_checkpointed_layers_are_sharded():

@@ -10,17 +10,18 @@ strategy compiles, or picks, its own graph, never the old one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-from .checks import check_int
-from .comm.groups import held_group, resolve_group
+from .checks import check_int, group_agrees
+from .comm.groups import agree, held_group, resolve_group
 from .config import Config, resolve_config
 from .passes.overlap_matmul import overlap_matmul_pass
-from .passes.shard_attention import check_unsupported, shard_attention_pass
+from .passes.shard_attention import check_unsupported, find_packed_attention, shard_attention_pass
 from .strategy import check_comm, current_spec
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
@@ -144,6 +145,34 @@ def _guard_on_strategy() -> None:
     install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
+@contextlib.contextmanager
+def _failure_shared(pg, share: bool) -> Iterator[None]:
+    """Inside: with ``share``, a failure is shared with the other ranks of ``pg`` before it raises, where
+    ranks agree (``checks.group_agrees``). A rank whose graph fails to compile alone (grad mode or a
+    strategy that differs between ranks) runs none of it, while the others run theirs, whose first CP op,
+    the plan op, waits in its agreement for every rank: there it meets this rank's failure, and every
+    rank raises (the others ``rank r rejected its arguments (...)``) instead of waiting for the timeout.
+    Where every rank fails, each raises its own error after one small gather. ``share`` only for a graph
+    that holds packed attention (the others' holds plan ops to meet): a rank that shared a failure of
+    another graph would wait in its gather for an agreement that may never come."""
+    try:
+        yield
+    except Exception as error:
+        if share and group_agrees(pg):
+            agree(pg, error, {})  # raises ``error`` here, once the others have it
+        raise
+
+
+def _attends(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` or a body it calls holds a packed attention call, rewritable or not."""
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            matches, refused = find_packed_attention(module)
+            if matches or refused:
+                return True
+    return False
+
+
 def backend(
     *,
     group=None,
@@ -212,23 +241,26 @@ def backend(
         cuda_graphs = cuda_graphs or captured_step
         pg = resolve_group(group)
         spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
+        rewritten = 0
         if pg.size() > 1:
             _guard_on_strategy()
-            shard_attention_pass(
-                gm,
-                group_name=pg.group_name,
-                cp_size=pg.size(),
-                rank=pg.rank(),
-                spec=spec,
-                unsupported=unsupported,
-                config=config,
-                captured=cuda_graphs and spec.capacity is not None,
-            )
-        if cuda_graphs:
-            _check_capturable(gm, spec)
-        if overlap_tp:
-            overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
-        return compile_rest(gm, example_inputs)
+            with _failure_shared(pg, _attends(gm)):
+                rewritten = shard_attention_pass(
+                    gm,
+                    group_name=pg.group_name,
+                    cp_size=pg.size(),
+                    rank=pg.rank(),
+                    spec=spec,
+                    unsupported=unsupported,
+                    config=config,
+                    captured=cuda_graphs and spec.capacity is not None,
+                )
+        with _failure_shared(pg, rewritten > 0):  # the others' plan ops wait for this rank here too
+            if cuda_graphs:
+                _check_capturable(gm, spec)
+            if overlap_tp:
+                overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
+            return compile_rest(gm, example_inputs)
 
     return cpcompile_backend
 

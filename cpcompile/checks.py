@@ -33,14 +33,21 @@ def agreement_enabled(group, q: object) -> bool:
     on gloo always, on other backends only with ``CPCOMPILE_VALIDATE=1`` (on CUDA it
     costs a host sync); never while tracing or on the fake process group.
     """
+    if torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and is_fake(q)):
+        return False
+    return group_agrees(group)
+
+
+def group_agrees(group) -> bool:
+    """:func:`agreement_enabled` as the group and the mode decide it, for code that runs outside any
+    op (the backend, while it compiles a graph: ``torch.compiler.is_compiling()`` holds there, yet
+    nothing is being traced)."""
     import torch.distributed as dist
 
-    if torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and is_fake(q)) or group.size() == 1:
+    if group.size() == 1:
         return False
     backend = dist.get_backend(group)
-    if backend == "fake":
-        return False
-    return backend == "gloo" or VALIDATE
+    return backend != "fake" and (backend == "gloo" or VALIDATE)
 
 
 def check_device(q: torch.Tensor, **metadata: torch.Tensor | None) -> None:

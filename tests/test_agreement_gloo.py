@@ -141,11 +141,12 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     def model(q, k, v, cu):
         return cpcompile.packed_attention(q, k, v, cu)
 
-    def expect(message: str, spec: dict, cu: torch.Tensor) -> None:
+    def expect(message: str, spec: dict, cu: torch.Tensor, errors=ValueError) -> pytest.ExceptionInfo:
         torch._dynamo.reset()  # a graph per case: no recompilation limit across the cases
         compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        with cpcompile.strategy(**spec), pytest.raises(ValueError, match=message):
+        with cpcompile.strategy(**spec), pytest.raises(errors, match=message) as error:
             compiled(q, q, q, cu)
+        return error
 
     def disagree(argument: str, values: tuple[str, str]) -> str:
         return rf"disagree on {argument} \(the plan's\) \(rank 0: {values[0]}; rank 1: {values[1]}\)"
@@ -177,6 +178,17 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     expect(backward, dict(value="no_load_balance"), cu)
     with torch.no_grad() if rank else contextlib.nullcontext():
         expect(backward, dict(value="no_load_balance"), cu)
+    # q requires grad on both, and rank 1 calls under no_grad: its graph fails to compile (the pass
+    # refuses the call) while rank 0 runs its own, whose plan op meets rank 1's failure in its agreement
+    q = torch.randn(8, 2, 4, requires_grad=True)
+    refused = "UnsupportedAttentionError: .*runs with grad mode off on q/k/v that require grad"
+    failed = (ValueError, torch._dynamo.exc.BackendCompilerFailed)  # Dynamo wraps the failing rank's own error
+    others = rf"rank 1 rejected its arguments \({refused}"
+    with torch.no_grad() if rank else contextlib.nullcontext():
+        expect(refused if rank else others, dict(value="no_load_balance"), cu, failed)
+    with torch.no_grad():  # on every rank: each raises its own error
+        error = expect(refused, dict(value="no_load_balance"), cu, failed)
+    assert "rejected its arguments" not in str(error.value)
 
 
 def _unshard_of_other_batches(rank: int, world: int) -> None:

@@ -386,7 +386,10 @@ def rewrite_packed_attention(
     def in_capture(m: AttentionMatch) -> bool:
         if not captured or heads:
             return False
-        why = capturable(spec, m.q.meta["example_value"], config.kernel, m.window)
+        q = m.q.meta["example_value"]
+        # a symbolic token count (dynamic shapes) cannot be captured: _check_capturable then says so
+        why = "its token count is symbolic" if isinstance(q.shape[0], torch.SymInt) else None
+        why = why or capturable(spec, q, config.kernel, m.window)
         if why is not None:
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
         return why is None

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.library import opcheck
+from torch.utils.checkpoint import checkpoint
 
 import cpcompile
 from cpcompile.comm import ring as ring_comm
 from tests.dist import run_ranks
-from tests.fixtures import OverlapBackend, sp_mlp
+from tests.fixtures import OverlapBackend, all_gather, reduce_scatter, sp_mlp
 from tests.reference import relative_error
 
 TOLERANCE = 1e-5
@@ -120,6 +121,47 @@ def _check_compiled_block(tp, rank, group, *, capacity, seed):
     assert ring_comm.BUFFERS.allocations == allocations, "a call within capacity reallocated a buffer"
 
 
+def _matmuls(x, w1, b1, w2, group):
+    """:func:`sp_mlp`'s two matmuls' results (its bias ``b2`` would promote them back to float32 under autocast)."""
+    h = F.linear(all_gather(x, 0, group), w1, b1)
+    return h, reduce_scatter(F.gelu(h) @ w2.T, "sum", 0, group)
+
+
+def _checkpointed_sp_mlp(x, w1, b1, w2, b2, group):
+    return checkpoint(sp_mlp, x, w1, b1, w2, b2, group, use_reentrant=False)
+
+
+def _check_compiled_variants(tp, rank, group, *, seed):
+    """The block checkpointed (Dynamo puts it in a body of its own, which the pass rewrites too), under
+    autocast (the ops get the dtype autocast gives the matmuls), and ``gemm_rs`` given its group by name
+    in a full graph."""
+    backend = OverlapBackend(capacity_tokens=8)
+    inputs, douts, refs, ref_grads = _sp_mlp_reference(tp, 4, seed)
+    leaves = [a.float().requires_grad_() for a in inputs[rank]]
+    out = torch.compile(_checkpointed_sp_mlp, backend=backend, fullgraph=True)(*leaves, group.group_name)
+    grads = torch.autograd.grad(out, leaves, douts[rank].float())
+    _assert_close([out, *grads], [refs[rank], *ref_grads[rank]], f"checkpointed sp_mlp tp={tp} rank={rank}")
+    assert backend.rewrites == [2], f"the checkpointed body's matmuls rewritten: {backend.rewrites}"
+
+    torch._dynamo.reset()
+    backend = OverlapBackend(capacity_tokens=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.compile(_matmuls, backend=backend, fullgraph=True)(*leaves[:4], group.group_name)
+        want = _matmuls(*leaves[:4], group.group_name)  # eager: both matmuls in bfloat16
+    assert backend.rewrites == [2] and [t.dtype for t in got] == [torch.bfloat16] * 2, (backend.rewrites, got)
+    for g, w in zip(got, want, strict=True):  # bfloat16 products, summed in another order by the reduce-scatter
+        assert relative_error(g, w) < 1e-2, f"autocast tp={tp} rank={rank}: {relative_error(g, w)}"
+
+    torch._dynamo.reset()
+    inputs, dout, ref, ref_grads = _gemm_rs_case(tp, rank, (3,), seed)
+    step = torch.compile(
+        lambda x, w: cpcompile.gemm_rs(x, w, group=group.group_name), backend="aot_eager", fullgraph=True
+    )
+    out, grads = _run(step, inputs, dout)
+    _assert_close([out, *grads], [ref, *ref_grads], f"compiled gemm_rs(group=name) tp={tp} rank={rank}")
+    torch._dynamo.reset()
+
+
 def _check_errors(tp, rank, group):
     x, w = torch.randn(2 + rank, K), torch.randn(N, K)
     listed = "; ".join(f"rank {r}: {2 + r}" for r in range(tp))
@@ -143,6 +185,18 @@ def _check_errors(tp, rank, group):
         cpcompile.ag_gemm(x, w, group=group, capacity_tokens=8)
     with pytest.raises(ValueError, match=f"x.shape\\[0\\] = {tp + 1} must be a multiple of the group size {tp}"):
         cpcompile.gemm_rs(torch.randn(tp + 1, K), w, group=group)
+    # The same rows in other shapes come back in other shapes; ranks in different ops exchange rows that
+    # fit (K = N here) yet mean something else.
+    shape = (2, 3, K) if rank % 2 == 0 else (3, 2, K)
+    listed = rf"ranks? 0(, 2)?: \(2, 3, {K}\); rank 1: \(3, 2, {K}\)"
+    with pytest.raises(ValueError, match=rf"disagree on input shape \({listed}\); this is rank {rank}"):
+        cpcompile.ag_gemm(torch.randn(*shape), w, group=group)
+    square = torch.randn(K, K)
+    with pytest.raises(ValueError, match="disagree on op \\(rank 0: 'ag_gemm'; rank"):
+        if rank == 0:
+            cpcompile.ag_gemm(torch.randn(2, K), square, group=group)
+        else:
+            cpcompile.gemm_rs(torch.randn(2 * tp, K), square, group=group)
 
 
 def _check_rank(rank: int, tp: int) -> None:
@@ -161,6 +215,7 @@ def _check_rank(rank: int, tp: int) -> None:
     assert counts == [1, 1, 2, 2, 2], counts
     _check_ops(tp, rank, group, capacity=None, seed=3)
     _check_compiled_block(tp, rank, group, capacity=8, seed=11)
+    _check_compiled_variants(tp, rank, group, seed=17)
     _check_errors(tp, rank, group)
     if tp == 3:  # a subgroup: group ranks differ from global ranks, the group travels by name
         sub = dist.new_group([1, 2])
@@ -181,6 +236,8 @@ def test_opcheck(single_rank_group):
     name = single_rank_group.group_name
     x, x3, w, b = (torch.randn(*s, requires_grad=True) for s in ((5, K), (5, 2, K), (N, K), (N,)))
     dy, dy3 = torch.randn(5, N), torch.randn(5, 2, N)
+    # transposed views, as the pass hands over a [K, N] weight (W.T) and as callers may pass x
+    xt, wt = torch.randn(K, 5).t(), torch.randn(K, N).t()
     ops = torch.ops.cpcompile
     for op, args in [
         (ops.ag_gemm, (x, w, b, name, 8, "p2p")),
@@ -189,6 +246,10 @@ def test_opcheck(single_rank_group):
         (ops.gemm_rs, (x3, w, name, None, "symm_mem")),
         (ops.ag_gemm_backward, (dy, x.detach(), w.detach(), name, 8, "p2p")),
         (ops.gemm_rs_backward, (dy3, x3.detach(), w.detach(), name, None, "symm_mem")),
+        (ops.ag_gemm, (xt, wt, None, name, 8, "p2p")),
+        (ops.gemm_rs, (xt, wt, name, None, "p2p")),
+        (ops.ag_gemm_backward, (dy, xt, wt, name, 8, "p2p")),  # the fake kernels' strides: the ops'
+        (ops.gemm_rs_backward, (dy, xt, wt, name, None, "p2p")),
     ]:
         opcheck(op.default, args)
 
@@ -207,7 +268,8 @@ def test_one_rank_is_a_plain_matmul(single_rank_group):
     [
         ({"x": [[1.0]]}, TypeError, "x must be a torch.Tensor, got list"),
         ({"x": torch.ones(4, K, dtype=torch.int64)}, ValueError, "x must be a floating-point tensor, got torch.int64"),
-        ({"x": torch.ones(K)}, ValueError, r"x must be \[tokens, ..., K\] \(at least 2-D\), got shape \(8,\)"),
+        ({"x": torch.ones(K)}, ValueError, r"x must be \[tokens, ..., K\] \(at least 2-D, K >= 1\), got shape \(8,\)"),
+        ({"x": torch.ones(4, 0), "w": torch.ones(N, 0)}, ValueError, r"\(at least 2-D, K >= 1\), got shape \(4, 0\)"),
         ({"w": torch.ones(N, K + 1)}, ValueError, r"w must be \[N, K\] with K = x.shape\[-1\] = 8, got shape \(6, 9\)"),
         ({"w": torch.ones(N, K, dtype=torch.float64)}, ValueError, "w must match x's dtype and device"),
         ({"bias": torch.ones(N + 1)}, ValueError, r"bias must be \[N\] = \[6\], got shape \(7,\)"),

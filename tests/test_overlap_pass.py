@@ -17,6 +17,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import cpcompile
 from tests.fixtures import OverlapBackend, all_gather, reduce_scatter, sp_mlp
 
+GATHERED = "the gathered tensor does not feed exactly one matmul as its input (a [t, ..., K] input, a 2-D weight)"
+SCATTERED = "the reduce-scatter's input is not a bias-free matmul ([t, ..., K] input, 2-D weight) used only by it"
+
 
 def setup_module() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -160,13 +163,36 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(
             [r.getMessage().split(": ", 1)[1] for r in logs.records],
             [
-                "tensor not rewritten: the gathered tensor does not feed exactly one matmul as its input",
-                "tensor_3 not rewritten: the gathered tensor does not feed exactly one matmul as its input",
+                "tensor not rewritten: " + GATHERED,
+                "tensor_3 not rewritten: " + GATHERED,
                 "tensor_1 not rewritten: the reduce-scatter does not sum",
-                "tensor_2 not rewritten: the reduce-scatter's input is not a bias-free matmul used only by it",
+                "tensor_2 not rewritten: " + SCATTERED,
                 "no all-gather -> matmul or matmul -> reduce-scatter to rewrite",
             ],
         )
+
+    def test_matmuls_the_ops_cannot_take_are_left_alone(self):
+        """Matmuls over gathered tokens that are not ``x [t, ..., K] @ w.T + b`` with ``w`` 2-D and ``b`` exactly
+        ``[N]``: the gathered tensor as the weight too, a broadcast bias, a 1-D weight or input. Each compiles and
+        runs as written (the fake group's values are garbage: shapes only)."""
+        backend = OverlapBackend()
+        g = dist.group.WORLD
+
+        def misshapen(x, w, b1, w1, x1, h):
+            a = all_gather(x, 0, g)
+            b = all_gather(x, 0, g)
+            return (
+                a @ a,  # the gathered tensor as both operands
+                F.linear(b, w, b1),  # a bias of [1], broadcast
+                F.linear(all_gather(x, 0, g), w1),  # a 1-D weight
+                all_gather(x1, 0, g) @ w.T,  # 1-D gathered tokens
+                reduce_scatter(F.linear(h, w1), "sum", 0, g),  # a 1-D weight before the reduce-scatter
+            )
+
+        args = [torch.randn(*s) for s in ((2, 4), (3, 4), (1,), (4,), (2,), (4, 4))]
+        outs = torch.compile(misshapen, backend=backend, fullgraph=True)(*args)
+        self.assertEqual(backend.rewrites, [0])
+        self.assertEqual([tuple(o.shape) for o in outs], [(4, 4), (4, 3), (4,), (3,), (2,)])
 
 
 def test_cpcompile_backend_runs_the_overlap_pass():

@@ -106,11 +106,12 @@ class TpRing(NamedTuple):
     transport: str = "symm_mem"
 
 
-def _enter_ring(ring: TpRing, x: torch.Tensor) -> dict:
+def _enter_ring(ring: TpRing, x: torch.Tensor, call: dict[str, object]) -> dict:
     """The ring's buffer shape for ``x [rows, F]`` (``BUFFERS.prefix``'s keywords), after raising on
     every rank, before any p2p, if ``rows`` exceeds the capacity or ranks disagree on it, on the rows'
-    width or on their dtype (``groups.agree``, where ``checks.agreement_enabled`` says so: on CUDA it
-    costs a host sync)."""
+    width, on their dtype or on ``call`` (the op and its input's shape: ranks in different ops, or
+    with rows of other shapes, would exchange rows that fit yet mean something else) (``groups.agree``,
+    where ``checks.agreement_enabled`` says so: on CUDA it costs a host sync)."""
     pg, capacity, _ = ring
     rows = x.shape[0]
     error = None
@@ -122,7 +123,7 @@ def _enter_ring(ring: TpRing, x: torch.Tensor) -> dict:
     try:
         if agreement_enabled(pg, x):
             # rows of other widths or dtypes would be read as garbage, or abort the transport
-            record = {"token count (rows per TP rank)": rows, "row width": x.shape[1], "dtype": str(x.dtype)}
+            record = {"token count (rows per TP rank)": rows, "row width": x.shape[1], "dtype": str(x.dtype), **call}
             agree(pg, error, record if error is None else {})
         elif error is not None:
             raise error
@@ -164,10 +165,13 @@ def rotate(x: torch.Tensor, group: dist.ProcessGroup) -> Iterator[tuple[int, tor
     yield (rank + 1) % cp, current
 
 
-def gather_ring(x: torch.Tensor, ring: TpRing, consume: Callable[[int, torch.Tensor], None]) -> None:
-    """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile."""
+def gather_ring(
+    x: torch.Tensor, ring: TpRing, consume: Callable[[int, torch.Tensor], None], call: dict[str, object]
+) -> None:
+    """Call ``consume(src, x_src)`` for every rank's ``x [rows, F]``, the next one in flight meanwhile;
+    ``call``: what every rank's must equal (:func:`_enter_ring`)."""
     pg = ring.group
-    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, x)
+    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, x, call)
     if tp == 1:
         return consume(rank, x)
     buf, _ = BUFFERS.prefix("gather", pg.group_name, x, slots=tp, **shape)  # [tp, rows, F]
@@ -204,14 +208,17 @@ def _gather_copy_engine(x, pg, buf, shape, consume) -> None:
         consume(src, buf[src])
 
 
-def reduce_scatter_ring(out: torch.Tensor, ring: TpRing, produce: Callable[[int, torch.Tensor], None]) -> None:
-    """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank.
+def reduce_scatter_ring(
+    out: torch.Tensor, ring: TpRing, produce: Callable[[int, torch.Tensor], None], call: dict[str, object]
+) -> None:
+    """``out [rows, F]`` = sum over ranks of their ``produce(rank, dest)`` partials for this rank;
+    ``call``: what every rank's must equal (:func:`_enter_ring`).
 
     The partial sum for rank d starts at d + 1 and travels the ring, each rank adding
     its own partial while the previous sum is in flight; it ends at d after tp - 1 hops.
     """
     pg = ring.group
-    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, out)
+    tp, rank, shape = pg.size(), pg.rank(), _enter_ring(ring, out, call)
     if tp == 1:
         return produce(rank, out)
     if _copy_engine(pg, out, ring.transport):

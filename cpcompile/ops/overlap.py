@@ -29,6 +29,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+def _call(op: str, x: torch.Tensor) -> dict[str, object]:
+    """What every rank's ring must equal beyond its rows (``comm.ring``): the op, and the shape of
+    the input it brings (the same rows as ``[2, 3, K]`` on one rank and ``[3, 2, K]`` on another
+    would come back in other shapes)."""
+    return {"op": op, "input shape": tuple(x.shape)}
+
+
 def _wgrad_accumulator(w: torch.Tensor) -> torch.Tensor:
     return torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
 
@@ -57,7 +64,7 @@ def _ag_gemm(
         else:
             torch.addmm(bias, chunk, w.t(), out=dest)
 
-    gather_ring(x2, TpRing(pg, capacity_tokens, transport), consume)
+    gather_ring(x2, TpRing(pg, capacity_tokens, transport), consume, _call("ag_gemm", x))
     return out.view(pg.size() * x.shape[0], *x.shape[1:-1], w.shape[0])
 
 
@@ -80,20 +87,20 @@ def _ag_gemm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     refuse_capture("ag_gemm backward (its overlapped transport is not checked under capture)")
     pg = resolve_group(group_name)
-    dx = _gemm_rs_impl(dy, w.t(), pg, capacity_tokens, transport)  # reduce_scatter(dy @ w): [t, ..., K]
+    dx = _gemm_rs_impl(dy, w.t(), pg, capacity_tokens, transport, "ag_gemm backward")  # reduce_scatter(dy @ w)
     dy2, rows = _rows(dy), x.shape[:-1].numel()
     dw = _wgrad_accumulator(w)  # [N, K] = dy.T @ all_gather(x), x re-gathered rather than kept
 
     def consume(src: int, chunk: torch.Tensor) -> None:
         dw.add_(dy2[src * rows : (src + 1) * rows].t() @ chunk)
 
-    gather_ring(_rows(x), TpRing(pg, capacity_tokens, transport), consume)
+    gather_ring(_rows(x), TpRing(pg, capacity_tokens, transport), consume, _call("ag_gemm backward", x))
     return dx, dw.to(w.dtype)
 
 
 @_ag_gemm_backward.register_fake
 def _(dy, x, w, group_name, capacity_tokens, transport):
-    return torch.empty_like(x), torch.empty_like(w)
+    return x.new_empty(x.shape), w.new_empty(w.shape)  # contiguous, as the op's, whatever x's and w's strides
 
 
 def _ag_gemm_setup(ctx, inputs, output):
@@ -117,7 +124,7 @@ _ag_gemm.register_autograd(_ag_gemm_grad, setup_context=_ag_gemm_setup)
 
 
 def _gemm_rs_impl(
-    x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capacity_tokens: int | None, transport: str
+    x: torch.Tensor, w: torch.Tensor, pg: dist.ProcessGroup, capacity_tokens: int | None, transport: str, op: str
 ) -> torch.Tensor:
     x2 = _rows(x)
     rows = x2.shape[0] // pg.size()
@@ -126,7 +133,7 @@ def _gemm_rs_impl(
     def produce(dest_rank: int, dest: torch.Tensor) -> None:
         torch.mm(x2[dest_rank * rows : (dest_rank + 1) * rows], w.t(), out=dest)
 
-    reduce_scatter_ring(out, TpRing(pg, capacity_tokens, transport), produce)
+    reduce_scatter_ring(out, TpRing(pg, capacity_tokens, transport), produce, _call(op, x))
     return out.view(x.shape[0] // pg.size(), *x.shape[1:-1], w.shape[0])
 
 
@@ -135,7 +142,7 @@ def _gemm_rs(
     x: torch.Tensor, w: torch.Tensor, group_name: str, capacity_tokens: int | None, transport: str
 ) -> torch.Tensor:
     refuse_capture("gemm_rs (its overlapped transport is not checked under capture)")
-    return _gemm_rs_impl(x, w, resolve_group(group_name), capacity_tokens, transport)
+    return _gemm_rs_impl(x, w, resolve_group(group_name), capacity_tokens, transport, "gemm_rs")
 
 
 @_gemm_rs.register_fake
@@ -161,13 +168,13 @@ def _gemm_rs_backward(
         torch.mm(chunk, w, out=dx[src * rows : (src + 1) * rows])
         dw.add_(chunk.t() @ x2[src * rows : (src + 1) * rows])
 
-    gather_ring(dy2, TpRing(pg, capacity_tokens, transport), consume)
+    gather_ring(dy2, TpRing(pg, capacity_tokens, transport), consume, _call("gemm_rs backward", dy))
     return dx.view(x.shape), dw.to(w.dtype)
 
 
 @_gemm_rs_backward.register_fake
 def _(dy, x, w, group_name, capacity_tokens, transport):
-    return torch.empty_like(x), torch.empty_like(w)
+    return x.new_empty(x.shape), w.new_empty(w.shape)  # contiguous, as the op's
 
 
 def _gemm_rs_setup(ctx, inputs, output):
@@ -195,8 +202,8 @@ def _check_args(x: object, w: object, bias: object, capacity_tokens: object) -> 
             raise TypeError(f"{name} must be {accepted}, got {type(t).__name__}")
         if t is not None and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"x must be [tokens, ..., K] (at least 2-D), got shape {tuple(x.shape)}")
+    if x.dim() < 2 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [tokens, ..., K] (at least 2-D, K >= 1), got shape {tuple(x.shape)}")
     if w.dim() != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"w must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got shape {tuple(w.shape)}")
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
@@ -260,8 +267,10 @@ def gemm_rs(
         ``[t, ..., N]``: rank r's rows ``[r * t, (r + 1) * t)`` of the sum over ranks.
     """
     _check_args(x, w, None, capacity_tokens)
-    tp = resolve_group(group).size()
-    if x.shape[0] % tp != 0:
-        raise ValueError(f"x.shape[0] = {x.shape[0]} must be a multiple of the group size {tp}")
+    # traced, the op's fake kernel checks it: resolving a group by its name cannot be traced
+    if not torch.compiler.is_compiling():
+        tp = resolve_group(group).size()
+        if x.shape[0] % tp != 0:
+            raise ValueError(f"x.shape[0] = {x.shape[0]} must be a multiple of the group size {tp}")
     transport = resolve_config(config).tp_comm
     return torch.ops.cpcompile.gemm_rs(x, w, _group_name(group), capacity_tokens, transport)

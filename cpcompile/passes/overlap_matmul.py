@@ -14,7 +14,12 @@ collectives produce; ``[t, ..., K]`` inputs such as Megatron's ``[s, b, h]`` inc
 - ``all_gather -> wait -> (view/reshape/flatten to [rows, K])* -> mm | addmm | linear | matmul``
   with the gathered tensor as the matmul's *input* (never its weight) and no other user;
 - ``mm | linear (no bias) | matmul -> reduce_scatter("sum") -> wait``, the matmul feeding
-  only the collective.
+  only the collective;
+
+each with a ``[t, ..., K]`` input, a 2-D weight and a bias of exactly ``[N]`` (what the ops take;
+other matmuls stay as they are), in the root graph and in the bodies its higher-order ops call
+(activation-checkpointed regions). Under autocast the matmul's inputs are cast to the dtype
+Dynamo traced its result in, as autocast casts them, so the op computes what the matmul did.
 
 torch 2.11-2.13 emit the same op names; 2.13 renamed only the Python wrappers
 (``all_gather_tensor`` -> ``all_gather_single``). 2.11's ``*_autograd`` wrappers emit the
@@ -105,7 +110,31 @@ def _weight(b: fx.Node) -> tuple[fx.Node, bool, fx.Node | None]:
 
 
 def _as_linear(node: fx.Node) -> Linear | None:
-    """Read ``node`` as a linear layer, or None when it is not a 2-D-weight matmul."""
+    """``node`` read as a linear layer the ops can run, or None."""
+    linear = _read_linear(node)
+    return linear if linear is not None and _fits(linear) else None
+
+
+def _fits(linear: Linear) -> bool:
+    """Whether the ops take ``linear``'s operands: ``x [t, ..., K]``, ``w`` 2-D, ``bias`` exactly
+    ``[N]`` (a broadcast one, ``[1]`` or 0-D, is the matmul's but not the ops'), K at least 1."""
+    x, w, out = _val(linear.input), _val(linear.weight), _val(linear.node)
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, out)) or x.dim() < 2 or w.dim() != 2 or out.dim() < 2:
+        return False
+    if statically_known_true(x.shape[-1] == 0):
+        return False
+    bias = _val(linear.bias) if linear.bias is not None else None
+    if linear.bias is not None and (
+        not isinstance(bias, torch.Tensor)
+        or bias.dim() != 1
+        or not statically_known_true(bias.shape[0] == out.shape[-1])
+    ):
+        return False
+    return True
+
+
+def _read_linear(node: fx.Node) -> Linear | None:
+    """Read ``node`` as ``input @ weight.T + bias``, or None when it is not such a matmul."""
     fn, method = node.op == "call_function", node.op == "call_method"
     if fn and node.target is torch._C._nn.linear:
         return Linear(node, _arg(node, 0, "input"), _arg(node, 1, "weight"), False, None, _arg(node, 2, "bias"))
@@ -148,8 +177,14 @@ def _match_ag(gather: fx.Node) -> AgMatmulMatch | str:
         views.append(node)
         node = _only_user(node)
     linear = _as_linear(node) if node is not None else None
-    if linear is None or linear.input is not (views[-1] if views else wait):
-        return "the gathered tensor does not feed exactly one matmul as its input"
+    chain = (wait, *views)
+    if (
+        linear is None
+        or linear.input is not (views[-1] if views else wait)
+        or linear.weight in chain
+        or linear.bias in chain
+    ):
+        return "the gathered tensor does not feed exactly one matmul as its input (a [t, ..., K] input, a 2-D weight)"
     if views:
         flat, gathered = _val(views[-1]), _val(wait)
         if (
@@ -171,7 +206,7 @@ def _match_rs(scatter: fx.Node) -> MatmulRsMatch | str:
     if wait is None or wait.target not in WAIT:
         return "the reduce-scatter is not waited on once"
     if linear is None or linear.bias is not None or len(source.users) != 1:
-        return "the reduce-scatter's input is not a bias-free matmul used only by it"
+        return "the reduce-scatter's input is not a bias-free matmul ([t, ..., K] input, 2-D weight) used only by it"
     return MatmulRsMatch(linear, scatter, wait, _group(scatter))
 
 
@@ -212,6 +247,15 @@ def _weight_node(graph: fx.Graph, linear: Linear) -> fx.Node:
     return _call(graph, torch.t, (linear.weight,), linear.weight) if linear.transposed else linear.weight
 
 
+def _as_traced(graph: fx.Graph, linear: Linear, operand: fx.Node | None) -> fx.Node | None:
+    """``operand`` in the dtype Dynamo traced ``linear``'s result in: under autocast a matmul casts its
+    inputs (float32 -> bfloat16, say), which the ops, having no autocast rule, would not."""
+    dtype = _val(linear.node).dtype
+    if operand is None or _val(operand).dtype == dtype:
+        return operand
+    return _call(graph, torch.Tensor.to, (operand, dtype), linear.node)
+
+
 def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node, dead: list[fx.Node], linear: Linear) -> None:
     old.replace_all_uses_with(new)
     for node in dead:  # consumers first, so that each node is unused when erased
@@ -228,10 +272,11 @@ def rewrite_ag_matmul(
         x = match.gather.args[0]
         if match.views:  # all_gather(x).view(-1, K) == all_gather(x.flatten(0, -2)): [t * ..., K]
             x = _call(graph, torch.flatten, (x, 0, -2), linear.node)
+        x, w, bias = (_as_traced(graph, linear, n) for n in (x, _weight_node(graph, linear), linear.bias))
         new = _call(
             graph,
             torch.ops.cpcompile.ag_gemm.default,
-            (x, _weight_node(graph, linear), linear.bias, match.group_name, capacity_tokens, transport),
+            (x, w, bias, match.group_name, capacity_tokens, transport),
             linear.node,
         )
     _replace(graph, linear.node, new, [linear.node, *reversed(match.views), match.wait, match.gather], linear)
@@ -243,10 +288,11 @@ def rewrite_matmul_rs(
 ) -> fx.Node:
     linear = match.linear
     with graph.inserting_before(match.wait):
+        x, w = (_as_traced(graph, linear, n) for n in (linear.input, _weight_node(graph, linear)))
         new = _call(
             graph,
             torch.ops.cpcompile.gemm_rs.default,
-            (linear.input, _weight_node(graph, linear), match.group_name, capacity_tokens, transport),
+            (x, w, match.group_name, capacity_tokens, transport),
             match.wait,
         )
     _replace(graph, match.wait, new, [match.wait, match.scatter, linear.node], linear)
@@ -260,17 +306,19 @@ def overlap_matmul_pass(gm: fx.GraphModule, *, capacity_tokens: int | None = Non
     the most tokens per rank, or None for buffers that grow to the largest call;
     ``transport`` too (``Config.tp_comm``).
     """
-    graph = gm.graph
     rewrites = 0
-    for match in find_ag_matmul(graph):
-        rewrite_ag_matmul(graph, match, capacity_tokens=capacity_tokens, transport=transport)
-        rewrites += 1
-    for match in find_matmul_rs(graph):
-        rewrite_matmul_rs(graph, match, capacity_tokens=capacity_tokens, transport=transport)
-        rewrites += 1
+    # the root graph and the bodies its higher-order ops call (each activation-checkpointed region)
+    for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        graph, before = module.graph, rewrites
+        for match in find_ag_matmul(graph):
+            rewrite_ag_matmul(graph, match, capacity_tokens=capacity_tokens, transport=transport)
+            rewrites += 1
+        for match in find_matmul_rs(graph):
+            rewrite_matmul_rs(graph, match, capacity_tokens=capacity_tokens, transport=transport)
+            rewrites += 1
+        if rewrites > before:
+            graph.lint()
+            module.recompile()
     if not rewrites:
         log.info("overlap_matmul_pass: no all-gather -> matmul or matmul -> reduce-scatter to rewrite")
-        return 0
-    graph.lint()
-    gm.recompile()
     return rewrites

@@ -3,6 +3,11 @@ kernel tiles even over ranks, the piece bound, and its op (the gloo tier runs ba
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,3 +177,17 @@ def test_balanced_layout_op():
     with FakeTensorMode():  # shapes come from the token count, values are never read
         fake = torch.ops.cpcompile.balanced_layout(torch.empty(6, dtype=torch.int32), 3, 1014)
     assert fake.shape == (3, 338) and fake.dtype == torch.int64
+
+
+def test_import_cpcompile_registers_every_op():
+    """Every ``cpcompile::`` op exists once ``cpcompile`` is imported, in a fresh process: a graph that
+    calls one (a cached or saved one, say) must not depend on which of cpcompile's modules ran first.
+    ``balanced_layout`` was registered only when a balanced plan was first made."""
+    package = Path(cpcompile.__file__).parent
+    names = sorted(
+        {n for f in package.rglob("*.py") for n in re.findall(r'custom_op\("cpcompile::(\w+)"', f.read_text())}
+    )
+    assert "balanced_layout" in names and len(names) > 10, names
+    probe = f"import cpcompile, torch; [getattr(torch.ops.cpcompile, n) for n in {names!r}]"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -1,7 +1,10 @@
 """Custom ops (namespace ``cpcompile``) and their kernels."""
 
 from ..comm.kv_gather import release_grad_buffers
-from . import ring  # noqa: F401  (registers cpcompile::cp_ring_attention, which cp_attention(comm="ring") runs)
+from . import (
+    layout,  # noqa: F401  (registers cpcompile::balanced_layout, which balanced plans call, on import)
+    ring,  # noqa: F401  (registers cpcompile::cp_ring_attention, which cp_attention(comm="ring") runs)
+)
 from .attention import cp_attention, packed_attention
 from .overlap import ag_gemm, gemm_rs
 

@@ -103,6 +103,21 @@ def _to_capacity(padded: torch.Tensor, spec: StrategySpec, cp_size: int, m: int)
     return torch.cat([padded[:-1], padded.new_full((1,), tokens)])
 
 
+def check_capacity_documents(cu_seqlens: torch.Tensor, capacity: Capacity) -> None:
+    """Attention under a capacity takes the batch's ``cu_seqlens`` (``ShardedBatch.cu_seqlens``: the pack's,
+    with zero-length documents after the last, ``capacity.documents`` in all). The pack's own, with fewer,
+    has the same token count but puts the padding in its last document, which dual_chunk_swap and
+    balanced lay out otherwise than ``shard_batch`` laid out the rows: silently wrong, so refused. A
+    shape check (a symbolic count is checked when the plan is made)."""
+    count = cu_seqlens.shape[0] - 1
+    if isinstance(count, int) and count != capacity.documents:
+        raise ValueError(
+            f"under capacity={tuple(capacity)} attention takes the batch's cu_seqlens (ShardedBatch.cu_seqlens, "
+            f"{capacity.documents} documents: the pack's, with zero-length ones after the last), got {count} "
+            "documents: pass batch.cu_seqlens, not the pack's own"
+        )
+
+
 def capacity_for(packs: Iterable[torch.Tensor], *, cp_size: int, strategy: StrategyLike = None) -> Capacity:
     """The smallest :class:`~cpcompile.strategy.Capacity` that holds every pack of ``packs`` (each
     its ``cu_seqlens``, ``[B + 1]``) under ``strategy`` at ``cp_size``: the most tokens a pack needs

@@ -27,7 +27,7 @@ import torch
 
 from .checks import check_cp, check_int, check_padded
 from .cost import auto_candidates, resolve_auto
-from .partition import all_partition_indices, pad_for_cp, piece_marks
+from .partition import all_partition_indices, check_capacity_documents, pad_for_cp, piece_marks
 from .per_plan import attach, attached, on_host, per_plan, upload
 from .reads import Pack
 from .strategy import Strategy, StrategyLike, StrategySpec, resolve_strategy
@@ -128,6 +128,8 @@ def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, nu
         check_int("num_tokens", num_tokens, minimum=1)
     requested = resolve_strategy(strategy)
     spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
+    if spec.capacity is not None:
+        check_capacity_documents(cu_seqlens, spec.capacity)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters
 
 import cpcompile
@@ -30,6 +31,11 @@ STRATEGIES = [
     StrategySpec("striped", stripe_size=2),
     StrategySpec("balanced"),
 ]
+
+
+OWN_CU = (
+    r"under capacity=\(\d+, \d+\) attention takes the batch's cu_seqlens .* got \d+ documents: pass batch.cu_seqlens"
+)
 
 
 def _cu(lengths):
@@ -58,6 +64,16 @@ def test_a_pack_that_does_not_fit_is_refused_naming_the_capacity():
     tensors = {"input_ids": torch.zeros(110, dtype=torch.long)}
     with pytest.raises(ValueError, match="the pack has 2 documents, more than capacity.documents=1"):
         cpcompile.shard_batch(tensors, cu, cp_size=2, rank=0, strategy=StrategySpec("balanced", capacity=(128, 1)))
+
+
+def test_attention_takes_the_batchs_cu_seqlens():
+    """Under a capacity the plan is made from the batch's ``cu_seqlens`` (zero-length documents after the
+    last): the pack's own, of the same token count, would lay out the capacity's padding otherwise."""
+    cu, spec = _cu([5, 17, 1, 9]), StrategySpec("dual_chunk_swap", capacity=(64, 6))
+    batch = cpcompile.shard_batch({"x": torch.zeros(32)}, cu, cp_size=2, rank=0, strategy=spec)
+    cpcompile.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec)
+    with pytest.raises(ValueError, match=OWN_CU):
+        cpcompile.make_plan(cu, cp_size=2, rank=0, strategy=spec)
 
 
 @pytest.mark.parametrize("value", [(0, 4), (128,), (128, 4, 1), ("128", 4), (128.0, 4), 128, (True, 4)], ids=repr)
@@ -162,6 +178,8 @@ class OneGraphPerBucket(FakeGroupTestCase):
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)
             self.assertTrue(shapes and not any(shapes), shapes)
+            with cpcompile.strategy(batch.spec), self.assertRaisesRegex(BackendCompilerFailed, OWN_CU):
+                compiled(*(batch.tensors[n] for n in names), pack["cu_seqlens"], capacity.tokens)  # the pack's own
 
 
 def _train_on_capacity(rank: int, world: int) -> None:
@@ -237,6 +255,10 @@ def _eager_on_capacity(rank: int, world: int) -> None:
                 assert relative_error(out, ref) < 1e-4, f"out {label}"
                 for name, got, want in zip("qkv", grads, ref_grads):
                     assert relative_error(got, want) < 1e-4, f"d{name} {label}"
+                # the pack's own cu_seqlens (4 documents): same token count, another layout of the
+                # padding (dual_chunk_swap and balanced: every output wrong before), refused
+                with pytest.raises(ValueError, match=OWN_CU):
+                    cpcompile.cp_attention(*local, cu, strategy=spec, causal=causal)
 
 
 def _on_capacity(rank: int, world: int) -> None:
@@ -279,7 +301,6 @@ class TorchCompileMode(FakeGroupTestCase):
         from unittest import mock
 
         import torch._inductor.compile_fx as inductor
-        from torch._dynamo.exc import BackendCompilerFailed
 
         def f(x):
             return (x @ x.t()).relu().sum()
@@ -311,7 +332,6 @@ class TorchCompileMode(FakeGroupTestCase):
         from unittest import mock
 
         import torch._inductor.compile_fx as inductor
-        from torch._dynamo.exc import BackendCompilerFailed
 
         seen = []
 

@@ -273,7 +273,8 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
             assert torch.equal(buffer, want)
     with pytest.raises(ValueError, match="from the step's own inputs"):
         slots.add(step_plan, (packs[1], None, *rest))
-    with pytest.raises(ValueError, match="pad every pack of a bucket to its capacity"):
+    # a pack not padded to the bucket's documents: the plan refuses it (``check_capacity_documents``)
+    with pytest.raises(ValueError, match=r"attention takes the batch's cu_seqlens .* got 2 documents"):
         slots.fill([cu_seqlens([3, 3]), 7])
 
 

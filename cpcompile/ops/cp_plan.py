@@ -18,6 +18,7 @@ from ..capture import note_plan, plan_in_capture
 from ..checks import agreement_enabled
 from ..comm.groups import agree_on, digest, resolve_group
 from ..kernels.metadata import scratch
+from ..partition import check_capacity_documents
 from ..per_plan import capturing, per_plan, readable
 from ..plan import max_pieces, step_plan
 from ..strategy import Strategy, StrategySpec
@@ -150,6 +151,7 @@ def _(
     if spec.capacity is not None:
         tokens = spec.capacity.tokens
         torch._check(num_tokens == tokens, lambda: f"capacity.tokens={tokens}, but the batch holds other token counts")
+        check_capacity_documents(cu_seqlens, spec.capacity)  # at the trace, where the count is static
     return fake_plan(cu_seqlens, num_tokens, max_pieces(spec, cu_seqlens.shape[0] - 1, num_tokens // cp_size))
 
 

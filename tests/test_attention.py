@@ -111,6 +111,22 @@ def test_packed_attention_rejects_bad_arguments(mutate, error, message):
         cpcompile.packed_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), **args)
 
 
+def test_compiled_packed_attention_checks_the_token_count():
+    """A compiled graph calls the op, not ``packed_attention``'s checks: rows that cu_seqlens does not cover
+    (a batch padded for CP, run on one device or a CP group of one) are an error there too, not an
+    IndexError in the kernel."""
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    pad = [torch.cat([t, t.new_zeros(4, *t.shape[1:])]) for t in (q, k, v)]  # 4 rows of no document
+    torch._dynamo.reset()
+    compiled = torch.compile(cpcompile.packed_attention, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] = 16 must equal .* \(20\) .* pass cu_seqlens_padded"):
+        compiled(*pad, cu)
+    padded = torch.tensor([0, 3, 12, 20], dtype=torch.int32)
+    got = compiled(*pad, cu, cu_seqlens_padded=padded)
+    assert torch.equal(got[:16], cpcompile.packed_attention(q, k, v, cu)) and not got[16:].any()
+    torch._dynamo.reset()
+
+
 def test_cp_attention_rejects_bad_arguments(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
     with pytest.raises(ValueError, match="comm must be one of"):

@@ -102,6 +102,10 @@ def _packed_attention(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
+    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a
+    # CP group of one, say, on a batch that shard_batch padded to a capacity)
+    name, cu = ("cu_seqlens", cu_seqlens) if cu_seqlens_padded is None else ("cu_seqlens_padded", cu_seqlens_padded)
+    _check_token_count(name, cu, q.shape[0])
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     return kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window))
@@ -133,6 +137,10 @@ def _packed_attention_backward(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
+    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a
+    # CP group of one, say, on a batch that shard_batch padded to a capacity)
+    name, cu = ("cu_seqlens", cu_seqlens) if cu_seqlens_padded is None else ("cu_seqlens_padded", cu_seqlens_padded)
+    _check_token_count(name, cu, q.shape[0])
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
@@ -195,7 +203,11 @@ def packed_attention(
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
     check_cu_seqlens(name, cu)
     if isinstance(expected, int) and data_checks_enabled(cu) and int(cu[-1]) != expected:
-        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})")
+        padded = " (rows padded for CP, as shard_batch pads them: pass cu_seqlens_padded too)"
+        raise ValueError(
+            f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})"
+            + (padded if name == "cu_seqlens" and int(cu[-1]) < expected else "")
+        )
 
 
 # --- cp_attention ------------------------------------------------------------------

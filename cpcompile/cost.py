@@ -297,5 +297,26 @@ def resolve_auto(
     resolve ``auto`` alike."""
     if spec.strategy is not Strategy.AUTO:
         return spec
-    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model, windows=spec.windows)
+    candidates = None if spec.capacity is None else _fitting(cu_seqlens, cp_size, spec.capacity, model)
+    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model, windows=spec.windows, candidates=candidates)
     return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel, capacity=spec.capacity)
+
+
+def _fitting(cu_seqlens: torch.Tensor, cp_size: int, capacity, model: CostModel | None) -> tuple[StrategySpec, ...]:
+    """``auto``'s candidates under which the pack fits ``capacity`` (its token count a multiple of what the
+    layout pads to, the pack's padding within it): a pack that fits one of them is not refused for
+    another that ``auto`` would have picked without the capacity."""
+    cu, fitting, reasons = _host("cu_seqlens", cu_seqlens), [], []  # on the host the fit is checked by value
+    for candidate in auto_candidates(model):
+        try:
+            pad_for_cp(cu, cp_size=cp_size, strategy=dataclasses.replace(candidate, capacity=capacity))
+        except ValueError as e:
+            reasons.append(f"{candidate.strategy.value}: {e}")
+        else:
+            fitting.append(candidate)
+    if not fitting:
+        raise ValueError(
+            f"strategy 'auto' under capacity={tuple(capacity)} at cp_size={cp_size}: the pack fits none of the "
+            f"layouts auto picks from ({'; '.join(reasons)})"
+        )
+    return tuple(fitting)

@@ -89,6 +89,26 @@ def test_capacity_takes_a_pair_and_refuses_head_parallelism():
 
 
 @pytest.mark.parametrize(
+    ("lengths", "cp", "tokens"),
+    [([976], 2, 978), ([29, 24, 14, 1668, 1828], 4, 3568), ([1533, 4, 14, 767, 234], 4, 2552)],
+)
+def test_auto_picks_among_the_layouts_the_pack_fits(lengths, cp, tokens):
+    """Under a capacity ``auto`` picks among the layouts under which the pack fits it. Without the capacity
+    it picks a layout under which these packs do not fit (dual_chunk_swap's per-document padding, striped's
+    multiple), so they were refused, naming a layout the user never chose, though balanced and
+    no_load_balance hold them."""
+    cu, spec = _cu(lengths), StrategySpec("auto", capacity=(tokens, 6))
+    unbounded = resolve_auto(StrategySpec("auto"), cu, cp_size=cp).strategy.value
+    assert unbounded in ("dual_chunk_swap", "striped"), unbounded
+    batch = cpcompile.shard_batch({"x": torch.zeros(sum(lengths))}, cu, cp_size=cp, rank=0, strategy=spec)
+    assert batch.spec.strategy.value in ("no_load_balance", "balanced") and batch.cu_seqlens_padded[-1] == tokens
+    with pytest.raises(
+        ValueError, match=r"'auto' under capacity=\(8, 6\) at cp_size=2: the pack fits none .*balanced: "
+    ):
+        resolve_auto(StrategySpec("auto", capacity=(8, 6)), cu, cp_size=2)
+
+
+@pytest.mark.parametrize(
     ("lengths", "cp", "spec"),
     [
         ([30, 23, 0, 12, 25], 4, StrategySpec("auto", windows=(11, 1, 7), capacity=(96, 8))),

@@ -102,10 +102,9 @@ def _packed_attention(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a
-    # CP group of one, say, on a batch that shard_batch padded to a capacity)
-    name, cu = ("cu_seqlens", cu_seqlens) if cu_seqlens_padded is None else ("cu_seqlens_padded", cu_seqlens_padded)
-    _check_token_count(name, cu, q.shape[0])
+    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a CP
+    # group of one, say, on a batch that shard_batch padded to a capacity); the backward op gets the same
+    _check_rows(q, cu_seqlens, cu_seqlens_padded)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     return kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window))
@@ -137,10 +136,6 @@ def _packed_attention_backward(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a
-    # CP group of one, say, on a batch that shard_batch padded to a capacity)
-    name, cu = ("cu_seqlens", cu_seqlens) if cu_seqlens_padded is None else ("cu_seqlens_padded", cu_seqlens_padded)
-    _check_token_count(name, cu, q.shape[0])
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
@@ -189,15 +184,21 @@ def packed_attention(
     check_qkv(q, k, v)
     check_scale_and_bound(scale, max_seqlen)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    if cu_seqlens_padded is None:
-        _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
-    else:
+    if cu_seqlens_padded is not None:
         check_padded(cu_seqlens, cu_seqlens_padded)
-        _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
+    _check_rows(q, cu_seqlens, cu_seqlens_padded)
     check_longest(cu_seqlens, max_seqlen)
     kernel = resolve_config(config).kernel
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
+
+
+def _check_rows(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
+    """Every row of ``q`` is covered: by ``cu_seqlens``, or by ``cu_seqlens_padded`` where given."""
+    if cu_seqlens_padded is None:
+        _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
+    else:
+        _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
 
 
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:

@@ -147,6 +147,15 @@ def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: i
     """Raise if ``cu_seqlens_padded`` (or ``num_tokens``) cannot be split by ``spec``."""
     check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
     m, per_document = padding_multiple(spec, cp_size)
+    capacity = spec.capacity
+    if isinstance(num_tokens, int) and capacity is not None and num_tokens != capacity.tokens:
+        # A batch sharded under another capacity (or none) has another token count; named as such, since
+        # the offsets' mismatch below would not say why.
+        raise ValueError(
+            f"under capacity={tuple(capacity)} a batch holds {capacity.tokens} tokens ({capacity.tokens // cp_size} "
+            f"per rank at cp_size={cp_size}), got {num_tokens} (local tokens x cp_size): shard the batch with "
+            "the same capacity (shard_batch(..., strategy=spec))"
+        )
     if isinstance(num_tokens, int) and num_tokens % m:
         raise ValueError(
             f"{spec.strategy.value} with cp_size={cp_size} needs a token count that is a multiple of {m}, "

@@ -76,6 +76,15 @@ def test_attention_takes_the_batchs_cu_seqlens():
         cpcompile.make_plan(cu, cp_size=2, rank=0, strategy=spec)
 
 
+def test_a_batch_of_another_capacity_is_refused_naming_the_capacity():
+    """A batch sharded under one capacity and run under another has the other's token count: the error
+    names the capacity (the offsets' mismatch alone would not say why)."""
+    cu, spec = _cu([5, 17, 1, 9]), StrategySpec("balanced", capacity=(96, 6))
+    batch = cpcompile.shard_batch({"x": torch.zeros(32)}, cu, cp_size=2, rank=0, strategy=_with(spec, (64, 6)))
+    with pytest.raises(ValueError, match=r"under capacity=\(96, 6\) a batch holds 96 tokens \(48 per rank at "):
+        cpcompile.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec, num_tokens=64)
+
+
 @pytest.mark.parametrize("value", [(0, 4), (128,), (128, 4, 1), ("128", 4), (128.0, 4), 128, (True, 4)], ids=repr)
 def test_capacity_values_are_checked(value):
     with pytest.raises(ValueError, match=r"capacity must be a Capacity\(tokens, documents\)"):

@@ -1,7 +1,7 @@
 """The BALANCED layout: equal tokens and equal causal attention work on every rank.
 
 Design constraint: a deterministic pure function of ``(cu_seqlens_padded, cp_size)``
-that every rank computes alone, fast enough for a data loader (its host time:
+(and, under a capacity, ``cu_seqlens``) that every rank computes alone, fast enough for a data loader (its host time:
 BENCHMARKS.md, "Balance"). It chooses cut points from document lengths, so
 it reads ``cu_seqlens_padded`` on the host: on CUDA that is one host sync
 (:func:`balanced_layout` copies the offsets to the CPU and moves the layout back).
@@ -9,13 +9,17 @@ The custom op ``cpcompile::balanced_layout`` wraps it so that tracing sees a
 ``[cp, T / cp]`` tensor and never the values.
 
 The layout uses padded lengths as document lengths: BALANCED pads only the total,
-so the padding (fewer than ``cp`` tokens) counts as part of the last document.
+so the padding (fewer than ``cp`` tokens) counts as part of the last document. Under a
+capacity (``StrategySpec.capacity``) the padding runs on to the capacity and can be most
+of a rank; there the layout is also given ``cu_seqlens`` and lays the padding out as a
+document of its own that costs nothing (:func:`free_padding`): last in the sequence,
+never dealt, its cuts not on tiles.
 
 Algorithm (``t = T / cp`` tokens per rank, ``W`` = total work / cp):
 
 *Work* is what a causal kernel with ``s x s`` tiles does: the area of the tiles a
 document's query tiles visit, ``s**2 x tiles(L)``. With ``s = 1`` that is the
-attention pairs ``L (L + 1) / 2``. Where ranks hold at least ``SNAP_MIN_TOKENS``
+attention pairs ``L (L + 1) / 2``. Where ranks hold at least ``SNAP_MIN_TOKENS`` real tokens
 the layout counts kernel tiles (``s = TILE``): a rank's kernel time follows its
 tiles more than its pairs, since a long document's last, partial query tile reads
 every key tile for a few rows (measured: docs/balanced-layout.md). Below that, pieces are too short to keep on
@@ -23,10 +27,12 @@ tiles and it counts pairs (``s = 1``).
 
 1. Short documents (fewer than ``4 * TILE`` tokens), sorted by length, are dealt
    whole in rounds of ``cp``, one per rank, in snake order (0..cp-1, then
-   cp-1..0), as long as every rank keeps room for them; so every rank holds the
-   same number and mix of them, and with it the same kernel-tile waste that
-   short documents cause. The few left over (fewer than ``cp``, or those that no
-   longer fit) join the sequence.
+   cp-1..0), as long as every rank keeps room for them within its share of the
+   real tokens (under a capacity, fewer than its tokens: were the padding room,
+   the dealt documents could leave the sequence too little work to even the
+   ranks out); so every rank holds the same number and mix of them, and with it
+   the same kernel-tile waste that short documents cause. The few left over
+   (fewer than ``cp``, or those that no longer fit) join the sequence.
 2. The other documents form one sequence, densest first (twice the work per
    token, rounded up: ``rate = ceil(2 work / L)``, with pairs ``L + 1``, so longest
    first; with tiles a leftover document of a few tokens, which costs a whole
@@ -134,7 +140,8 @@ class _Sequence:
         self.windows = windows
         zero = lengths.new_zeros(1)
         self.starts = torch.cat([zero, lengths.cumsum(0)])  # [D + 1] sequence offsets
-        work2 = lengths * rate if windows is None else 2 * self._pairs(lengths)
+        # windowed work is the pairs' (padding, at rate 0, has none)
+        work2 = lengths * rate if windows is None else 2 * self._pairs(lengths) * (rate > 0)
         self.work2_before = torch.cat([zero, work2.cumsum(0)])  # [D + 1]
         self.tokens = int(self.starts[-1])
 
@@ -151,7 +158,7 @@ class _Sequence:
         non-decreasing in ``p``, by at most ``rate`` per token."""
         d = self.doc_at(p)
         if self.windows is not None:
-            return self.work2_before[d] + 2 * self._pairs(p - self.starts[d])
+            return self.work2_before[d] + 2 * self._pairs(p - self.starts[d]) * (self.rate[d] > 0)
         return self.work2_before[d] + (p - self.starts[d]) * self.rate[d]
 
     def runs(self, starts: torch.Tensor, ends: torch.Tensor, splits=None) -> tuple[torch.Tensor, ...]:
@@ -196,15 +203,15 @@ class _Sequence:
         return torch.where(moved, split_head[i], head), torch.where(moved, split_tail[i], tail)
 
 
-def _deal_short(lengths_sorted: torch.Tensor, cp: int, t_local: int) -> tuple[int, torch.Tensor]:
+def _deal_short(lengths_sorted: torch.Tensor, cp: int, room: int) -> tuple[int, torch.Tensor]:
     """Step 1: ``(first, rank)``: sorted document ``first + i`` goes to rank ``rank[i]`` (``[rounds * cp]``)."""
     first = int((lengths_sorted >= DEAL_BELOW).sum())
     short = int((lengths_sorted > 0).sum()) - first  # empty documents need no rank
     rank = torch.arange(cp).repeat(short // cp, 1)  # [rounds, cp]
     rank[1::2] = rank[1::2].flip(1)  # snake order
     dealt = torch.zeros_like(rank).scatter_(1, rank, lengths_sorted[first : first + rank.numel()].view(rank.shape))
-    # rounds after which no rank holds more than t_local dealt tokens
-    rounds = int(torch.searchsorted(dealt.cumsum(0).amax(1), torch.tensor(t_local), right=True))
+    # rounds after which no rank holds more than `room` dealt tokens
+    rounds = int(torch.searchsorted(dealt.cumsum(0).amax(1), torch.tensor(room), right=True))
     return first, rank[:rounds].reshape(-1)
 
 
@@ -273,7 +280,7 @@ def _align(
     by_t = cp * torch.where(t > 0, (n[:, None] - t) * (n[:, None] - t + s) - doc2, 0)
     by_took = cp * (int(seq.work2_before[-1]) - seq.prefix_work2(back.clamp(0, seq.tokens)))
     fits = (took <= n[:, None, None]) & (back <= seq.tokens) & ((x > 0) & (x < n))[:, None, None]
-    fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :]
+    fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :] & (seq.rate[d] > 0)[:, None, None]  # padding: no tiles
     off = (by_h[:, :, None] - by_t[:, None, :] + by_took).abs()
     off = off.masked_fill_(~fits, torch.iinfo(off.dtype).max).flatten(1)  # [cp - 1, K (K + 1)] by i (K + 1) + j
     # each cut's _SNAP_TRIES candidates nearest the share (ties: the first), and whether within the slack
@@ -323,7 +330,12 @@ def _nested(a: list[int], b: list[int]) -> bool:
     return a[0] <= b[0] and a[1] <= b[1]
 
 
-def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int, windows: tuple[int, ...] = ()) -> torch.Tensor:
+def balanced_layout(
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int,
+    windows: tuple[int, ...] = (),
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Every rank's physical positions under BALANCED, computed on the host.
 
     Args:
@@ -331,32 +343,69 @@ def balanced_layout(cu_seqlens_padded: torch.Tensor, cp_size: int, windows: tupl
         windows: the layers' sliding windows (``StrategySpec.windows``; ``()``: causal layers). Where one
             is set, work is their pairs together (:func:`window_pairs`), and cuts are not moved to tiles
             (step 4 counts causal tiles).
+        cu_seqlens: ``[B + 1]`` int32 real offsets, or ``None``. Given, each document's padding is a
+            document of its own that costs no work (:func:`free_padding`): a capacity's padding can be
+            most of a rank, which counted as a document's causal work would leave the ranks' real work
+            uneven. ``None``: padded lengths are the documents' lengths.
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
     with torch.inference_mode():  # integer work with nothing to record: no autograd bookkeeping
-        layout = _host_layout(cu_seqlens_padded.detach().cpu().long(), cp_size, tuple(windows))
+        cu_padded = cu_seqlens_padded.detach()
+        if cu_seqlens is None:
+            cu, free = cu_padded.cpu().long(), None
+        else:  # one copy to the host for both
+            both = torch.cat([cu_padded, cu_seqlens.detach().to(cu_padded)]).cpu().long()
+            cu, free = free_padding(both[: cu_padded.shape[0]], both[cu_padded.shape[0] :])
+        layout = _host_layout(cu, cp_size, tuple(windows), free)
     # copied outside inference mode: the layout indexes tensors that autograd may save
     return layout.to(cu_seqlens_padded.device, copy=True)
 
 
-def _host_layout(cu: torch.Tensor, cp_size: int, windows: tuple[int, ...] = ()) -> torch.Tensor:
-    """:func:`balanced_layout` on the host: ``cu`` ``[B + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64."""
+def free_padding(cu_padded: torch.Tensor, cu_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents with their padding as documents of its own: ``(cu [D + 1], free [D])``, int64 physical
+    offsets in physical order (a padding document right after its document) and which ones are padding.
+
+    ``cu_padded``, ``cu_real``: ``[B + 1]`` int64 physical and real offsets; documents without padding keep
+    one entry.
+    """
+    padded = cu_padded[1:] - cu_padded[:-1]
+    real = cu_real[1:] - cu_real[:-1]
+    lengths = torch.stack([real, padded - real], 1).reshape(-1)  # [2B]: each document, then its padding
+    free = torch.arange(lengths.shape[0]) % 2 == 1
+    keep = ~free | (lengths > 0)
+    lengths, free = lengths[keep], free[keep]
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), free
+
+
+def _host_layout(
+    cu: torch.Tensor, cp_size: int, windows: tuple[int, ...] = (), free: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`balanced_layout` on the host: ``cu`` ``[D + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64.
+
+    ``free``: ``[D]`` bool, the documents that are padding (:func:`free_padding`; ``None``: none). They
+    cost no work, are not dealt (step 1), come last in the sequence (step 2) and keep their cuts off
+    tiles (step 4).
+    """
     lengths = cu[1:] - cu[:-1]
     total = int(cu[-1])
     cp, t_local = cp_size, total // cp_size
-    order = torch.sort(-lengths, stable=True).indices  # longest first, ties by position
+    free = torch.zeros_like(lengths, dtype=torch.bool) if free is None else free
+    # longest first, ties by position; padding after every document, so that step 1 deals none of it
+    order = torch.sort(free.long() * (total + 1) - lengths, stable=True).indices
     by_len = lengths[order]
 
-    first, dealt_rank = _deal_short(by_len, cp, t_local)
+    room = -(-int(lengths[~free].sum()) // cp)  # each rank's share of the real tokens (t_local without padding)
+    first, dealt_rank = _deal_short(by_len[: int((~free).sum())], cp, room)
     dealt = order[first : first + dealt_rank.shape[0]]
     banded = any(w >= 0 for w in windows)
-    on_tiles = cp > 1 and t_local >= SNAP_MIN_TOKENS and not banded  # work in kernel tiles, and step 4
+    on_tiles = cp > 1 and room >= SNAP_MIN_TOKENS and not banded  # work in kernel tiles, and step 4
     s = TILE if on_tiles else 1
     if banded:  # the layers' pairs together: a window caps each query's keys
         work2 = 2 * sum(window_pairs(lengths, w) for w in windows)
     else:
         work2 = 2 * s * s * causal_tiles(lengths, 0, s, s)  # [B] twice each document's work
+    work2 = work2.masked_fill(free, 0)
     rate = -(-work2 // lengths.clamp(min=1))  # [B] twice the work per token, rounded up (pairs: L + 1)
     rest = torch.cat([order[:first], order[first + dealt.shape[0] :]])
     rest = rest[torch.sort(-rate[rest], stable=True).indices]  # densest first, then longest

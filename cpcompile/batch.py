@@ -111,7 +111,9 @@ def shard_batch(
 
     cu_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     num_padded = int(cu_padded[-1])
-    indices = partition_indices(cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded)
+    indices = partition_indices(
+        cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded, cu_seqlens=cu_seqlens
+    )
     where = physical_positions(cu_seqlens, cu_padded)
     local = {}
     for name, t in tensors.items():
@@ -170,6 +172,7 @@ def unshard(local: torch.Tensor, sharded: ShardedBatch, *, group=None) -> torch.
             cp_size=sharded.cp_size,
             strategy=sharded.spec,
             num_tokens=sharded.cp_size * local.shape[0],
+            cu_seqlens=sharded.cu_seqlens,
         ).to(local.device)
 
     def record(_layout) -> dict[str, object]:  # what the gather's sizes and the layout depend on

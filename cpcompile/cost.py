@@ -160,7 +160,7 @@ def predict_rank_costs(
     )
     u = spec.head_parallel
     check_head_parallel(u, cp_size)
-    layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec)  # [cp, T_local]
+    layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec, cu_seqlens=cu)  # [cp, T_local]
     tokens = torch.full((cp_size,), layout.shape[1], dtype=torch.long)
     # the rows one kernel call runs over, one row per head group: the pack in physical order (u == cp),
     # else the group's layouts one after the other (u == 1: the rank's own)

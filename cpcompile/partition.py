@@ -15,6 +15,7 @@ Layouts (``T`` = padded token count, ``T_local = T / cp``):
 - striped: rank ``r`` holds token ``t`` where ``(t // stripe) % cp == r``.
 - balanced: ``T_local`` tokens per rank, cut so that every rank has the same causal
   work (:func:`cpcompile.balanced.balanced_layout`); padding only to a multiple of cp.
+  Under a capacity it also reads ``cu_seqlens``: the capacity's padding costs no work.
 
 auto is not a layout: it is resolved per batch to one of these from ``cu_seqlens``
 (:func:`cpcompile.cost.resolve_auto`), so these functions reject it.
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .checks import check_cp, check_cu_seqlens, data_checks_enabled
+from .checks import check_cp, check_cu_seqlens, check_padded, data_checks_enabled
 from .strategy import Capacity, Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -182,13 +183,34 @@ def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: i
         )
 
 
-def _indices(cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.Tensor, t_local) -> torch.Tensor:
-    """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64."""
+def _real_offsets(
+    spec: StrategySpec, cu_seqlens: torch.Tensor | None, cu_seqlens_padded: torch.Tensor
+) -> torch.Tensor | None:
+    """The real offsets the layout of ``spec`` reads: balanced's under a capacity (whose padding it lays out
+    as free, :func:`cpcompile.balanced.free_padding`), else none."""
+    if spec.strategy is not Strategy.BALANCED or spec.capacity is None:
+        return None
+    if cu_seqlens is None:
+        raise ValueError(
+            f"balanced under capacity={tuple(spec.capacity)} lays the capacity's padding out from the real lengths: "
+            "pass cu_seqlens (ShardedBatch.cu_seqlens) with cu_seqlens_padded"
+        )
+    check_padded(cu_seqlens, cu_seqlens_padded)
+    return cu_seqlens
+
+
+def _indices(
+    cu_padded: torch.Tensor, spec: StrategySpec, cp: int, ranks: torch.Tensor, t_local, cu_real: torch.Tensor | None
+) -> torch.Tensor:
+    """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64. ``cu_real``: the
+    real offsets where the layout reads them (:func:`_real_offsets`)."""
     if spec.strategy is Strategy.BALANCED:
         from .ops.layout import balanced_layout_op  # the ops package imports this module
 
-        windows = (list(spec.windows),) if spec.windows else ()  # none: the op's call as it was
-        return balanced_layout_op(cu_padded, cp, t_local * cp, *windows)[ranks[:, 0]]
+        windows = list(spec.windows) if spec.windows else None
+        # only the arguments that are set: the op's call as it was without windows and a capacity
+        args = (windows, cu_real) if cu_real is not None else (windows,) if windows else ()
+        return balanced_layout_op(cu_padded, cp, t_local * cp, *args)[ranks[:, 0]]
     j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
     if spec.strategy is Strategy.NO_LOAD_BALANCE:
         return ranks * t_local + j
@@ -217,21 +239,25 @@ def partition_indices(
     rank: int,
     strategy: StrategyLike = None,
     num_tokens: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The physical positions rank ``rank`` holds, in its storage order.
 
     Args:
         cu_seqlens_padded: ``[B + 1]`` int32 physical document offsets (see :func:`pad_for_cp`).
         num_tokens: ``T = cu_seqlens_padded[-1]`` if known; given, no value is read on the host.
+        cu_seqlens: ``[B + 1]`` int32 real offsets; needed (and read) by balanced under a capacity alone,
+            which lays the capacity's padding out as costing no work.
     Returns:
         ``[T / cp_size]`` int64.
     """
     check_cp(cp_size, rank)
     spec = layout_spec(strategy)
     check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
+    cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
     ranks = torch.tensor([[rank]], device=cu_seqlens_padded.device)
-    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size)[0]
+    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)[0]
 
 
 def all_partition_indices(
@@ -240,6 +266,7 @@ def all_partition_indices(
     cp_size: int,
     strategy: StrategyLike = None,
     num_tokens: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every rank's :func:`partition_indices` at once: ``[cp_size, T / cp_size]`` int64.
 
@@ -249,9 +276,10 @@ def all_partition_indices(
     check_cp(cp_size)
     spec = layout_spec(strategy)
     check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
+    cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
     ranks = torch.arange(cp_size, device=cu_seqlens_padded.device)[:, None]
-    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size)
+    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)
 
 
 def piece_marks(

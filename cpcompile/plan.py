@@ -133,7 +133,9 @@ def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, nu
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)
-    layout = all_partition_indices(cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens)
+    layout = all_partition_indices(
+        cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens, cu_seqlens=cu_seqlens
+    )
     return requested, spec, cu_seqlens_padded, layout
 
 

@@ -105,24 +105,31 @@ def balanced_brute_force(
     slack: int = 128,
     min_tokens: int = 11264,
     tries: int = 32,
+    free: list[bool] | None = None,
 ):
-    """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time."""
+    """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time.
+
+    ``free``: per document, whether it is padding (no work, never dealt, last in the sequence, its cuts
+    not moved to tiles), as ``balanced.free_padding`` lays a capacity's padding out."""
+    free = [False] * len(lengths) if free is None else free
     total = sum(lengths)
     t = total // cp
-    s = tile if cp > 1 and t >= min_tokens else 1  # work counts kernel tiles of s x s (pairs when s = 1)
-    work2 = [2 * _tile_area(0, n, s) for n in lengths]
+    room = -(-sum(n for n, f in zip(lengths, free, strict=True) if not f) // cp)  # a rank's share of real tokens
+    s = tile if cp > 1 and room >= min_tokens else 1  # work counts kernel tiles of s x s (pairs when s = 1)
+    work2 = [0 if f else 2 * _tile_area(0, n, s) for n, f in zip(lengths, free, strict=True)]
     rate = [-(-w // n) if n else 0 for w, n in zip(work2, lengths, strict=True)]  # twice the work per token
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
-    order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
+    order = sorted(range(len(lengths)), key=lambda d: (free[d], -lengths[d], d))
     held = [[] for _ in range(cp)]
     dealt_work2 = [0] * cp
     # 1. documents of 1 to 4 tiles - 1 tokens, dealt whole in snake-order rounds while every rank has room
-    short = [d for d in order if 0 < lengths[d] < 4 * tile]
+    # within its share of the real tokens
+    short = [d for d in order if 0 < lengths[d] < 4 * tile and not free[d]]
     dealt = set()
     for k in range(len(short) // cp):
         ranks = range(cp) if k % 2 == 0 else range(cp - 1, -1, -1)
         docs = short[k * cp : (k + 1) * cp]
-        if any(len(held[r]) + lengths[d] > t for r, d in zip(ranks, docs, strict=True)):
+        if any(len(held[r]) + lengths[d] > room for r, d in zip(ranks, docs, strict=True)):
             break
         for r, d in zip(ranks, docs, strict=True):
             held[r] += range(starts[d], starts[d] + lengths[d])
@@ -187,7 +194,7 @@ def balanced_brute_force(
         f = cuts[r]
         d = doc_at(f)
         n, x = lengths[d], f - doc_start[d]
-        if not 0 < x < n:
+        if not 0 < x < n or free[d]:
             continue
         found = []
         for i in range(-snap_tiles, snap_tiles + 2):

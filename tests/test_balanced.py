@@ -17,6 +17,7 @@ from torch.library import opcheck
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec, balanced
+from cpcompile.batch import _to_documents
 from cpcompile.partition import piece_marks
 from cpcompile.plan import max_pieces
 from tests.fixtures import cu_seqlens
@@ -76,13 +77,14 @@ def test_balanced_work_is_even(mix, cp):
     assert (held - share).abs().max() <= 1.5 * max(padded.diff().tolist())
 
 
-def _rank_tiles(padded: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
-    """Per rank: the kernel tiles (TILE x TILE) its pieces visit, as the cost model counts them."""
-    doc, pos, _, start = piece_marks(layout, padded, padded)
+def _rank_tiles(padded: torch.Tensor, layout: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+    """Per rank: the kernel tiles (TILE x TILE) its real pieces visit, as the cost model counts them (``cu``:
+    the real offsets; ``None``: every token real)."""
+    doc, pos, real, start = piece_marks(layout, padded if cu is None else cu, padded)
     rank, row = start.nonzero(as_tuple=True)
     first = rank * layout.shape[1] + row
     rows = torch.diff(first, append=first.new_full((1,), layout.numel()))
-    tiles = balanced.causal_tiles(rows, pos.reshape(-1)[first])
+    tiles = balanced.causal_tiles(rows, pos.reshape(-1)[first]) * real.reshape(-1)[first]
     return torch.zeros(layout.shape[0], dtype=torch.long).index_add_(0, rank, tiles)
 
 
@@ -107,6 +109,18 @@ def test_balanced_counts_kernel_tiles(seed, cp, docs):
     pairs_only = _rank_tiles(padded, torch.tensor(balanced_brute_force(padded.diff().tolist(), cp, min_tokens=10**9)))
     assert tiles.max() <= 1.0125 * tiles.double().mean()
     assert tiles.max() / tiles.double().mean() < pairs_only.max() / pairs_only.double().mean()
+
+
+@pytest.mark.parametrize("seed,cp,docs", TILE_PACKS[:3])
+def test_balanced_counts_kernel_tiles_under_a_capacity(seed, cp, docs):
+    """Twice the pack's tokens: the real tiles as even as without a capacity, laid out as the brute force."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.empty(docs).log_normal_(5.5, 1.2, generator=g).long() + 1).tolist()
+    cu, padded, layout = _under_capacity(lengths, cp, sum(lengths) // cp, 3)
+    phys, free = balanced.free_padding(padded.long(), cu.long())
+    assert layout.tolist() == balanced_brute_force(phys.diff().tolist(), cp, free=free.tolist())
+    tiles = _rank_tiles(padded, layout, cu)
+    assert tiles.max() <= 1.0125 * tiles.double().mean()
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
@@ -171,9 +185,72 @@ def test_balanced_piece_bound(lengths, cp, per_document):
     assert int(pieces.max()) <= max_pieces(BALANCED, len(lengths), layout.shape[1])
 
 
+def _under_capacity(lengths: list[int], cp: int, spare: int, documents: int):
+    """``(cu, padded, layout)`` of the pack padded to a capacity of ``spare`` more padding multiples (and
+    ``documents`` more documents) than it needs, as ``shard_batch`` pads it."""
+    cu = cu_seqlens(lengths)
+    least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=BALANCED)[-1])
+    spec = StrategySpec(Strategy.BALANCED, capacity=(least + spare * cp, len(lengths) + documents))
+    cu = _to_documents(cu, spec.capacity)
+    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    return cu, padded, cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec, cu_seqlens=cu)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=lengths_st,
+    cp=st.sampled_from([2, 3, 4, 8]),
+    spare=st.sampled_from([0, 1, 50, 400, 3000]),
+    documents=st.sampled_from([0, 2]),
+)
+def test_balanced_under_a_capacity_matches_brute_force(lengths, cp, spare, documents):
+    """Under a capacity the padding is a document of its own that costs nothing (``free_padding``)."""
+    cu, padded, layout = _under_capacity(lengths, cp, spare, documents)
+    assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
+    phys, free = balanced.free_padding(padded.long(), cu.long())
+    want = balanced_brute_force(phys.diff().tolist(), cp, free=free.tolist())
+    assert layout.tolist() == want
+
+
+@pytest.mark.parametrize("spare", [0, 1, 3])  # capacity = the least padding + spare x the pack's tokens
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("mix", list(_mixes()))
+def test_balanced_real_work_is_even_under_a_capacity(mix, cp, spare):
+    """The capacity's padding costs no work: the ranks' real work is as even as without a capacity (the
+    bound of :func:`test_balanced_work_is_even`); counted as the last document's, it was up to 1.9 x the mean."""
+    lengths = _mixes()[mix]
+    cu, padded, layout = _under_capacity(lengths, cp, spare * sum(lengths) // cp, 0)
+    real = balanced.free_padding(padded.long(), cu.long())  # pairs of real tokens only
+    doc, pos, is_real, _ = piece_marks(layout, cu, padded)
+    work = torch.where(is_real, pos + 1, 0).sum(-1)
+    total = int(work.sum())
+    assert total == sum(n * (n + 1) // 2 for n in lengths) and real[1].any() == (int(padded[-1]) > sum(lengths))
+    held = work.cumsum(0)[:-1]
+    share = torch.arange(1, cp) * total / cp
+    assert (held - share).abs().max() <= 1.5 * max(lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_st, cp=st.sampled_from([2, 3, 4, 8]), spare=st.sampled_from([0, 1, 50, 400]))
+def test_balanced_piece_bound_under_a_capacity(lengths, cp, spare):
+    cu, padded, layout = _under_capacity(lengths, cp, spare, 0)
+    pieces = cpcompile.partition.piece_marks(layout, cu, padded)[3].sum(1)
+    assert int(pieces.max()) <= max_pieces(BALANCED, len(lengths), layout.shape[1])
+
+
+def test_balanced_under_a_capacity_needs_the_real_offsets():
+    cu, padded, _ = _under_capacity([300, 5], 2, 100, 0)
+    spec = StrategySpec(Strategy.BALANCED, capacity=(int(padded[-1]), 2))
+    with pytest.raises(ValueError, match=r"balanced under capacity=\(506, 2\) lays the capacity's padding out .*"):
+        cpcompile.all_partition_indices(padded, cp_size=2, strategy=spec)
+
+
 def test_balanced_layout_op():
     cu = cu_seqlens([700, 5, 1, 300, 8])
     opcheck(torch.ops.cpcompile.balanced_layout.default, (cu, 3, 1014))
+    padded = cu.clone()
+    padded[-1] = 1200
+    opcheck(torch.ops.cpcompile.balanced_layout.default, (padded, 3, 1200, None, cu))
     with FakeTensorMode():  # shapes come from the token count, values are never read
         fake = torch.ops.cpcompile.balanced_layout(torch.empty(6, dtype=torch.int32), 3, 1014)
     assert fake.shape == (3, 338) and fake.dtype == torch.int64

@@ -98,7 +98,7 @@ def test_simulated_ranks_match_single_device(lengths, cp, spec, causal, spare):
     dk_sum, dv_sum = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
         plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec)
+        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec, cu_seqlens=cu)
         pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
         out, lse = reference.forward(q[idx], k, v, pieces, causal=causal, scale=8**-0.5)
         assert relative_error(out, want[idx]) < 1e-5

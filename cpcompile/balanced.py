@@ -12,8 +12,8 @@ The layout uses padded lengths as document lengths: BALANCED pads only the total
 so the padding (fewer than ``cp`` tokens) counts as part of the last document. Under a
 capacity (``StrategySpec.capacity``) the padding runs on to the capacity and can be most
 of a rank; there the layout is also given ``cu_seqlens`` and lays the padding out as a
-document of its own that costs nothing (:func:`free_padding`): last in the sequence,
-never dealt, its cuts not on tiles.
+document of its own that costs nothing (:func:`free_padding`): last in the sequence, read
+in order, never dealt, its cuts not on tiles.
 
 Algorithm (``t = T / cp`` tokens per rank, ``W`` = total work / cp):
 
@@ -195,6 +195,9 @@ class _Sequence:
         if self.windows is not None:  # in order: all head (and no split moves, as step 4 does not run)
             return x, torch.zeros_like(x)
         head, tail = (x + 1) // 2, x // 2
+        # padding (rate 0, no work to mirror) in order too: one run per range, not a head and a tail
+        free = self.rate[doc] == 0
+        head, tail = torch.where(free, x, head), torch.where(free, 0, tail)
         if splits is None or not splits[0].numel():
             return head, tail
         at, split_head, split_tail = splits
@@ -384,7 +387,7 @@ def _host_layout(
     """:func:`balanced_layout` on the host: ``cu`` ``[D + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64.
 
     ``free``: ``[D]`` bool, the documents that are padding (:func:`free_padding`; ``None``: none). They
-    cost no work, are not dealt (step 1), come last in the sequence (step 2) and keep their cuts off
+    cost no work, are not dealt (step 1), come last in the sequence, read in order (step 2), and keep their cuts off
     tiles (step 4).
     """
     lengths = cu[1:] - cu[:-1]

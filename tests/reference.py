@@ -140,8 +140,8 @@ def balanced_brute_force(
     seq, seq_doc, count2 = [], [], [0]
     for d in sorted((d for d in order if d not in dealt), key=lambda d: -rate[d]):  # stable
         n = lengths[d]
-        for k in range(n):
-            seq.append(starts[d] + (k // 2 if k % 2 == 0 else n - 1 - k // 2))
+        for k in range(n):  # padding (rate 0) in order
+            seq.append(starts[d] + (k if rate[d] == 0 else k // 2 if k % 2 == 0 else n - 1 - k // 2))
             seq_doc.append(d)
             count2.append(count2[-1] + rate[d])
     # 3. rank r takes a front and a back range: the cut before rank r is the smallest F at which ranks

@@ -55,11 +55,13 @@ def _check_u(rank: int, world: int, seed: int, u: int) -> None:
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         assert sharded.spec.head_parallel == u  # auto keeps it when it picks a layout
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
+        # causal attention also as its window, (-1, 0) with causal=False (every path must read the window)
+        mask = {"causal": False, "window_size": (-1, 0)} if causal and case_seed % 2 else {"causal": causal}
         out = cpcompile.cp_attention(
-            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, causal=causal
+            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, **mask
         )
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
+        label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 

@@ -412,6 +412,8 @@ def cp_attention(
         return call | dataclasses.asdict(config)
 
     config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
+    # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
+    causal = is_causal(window)
     with agreed():  # the op need not compare again what this call just compared
         if 1 < spec.head_parallel < cp:
             kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
@@ -419,7 +421,6 @@ def cp_attention(
         if spec.head_parallel > 1:
             args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
             return torch.ops.cpcompile.cp_head_attention(*args)[0]
-        causal = is_causal(window)
         if comm == "ring" and isinstance(plan, RingPlan):
             args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
             return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]

@@ -145,6 +145,28 @@ def _guard_on_strategy() -> None:
     install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
+def _check_recompile_room() -> None:
+    """Refuse the last graph Dynamo would compile of a function (``torch._dynamo.config.recompile_limit``):
+    past it Dynamo runs the function eagerly, where packed attention attends within each rank's own tokens,
+    silently wrong under CP (or an error that does not say why). Each strategy (with its comm, windows and
+    capacity) compiles a graph of its own, and some shape changes do too, so a training loop can reach the
+    limit; refusing the last graph keeps every call of the function compiled."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    count = None if compile_id is None else compile_id.frame_compile_id  # graphs made of this frame before
+    limit = torch._dynamo.config.recompile_limit
+    if count is not None and count + 1 >= limit:
+        raise RuntimeError(
+            f"cpcompile: this would be graph {count + 1} that torch.compile makes of one function, and "
+            f"torch._dynamo.config.recompile_limit is {limit}: past the limit Dynamo runs the function eagerly, "
+            "where packed attention attends within each rank's own tokens (wrong under context parallelism). "
+            "Each strategy (its comm, windows and capacity) compiles a graph of its own, as do some shape "
+            "changes (TORCH_LOGS=recompiles lists them): raise the limit before the first compile "
+            f"(torch._dynamo.config.recompile_limit = {2 * limit}, say) or use fewer strategies per compiled model"
+        )
+
+
 @contextlib.contextmanager
 def _failure_shared(pg, share: bool) -> Iterator[None]:
     """Inside: with ``share``, a failure is shared with the other ranks of ``pg`` before it raises, where
@@ -256,6 +278,8 @@ def backend(
                     captured=cuda_graphs and spec.capacity is not None,
                 )
         with _failure_shared(pg, rewritten > 0):  # the others' plan ops wait for this rank here too
+            if rewritten:
+                _check_recompile_room()
             if cuda_graphs:
                 _check_capturable(gm, spec)
             if overlap_tp:

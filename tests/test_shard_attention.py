@@ -11,6 +11,7 @@ import warnings
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.nn.attention.varlen import varlen_attn
@@ -299,6 +300,24 @@ class GraphModule(torch.nn.Module):
             with cpcompile.strategy(name):
                 compiled(*fake_rank_inputs(name))
         self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])
+
+    def test_the_last_graph_dynamo_would_compile_is_refused(self):
+        """Past torch._dynamo.config.recompile_limit Dynamo runs the function eagerly, where attention is
+        single-device on each rank's tokens: the graph that reaches the limit is refused, naming it."""
+        torch._dynamo.reset()
+        config = cpcompile.Config(kv_exchange="never")
+        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner="eager", config=config), dynamic=True)
+        with torch._dynamo.config.patch(recompile_limit=3):
+            for name in ("dual_chunk_swap", "striped", "dual_chunk_swap"):  # two graphs, the first reused
+                with cpcompile.strategy(name):
+                    compiled(*fake_rank_inputs(name))
+            with (
+                cpcompile.strategy("no_load_balance"),
+                self.assertRaisesRegex(
+                    BackendCompilerFailed, r"this would be graph 3 .*recompile_limit is 3: past the limit Dynamo runs"
+                ),
+            ):
+                compiled(*fake_rank_inputs("no_load_balance"))
 
     def test_ring_rewrite_shares_plan_and_key_ranges(self):
         """comm="ring": one cp_plan, one ring_key_ranges per causal flag, cp_ring_attention per call."""

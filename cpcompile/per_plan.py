@@ -53,6 +53,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 #: Most argument sets kept per function: far more plans than one step uses.
 ENTRIES = 64
+#: CPU tensors of at most this many bytes are also known by their values (offsets, a plan's counts).
+VALUES_UP_TO = 1 << 16
 
 
 def _key(a):
@@ -62,7 +64,13 @@ def _key(a):
     # identity tells apart another tensor over the same memory with a storage and version counter
     # of its own (``torch.from_numpy`` of a refilled buffer), and is shared by views and detached
     # aliases; an entry goes when its owner is freed, and a live owner keeps its storage.
-    return (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+    key = (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+    # Writes that bypass the version counter (through the numpy array a ``torch.from_numpy`` tensor
+    # shares, or DLPack) are seen where reading the values costs no sync: a small CPU tensor, such as
+    # a loader's reused cu_seqlens buffer, whose stale plan would be silently wrong.
+    if a.device.type == "cpu" and a.nbytes <= VALUES_UP_TO and not is_fake(a):
+        key += (a.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),)
+    return key
 
 
 def capturing() -> bool:
@@ -168,7 +176,8 @@ def per_plan(fn):
     so its memory is not reused while the entry exists. A tensor is assumed to
     change only through itself or its views (which bump its version); another tensor
     over the same memory (``torch.from_numpy`` of a reused buffer) is another key,
-    but writes through it do not reach this tensor's version. Inference tensors have
+    but writes through it do not reach this tensor's version: those are seen only in
+    small CPU tensors, which are also known by their values (``VALUES_UP_TO`` bytes). Inference tensors have
     no version counter, and CUDA graph replays' outputs (:func:`replayed`) change with the same
     version: calls with them are not cached, nor calls while a CUDA graph is captured
     (:func:`capturing`: each capture derives its own, on the device). ``fn`` must not communicate:

@@ -194,6 +194,10 @@ def test_another_tensor_over_the_same_memory_is_another_plan():
     assert total(first) == 11 and total(first.detach()) == 11 and len(calls) == 1  # an alias of it: the same
     buffer[1] = 5
     assert total(torch.from_numpy(buffer)) == 13 and len(calls) == 2
+    # the same tensor, refilled through numpy (no version bump): a small CPU tensor is known by its values too
+    assert total(first) == 13 and len(calls) == 3
+    buffer[1] = 4
+    assert total(first) == 12 and len(calls) == 4
     hosts = torch.tensor([0, 1, 2]), torch.tensor([0, 5, 9])
     uploaded = [upload(h, "meta") for h in hosts]
     assert [twin(u) is h for u, h in zip(uploaded, hosts)] == [True, True]

@@ -88,6 +88,11 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
             ValueError,
             r"cu_seqlens\[-1\] = 15 must equal the number of tokens in q \(16\)",
         ),
+        (
+            lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 19], dtype=torch.int32)},
+            ValueError,
+            r"= 19 must equal the number of tokens in q \(16\) \(one CP rank's rows\? .*cpcompile.backend",
+        ),
         (lambda a: {**a, "q": a["q"].int()}, ValueError, "q must be a floating-point tensor"),
         (
             lambda a: {**a, "cu_seqlens": a["cu_seqlens"].to("meta")},

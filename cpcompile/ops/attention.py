@@ -205,10 +205,13 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
     check_cu_seqlens(name, cu)
     if isinstance(expected, int) and data_checks_enabled(cu) and int(cu[-1]) != expected:
         padded = " (rows padded for CP, as shard_batch pads them: pass cu_seqlens_padded too)"
-        raise ValueError(
-            f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})"
-            + (padded if name == "cu_seqlens" and int(cu[-1]) < expected else "")
+        # fewer rows than the pack: most likely one rank's shard in single-device attention
+        shard = (
+            " (one CP rank's rows? packed_attention runs single-device unless the model is compiled with "
+            "cpcompile.backend(group=...); eager CP attention is cpcompile.cp_attention)"
         )
+        hint = padded if name == "cu_seqlens" and int(cu[-1]) < expected else shard if int(cu[-1]) > expected else ""
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})" + hint)
 
 
 # --- cp_attention ------------------------------------------------------------------

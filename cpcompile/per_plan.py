@@ -53,8 +53,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 #: Most argument sets kept per function: far more plans than one step uses.
 ENTRIES = 64
-#: CPU tensors of at most this many bytes are also known by their values (offsets, a plan's counts).
-VALUES_UP_TO = 1 << 16
+#: CPU tensors of at most this many bytes are also known by their values: a pack's offsets up to 1,023
+#: documents, a plan's per-piece counts; not a rank's rows (host twins of ``[T_local]`` indices), whose
+#: copy per call would cost host time in every layer.
+VALUES_UP_TO = 4096
 
 
 def _key(a):

@@ -12,8 +12,8 @@ The layout uses padded lengths as document lengths: BALANCED pads only the total
 so the padding (fewer than ``cp`` tokens) counts as part of the last document. Under a
 capacity (``StrategySpec.capacity``) the padding runs on to the capacity and can be most
 of a rank; there the layout is also given ``cu_seqlens`` and lays the padding out as a
-document of its own that costs nothing (:func:`free_padding`): last in the sequence, read
-in order, never dealt, its cuts not on tiles.
+document of its own (:func:`free_padding`), dealt first (step 0) so that every rank keeps
+as many real tokens as without a capacity; the steps below lay out the real documents alone.
 
 Algorithm (``t = T / cp`` tokens per rank, ``W`` = total work / cp):
 
@@ -25,12 +25,14 @@ tiles more than its pairs, since a long document's last, partial query tile read
 every key tile for a few rows (measured: docs/balanced-layout.md). Below that, pieces are too short to keep on
 tiles and it counts pairs (``s = 1``).
 
+0. Under a capacity, the padding (read in order) is dealt first: rank ``r`` takes
+   as much of it as leaves it ``R / cp`` real tokens (``R`` real tokens in all; the
+   first ``R mod cp`` ranks one more), as every rank holds without the capacity. The
+   steps below lay out the real documents alone, each rank's tokens those it has left.
 1. Short documents (fewer than ``4 * TILE`` tokens), sorted by length, are dealt
    whole in rounds of ``cp``, one per rank, in snake order (0..cp-1, then
    cp-1..0), as long as every rank keeps room for them within its share of the
-   real tokens (under a capacity, fewer than its tokens: were the padding room,
-   the dealt documents could leave the sequence too little work to even the
-   ranks out); so every rank holds the same number and mix of them, and with it
+   real tokens; so every rank holds the same number and mix of them, and with it
    the same kernel-tile waste that short documents cause. The few left over
    (fewer than ``cp``, or those that no longer fit) join the sequence.
 2. The other documents form one sequence, densest first (twice the work per
@@ -141,7 +143,7 @@ class _Sequence:
         zero = lengths.new_zeros(1)
         self.starts = torch.cat([zero, lengths.cumsum(0)])  # [D + 1] sequence offsets
         # windowed work is the pairs' (padding, at rate 0, has none)
-        work2 = lengths * rate if windows is None else 2 * self._pairs(lengths) * (rate > 0)
+        work2 = lengths * rate if windows is None else 2 * self._pairs(lengths)
         self.work2_before = torch.cat([zero, work2.cumsum(0)])  # [D + 1]
         self.tokens = int(self.starts[-1])
 
@@ -158,7 +160,7 @@ class _Sequence:
         non-decreasing in ``p``, by at most ``rate`` per token."""
         d = self.doc_at(p)
         if self.windows is not None:
-            return self.work2_before[d] + 2 * self._pairs(p - self.starts[d]) * (self.rate[d] > 0)
+            return self.work2_before[d] + 2 * self._pairs(p - self.starts[d])
         return self.work2_before[d] + (p - self.starts[d]) * self.rate[d]
 
     def runs(self, starts: torch.Tensor, ends: torch.Tensor, splits=None) -> tuple[torch.Tensor, ...]:
@@ -195,9 +197,6 @@ class _Sequence:
         if self.windows is not None:  # in order: all head (and no split moves, as step 4 does not run)
             return x, torch.zeros_like(x)
         head, tail = (x + 1) // 2, x // 2
-        # padding (rate 0, no work to mirror) in order too: one run per range, not a head and a tail
-        free = self.rate[doc] == 0
-        head, tail = torch.where(free, x, head), torch.where(free, 0, tail)
         if splits is None or not splits[0].numel():
             return head, tail
         at, split_head, split_tail = splits
@@ -283,7 +282,7 @@ def _align(
     by_t = cp * torch.where(t > 0, (n[:, None] - t) * (n[:, None] - t + s) - doc2, 0)
     by_took = cp * (int(seq.work2_before[-1]) - seq.prefix_work2(back.clamp(0, seq.tokens)))
     fits = (took <= n[:, None, None]) & (back <= seq.tokens) & ((x > 0) & (x < n))[:, None, None]
-    fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :] & (seq.rate[d] > 0)[:, None, None]  # padding: no tiles
+    fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :]
     off = (by_h[:, :, None] - by_t[:, None, :] + by_took).abs()
     off = off.masked_fill_(~fits, torch.iinfo(off.dtype).max).flatten(1)  # [cp - 1, K (K + 1)] by i (K + 1) + j
     # each cut's _SNAP_TRIES candidates nearest the share (ties: the first), and whether within the slack
@@ -347,9 +346,9 @@ def balanced_layout(
             is set, work is their pairs together (:func:`window_pairs`), and cuts are not moved to tiles
             (step 4 counts causal tiles).
         cu_seqlens: ``[B + 1]`` int32 real offsets, or ``None``. Given, each document's padding is a
-            document of its own that costs no work (:func:`free_padding`): a capacity's padding can be
-            most of a rank, which counted as a document's causal work would leave the ranks' real work
-            uneven. ``None``: padded lengths are the documents' lengths.
+            document of its own (:func:`free_padding`), dealt evenly before the real documents are laid
+            out (step 0): a capacity's padding can be most of a rank, and counted as a document's causal
+            work it left the ranks' real work uneven. ``None``: padded lengths are the documents' lengths.
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
@@ -387,19 +386,24 @@ def _host_layout(
     """:func:`balanced_layout` on the host: ``cu`` ``[D + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64.
 
     ``free``: ``[D]`` bool, the documents that are padding (:func:`free_padding`; ``None``: none). They
-    cost no work, are not dealt (step 1), come last in the sequence, read in order (step 2), and keep their cuts off
-    tiles (step 4).
+    are dealt first, so that every rank holds as many real tokens as without them (give or take one),
+    and the steps lay out the real documents alone.
     """
     lengths = cu[1:] - cu[:-1]
     total = int(cu[-1])
     cp, t_local = cp_size, total // cp_size
     free = torch.zeros_like(lengths, dtype=torch.bool) if free is None else free
-    # longest first, ties by position; padding after every document, so that step 1 deals none of it
+    real = int(lengths[~free].sum())
+    # 0. the padding, dealt in order so that rank r keeps real[r] tokens for the documents
+    share = real // cp + (torch.arange(cp) < real % cp).long()  # [cp]: t_local each without padding
+    pad_rank, pad_start, pad_len = _deal_padding(cu, free, t_local - share)
+    # longest first, ties by position; padding after every document (not dealt by step 1, not in the sequence)
     order = torch.sort(free.long() * (total + 1) - lengths, stable=True).indices
     by_len = lengths[order]
+    documents = int((~free).sum())
 
-    room = -(-int(lengths[~free].sum()) // cp)  # each rank's share of the real tokens (t_local without padding)
-    first, dealt_rank = _deal_short(by_len[: int((~free).sum())], cp, room)
+    room = real // cp  # the least share of the real tokens (t_local without padding)
+    first, dealt_rank = _deal_short(by_len[:documents], cp, room)
     dealt = order[first : first + dealt_rank.shape[0]]
     banded = any(w >= 0 for w in windows)
     on_tiles = cp > 1 and room >= SNAP_MIN_TOKENS and not banded  # work in kernel tiles, and step 4
@@ -408,13 +412,12 @@ def _host_layout(
         work2 = 2 * sum(window_pairs(lengths, w) for w in windows)
     else:
         work2 = 2 * s * s * causal_tiles(lengths, 0, s, s)  # [B] twice each document's work
-    work2 = work2.masked_fill(free, 0)
     rate = -(-work2 // lengths.clamp(min=1))  # [B] twice the work per token, rounded up (pairs: L + 1)
-    rest = torch.cat([order[:first], order[first + dealt.shape[0] :]])
+    rest = torch.cat([order[:first], order[first + dealt.shape[0] : documents]])
     rest = rest[torch.sort(-rate[rest], stable=True).indices]  # densest first, then longest
     seq = _Sequence(lengths[rest], rate[rest], s, windows if banded else None)
     dealt_len = lengths[dealt]
-    take = t_local - torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len)
+    take = share - torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len)
     dealt_work2 = torch.zeros(cp, dtype=torch.long).index_add_(0, dealt_rank, dealt_len * rate[dealt])
     total2 = int(seq.work2_before[-1] + dealt_work2.sum())
     target2 = total2 - cp * dealt_work2
@@ -428,13 +431,27 @@ def _host_layout(
     starts = torch.stack([front[:-1], back[1:]], 1).reshape(-1)
     ends = torch.stack([front[1:], back[:-1]], 1).reshape(-1)
     seg, doc, run_first, run_len = seq.runs(starts, ends, splits)
-    run_rank = torch.cat([seg // 2, dealt_rank])
-    run_start = torch.cat([cu[rest[doc]] + run_first, cu[dealt]])
-    run_len = torch.cat([run_len, dealt_len])
+    run_rank = torch.cat([seg // 2, dealt_rank, pad_rank])
+    run_start = torch.cat([cu[rest[doc]] + run_first, cu[dealt], pad_start])
+    run_len = torch.cat([run_len, dealt_len, pad_len])
     keep = run_len > 0
     run_rank, run_start, run_len = run_rank[keep], run_start[keep], run_len[keep]
     sort = torch.argsort(run_rank * (total + 1) + run_start)  # rank-major, then physical order
     return _expand_runs(run_start[sort], run_len[sort], total).view(cp, t_local)
+
+
+def _deal_padding(cu: torch.Tensor, free: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Step 0: the padding documents (``free`` of ``cu``) read in order, rank ``r`` taking the next ``pad[r]``
+    tokens: ``(rank, start, length)`` of the runs, physical starts."""
+    lengths = (cu[1:] - cu[:-1])[free]
+    starts = cu[:-1][free]
+    in_docs = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])  # [F + 1] offsets in the padding read in order
+    in_ranks = torch.cat([pad.new_zeros(1), pad.cumsum(0)])  # [cp + 1]
+    cuts = torch.unique(torch.cat([in_docs, in_ranks]))  # sorted: every run between two consecutive cuts
+    first, length = cuts[:-1], cuts[1:] - cuts[:-1]
+    doc = torch.searchsorted(in_docs, first, right=True) - 1
+    rank = torch.searchsorted(in_ranks, first, right=True) - 1
+    return rank, starts[doc] + first - in_docs[doc], length
 
 
 def _expand_runs(start: torch.Tensor, length: torch.Tensor, total: int) -> torch.Tensor:

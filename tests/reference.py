@@ -109,18 +109,25 @@ def balanced_brute_force(
 ):
     """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time.
 
-    ``free``: per document, whether it is padding (no work, never dealt, last in the sequence, its cuts
-    not moved to tiles), as ``balanced.free_padding`` lays a capacity's padding out."""
+    ``free``: per document, whether it is padding (``balanced.free_padding``, a capacity's): dealt first, in
+    order, each rank taking what leaves it its share of the real tokens; the steps lay out the rest."""
     free = [False] * len(lengths) if free is None else free
     total = sum(lengths)
     t = total // cp
-    room = -(-sum(n for n, f in zip(lengths, free, strict=True) if not f) // cp)  # a rank's share of real tokens
+    real = sum(n for n, f in zip(lengths, free, strict=True) if not f)
+    room = real // cp  # the least share of the real tokens
     s = tile if cp > 1 and room >= min_tokens else 1  # work counts kernel tiles of s x s (pairs when s = 1)
     work2 = [0 if f else 2 * _tile_area(0, n, s) for n, f in zip(lengths, free, strict=True)]
     rate = [-(-w // n) if n else 0 for w, n in zip(work2, lengths, strict=True)]  # twice the work per token
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
     order = sorted(range(len(lengths)), key=lambda d: (free[d], -lengths[d], d))
     held = [[] for _ in range(cp)]
+    # 0. the padding in order, each rank taking what leaves it its share of the real tokens
+    padding = [p for d in range(len(lengths)) if free[d] for p in range(starts[d], starts[d] + lengths[d])]
+    for r in range(cp):
+        n = t - (real // cp + (r < real % cp))
+        held[r], padding = padding[:n], padding[n:]
+    padded = [len(h) for h in held]
     dealt_work2 = [0] * cp
     # 1. documents of 1 to 4 tiles - 1 tokens, dealt whole in snake-order rounds while every rank has room
     # within its share of the real tokens
@@ -129,7 +136,7 @@ def balanced_brute_force(
     for k in range(len(short) // cp):
         ranks = range(cp) if k % 2 == 0 else range(cp - 1, -1, -1)
         docs = short[k * cp : (k + 1) * cp]
-        if any(len(held[r]) + lengths[d] > room for r, d in zip(ranks, docs, strict=True)):
+        if any(len(held[r]) - padded[r] + lengths[d] > room for r, d in zip(ranks, docs, strict=True)):
             break
         for r, d in zip(ranks, docs, strict=True):
             held[r] += range(starts[d], starts[d] + lengths[d])
@@ -138,10 +145,10 @@ def balanced_brute_force(
     # 2. the rest, densest first (then longest), each in pair order 0, L-1, 1, L-2, ...; each token
     # counted at rate / 2, so a prefix's count never falls
     seq, seq_doc, count2 = [], [], [0]
-    for d in sorted((d for d in order if d not in dealt), key=lambda d: -rate[d]):  # stable
+    for d in sorted((d for d in order if d not in dealt and not free[d]), key=lambda d: -rate[d]):  # stable
         n = lengths[d]
-        for k in range(n):  # padding (rate 0) in order
-            seq.append(starts[d] + (k if rate[d] == 0 else k // 2 if k % 2 == 0 else n - 1 - k // 2))
+        for k in range(n):
+            seq.append(starts[d] + (k // 2 if k % 2 == 0 else n - 1 - k // 2))
             seq_doc.append(d)
             count2.append(count2[-1] + rate[d])
     # 3. rank r takes a front and a back range: the cut before rank r is the smallest F at which ranks
@@ -194,7 +201,7 @@ def balanced_brute_force(
         f = cuts[r]
         d = doc_at(f)
         n, x = lengths[d], f - doc_start[d]
-        if not 0 < x < n or free[d]:
+        if not 0 < x < n:
             continue
         found = []
         for i in range(-snap_tiles, snap_tiles + 2):

@@ -142,7 +142,6 @@ class _Sequence:
         self.windows = windows
         zero = lengths.new_zeros(1)
         self.starts = torch.cat([zero, lengths.cumsum(0)])  # [D + 1] sequence offsets
-        # windowed work is the pairs' (padding, at rate 0, has none)
         work2 = lengths * rate if windows is None else 2 * self._pairs(lengths)
         self.work2_before = torch.cat([zero, work2.cumsum(0)])  # [D + 1]
         self.tokens = int(self.starts[-1])
@@ -394,7 +393,7 @@ def _host_layout(
     cp, t_local = cp_size, total // cp_size
     free = torch.zeros_like(lengths, dtype=torch.bool) if free is None else free
     real = int(lengths[~free].sum())
-    # 0. the padding, dealt in order so that rank r keeps real[r] tokens for the documents
+    # 0. the padding, dealt in order so that rank r keeps share[r] tokens for the documents
     share = real // cp + (torch.arange(cp) < real % cp).long()  # [cp]: t_local each without padding
     pad_rank, pad_start, pad_len = _deal_padding(cu, free, t_local - share)
     # longest first, ties by position; padding after every document (not dealt by step 1, not in the sequence)

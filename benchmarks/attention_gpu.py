@@ -22,6 +22,7 @@ It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,12 +33,14 @@ from report import add_output_argument, header, publish
 
 import cpcompile
 from cpcompile import kernels
+from cpcompile.batch import _to_documents
 from cpcompile.comm import exchange
 from cpcompile.comm.kv_gather import grad_buffers
 from cpcompile.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
 from cpcompile.ops import exchange as exchange_op
 from cpcompile.ops import gathered
+from cpcompile.partition import padding_multiple
 from cpcompile.per_plan import upload
 from cpcompile.plan import max_piece_len
 from cpcompile.testing import VARLEN_GQA, sample_lengths
@@ -192,17 +195,20 @@ def measure(
     window: int = -1,
     strategies: list[str] | None = None,
     rounds: int = 1,
+    capacities: tuple[float, ...] = (),
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
     (default all); ``rounds``: the single-GPU calls, and each layout's reference and ranks, timed that many times in
-    turn, medians kept."""
+    turn, medians kept; ``capacities``: each layout also timed on the pack padded to a capacity bucket of that
+    many times its tokens (and 8 more documents), as ``shard_batch`` pads it."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
     max_len = max(lengths)
     g = torch.Generator(device=dev).manual_seed(0)
     pad_room = 2 * max(cps) * len(lengths)  # enough physical rows for any strategy's padding
+    pad_room += int(t * (max(capacities, default=1) - 1)) + 2 * max(cps)  # and for the capacities
     q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     flops = causal_attention_flops(lengths, hq, d, window) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
@@ -210,6 +216,7 @@ def measure(
     model = cpcompile.CostModel(window=window)
     specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
     specs = [s for s in specs if strategies is None or s.strategy.value in strategies]
+    specs = [(s, None) for s in specs] + [(s, f) for s in specs for f in capacities]
 
     # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)
@@ -231,11 +238,17 @@ def measure(
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
-    for cp, spec, name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
+    for cp, (spec, factor), name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
+        layout_cu = cu
+        if factor is not None:  # the capacity's padding after the pack, as shard_batch lays it out
+            least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+            m, _ = padding_multiple(spec, cp)
+            spec = dataclasses.replace(spec, capacity=(max(least, -(-int(t * factor) // m) * m), len(lengths) + 8))
+            layout_cu = _to_documents(cu, spec.capacity)
         kernel = kernels.select(q, name)
-        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        padded = cpcompile.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
         n = int(padded[-1])
-        plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
+        plans = [cpcompile.make_plan(layout_cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
         short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
         # uploaded with their host twins, as a training step's plans are (step_plan): metadata reads them
         plans = [cpcompile.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
@@ -248,7 +261,9 @@ def measure(
         ]
         # the reference among the ranks, in the GPU's power state of their timings
         reference, *per_rank = in_turn([best, *steps], rounds)
-        predicted = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model)
+        predicted = cpcompile.predict_rank_costs(
+            layout_cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model
+        )
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
         attention = predicted.cost - cpcompile.CostModel().token_cost * predicted.tokens
@@ -259,6 +274,7 @@ def measure(
                 "what": f"cp={cp} {spec.strategy.value}"
                 + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
                 + (f" windows={spec.windows}" if spec.windows else "")
+                + (f" capacity {factor}x" if factor is not None else "")
                 + f" [{name}]",
                 "cp": cp,
                 "ms": slowest,
@@ -355,12 +371,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the single-GPU calls, and each layout's reference and "
                         "ranks, timed this many times in turn, medians kept (the spread between runs: "
                         "docs/measurement.md)")  # fmt: skip
+    parser.add_argument("--capacity", type=float, nargs="+", default=[], help="each layout also on the pack padded "
+                        "to capacity buckets of these multiples of its tokens")  # fmt: skip
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
     options = [f"--window {args.window}"] if args.window >= 0 else []  # a section of its own per selection
     options += [f"--strategies {' '.join(args.strategies)}"] if args.strategies else []
     options += [f"--rounds {args.rounds}"] if args.rounds > 1 else []
+    options += [f"--capacity {' '.join(map(str, args.capacity))}"] if args.capacity else []
     heading = f"{HEADING[:-1]} {' '.join(options)})" if options else HEADING
     lines = [*header(heading), *intro(args.tokens, args.doclens.name, args.packs, args.rounds)]
     for backward in (False, True):
@@ -369,7 +388,16 @@ def main() -> None:
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
                 rows, pack_samples = measure(
-                    lengths, hq, hkv, args.cp, backward, args.kernels, args.window, args.strategies, args.rounds
+                    lengths,
+                    hq,
+                    hkv,
+                    args.cp,
+                    backward,
+                    args.kernels,
+                    args.window,
+                    args.strategies,
+                    args.rounds,
+                    tuple(args.capacity),
                 )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():

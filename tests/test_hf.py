@@ -6,8 +6,9 @@ and global layers) built from configs (no hub downloads). On 2 gloo ranks each r
 takes its shard of flattened batches of varying length and document count
 (``shard_flattened_batch``), and its loss (transformers' own causal-LM loss) and every
 parameter gradient, added over the ranks, must equal the reference: the same weights
-run one document at a time with transformers' eager attention, cross-entropy summed
-over next tokens. The in-process tests cover the single-device path, the label shift
+run one document at a time with transformers' SDPA attention, cross-entropy summed
+over next tokens, all in float64 (transformers' eager attention takes its softmax in float32), so
+they agree to rounding. The in-process tests cover the single-device path, the label shift
 and the error messages.
 """
 
@@ -28,13 +29,14 @@ transformers = pytest.importorskip("transformers", reason='needs the hf extra: p
 cphf = pytest.importorskip("cpcompile.integrations.hf")
 from cpcompile.testing.hf_llama import compile_llama  # noqa: E402  (needs transformers)
 
-TOLERANCE = 1e-4
+TOLERANCE = 1e-9  # float64 on both sides
+LOSS_FLOAT32 = 1e-6
 VOCAB = 48
 PACKS = [[5, 9, 3, 13], [17, 1, 8], [2, 11, 6, 4, 20]]  # document lengths: T and B vary per step
 
 
 def tiny_model(arch: str, attn_implementation: str) -> torch.nn.Module:
-    """A 2-layer GQA model (4 query heads, 2 KV heads) with seeded random weights."""
+    """A 2-layer GQA model (4 query heads, 2 KV heads) with seeded random weights, in float64."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -56,7 +58,7 @@ def tiny_model(arch: str, attn_implementation: str) -> torch.nn.Module:
     }[arch]()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    return model(config)
+    return model(config).to(torch.float64)
 
 
 def flattened_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -78,13 +80,19 @@ def reference_loss_sum(model, batch) -> torch.Tensor:
     return total
 
 
+def loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over ``logits`` ``[1, T, vocab]`` in their dtype (transformers'
+    loss takes them in float32)."""
+    return F.cross_entropy(logits[0], shift_labels[0], ignore_index=-100, reduction="sum")
+
+
 def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool = False, spec=None) -> None:
     """``regional``: each decoder layer compiled on its own (one graph for all of them, as
     torchtitan compiles per block), and the batch given to the model through the loader's
     ``device`` path (``shard_flattened_batch(..., device=...)``, which makes the plan there);
     ``spec``: the strategy (default: the active one)."""
     for arch in archs:
-        reference = tiny_model(arch, "eager")
+        reference = tiny_model(arch, "sdpa")
         model = tiny_model(arch, cphf.ATTN_IMPLEMENTATION)
         torch._dynamo.reset()
         counters.clear()
@@ -109,9 +117,12 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
             assert int(inputs["num_items_in_batch"]) == labelled, label
             model.zero_grad()
             with cpcompile.strategy(sharded.spec):
-                loss = compiled(**inputs).loss  # this rank's share of the pack's mean
-            (loss * labelled).backward()
-            assert_matches_summed_over_ranks(loss * labelled, want, model, reference, label, TOLERANCE)
+                out = compiled(**inputs)
+            loss = loss_sum(out.logits, inputs["shift_labels"])
+            # transformers' own loss, this rank's share of the pack's mean, takes the logits in float32
+            assert relative_error(out.loss * labelled, loss.detach()) < LOSS_FLOAT32, label
+            loss.backward()
+            assert_matches_summed_over_ranks(loss, want, model, reference, label, TOLERANCE)
             if step == 0:
                 graphs_after_first = counters["stats"]["unique_graphs"]
         # new lengths and document counts reuse the graphs compiled for the first pack
@@ -170,16 +181,20 @@ def test_regional_and_head_parallel_training_and_one_graph_over_fifty_packs():
 
 def test_single_device_matches_per_document():
     model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
-    reference = tiny_model("llama", "eager")
+    reference = tiny_model("llama", "sdpa")
     batch = flattened_batch(PACKS[0], seed=0)
-    loss = model(**batch).loss  # transformers shifts the collator's labels itself
-    want = reference_loss_sum(reference, batch) / sum(n - 1 for n in PACKS[0])
-    assert relative_error(loss, want) < TOLERANCE
+    out = model(**batch)  # transformers shifts the collator's labels itself
+    want = reference_loss_sum(reference, batch)
+    assert (
+        relative_error(loss_sum(out.logits, cphf.shift_labels(batch["labels"], batch["cu_seq_lens_q"])), want)
+        < TOLERANCE
+    )
+    assert relative_error(out.loss * sum(n - 1 for n in PACKS[0]), want) < LOSS_FLOAT32
 
 
 def test_sliding_layers_get_their_window():
     """The sliding layers of an alternating model run windowed attention, the global ones do not: its
-    logits match the eager reference's on every document, and differ from a model without windows."""
+    logits match the SDPA reference's on every document, and differ from a model without windows."""
     model = tiny_model("qwen2_sliding", cphf.ATTN_IMPLEMENTATION)
     layers = [layer.self_attn.sliding_window for layer in model.model.layers]
     assert layers == [4, None], layers
@@ -187,7 +202,7 @@ def test_sliding_layers_get_their_window():
     got = model(**batch).logits[0]  # [T, vocab]
     cu = batch["cu_seq_lens_q"].tolist()
     for name, arch in (("windowed", "qwen2_sliding"), ("unwindowed", "qwen2")):
-        reference = tiny_model(arch, "eager")
+        reference = tiny_model(arch, "sdpa")
         want = torch.cat([reference(input_ids=batch["input_ids"][:, a:b]).logits[0] for a, b in zip(cu, cu[1:])])
         error = relative_error(got, want)
         assert error < TOLERANCE if name == "windowed" else error > 100 * TOLERANCE, (name, error)

@@ -47,7 +47,15 @@ from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
 from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
 from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
-from .common import NOT_CAPTURED, agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
+from .common import (
+    NOT_CAPTURED,
+    agree_in_op,
+    check_fake_gather,
+    check_fake_qkv,
+    out_and_lse,
+    register_attention_autograd,
+    softmax_scale,
+)
 
 
 @per_plan
@@ -114,7 +122,6 @@ def _packed_attention(
 def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
     check_fake_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
     return out_and_lse(q)
 
 
@@ -263,12 +270,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     check_fake_qkv(q, k, v)
     q_pos = config[3] if len(config) > 3 else None
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
-    cp = resolve_group(group_name).size()
-    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
-    torch._check(
-        gather_index.shape[0] == q.shape[0] * cp,
-        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp}",
-    )
+    check_fake_gather(q, gather_index, resolve_group(group_name).size())
     return out_and_lse(q)
 
 

@@ -35,7 +35,14 @@ from ..per_plan import capturing, uncached
 from ..strategy import Strategy, StrategySpec
 from ..window import UNBANDED
 from . import gathered
-from .common import agree_in_op, check_fake_qkv, out_and_lse, register_attention_autograd, softmax_scale
+from .common import (
+    agree_in_op,
+    check_fake_gather,
+    check_fake_qkv,
+    out_and_lse,
+    register_attention_autograd,
+    softmax_scale,
+)
 
 #: The most live pieces of a rank that read one key, per strategy: a rank holds at most two runs of
 #: a document under dual_chunk_swap (chunks r and 2cp-1-r) and balanced (a head and a tail range), one
@@ -121,12 +128,7 @@ def _cp_attention_captured(
 @_cp_attention_captured.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, *rest):
     check_fake_qkv(q, k, v)
-    cp = resolve_group(group_name).size()
-    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
-    torch._check(
-        gather_index.shape[0] == q.shape[0] * cp,
-        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp}",
-    )
+    check_fake_gather(q, gather_index, resolve_group(group_name).size())
     return out_and_lse(q)
 
 

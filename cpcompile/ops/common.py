@@ -25,10 +25,20 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def check_fake_qkv(q, k, v) -> None:
+    """An attention op's fake: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (a rank's tokens, or a pack's)."""
     torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
     torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
+    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
     torch._check(q.shape[2] == k.shape[2], lambda: f"head_dim of q {q.shape} and k {k.shape} differ")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+
+
+def check_fake_gather(q, gather_index, cp_size) -> None:
+    """A gathering op's fake: its plan's ``gather_index`` covers the ``cp_size`` ranks' tokens."""
+    torch._check(
+        gather_index.shape[0] == q.shape[0] * cp_size,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp_size}",
+    )
 
 
 def check_fake_tokens(num_tokens, cp_size: int, spec) -> None:

@@ -32,6 +32,7 @@ from ..strategy import Strategy, StrategySpec
 from .common import (
     NOT_CAPTURED,
     agree_in_op,
+    check_fake_gather,
     check_fake_qkv,
     check_fake_tokens,
     out_and_lse,
@@ -205,12 +206,8 @@ _cp_head_attention = torch.library.custom_op(
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
     check_fake_qkv(q, k, v)
     u = resolve_group(group_name).size()
-    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in local tokens")
     torch._check(q.shape[1] % u == 0, lambda: f"head_parallel={u} must divide the query heads {q.shape[1]}")
-    torch._check(
-        gather_index.shape[0] == q.shape[0] * u,
-        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {u}",
-    )
+    check_fake_gather(q, gather_index, u)
     return out_and_lse(q)
 
 

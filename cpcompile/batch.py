@@ -1,13 +1,17 @@
 """Data-loader side: pad a packed batch for CP and keep one rank's tokens.
 
 The loader and the model must agree on the layout; ``shard_batch`` reads the same
-active strategy as the compiled attention unless one is passed.
+active strategy as the compiled attention unless one is passed. Attention reads only the
+batch's rows and ``cu_seqlens``, and rows laid out for another rank or layout of the same
+token count would attend wrongly without an error, so the batch's ``cu_seqlens`` carries what
+it was sharded for (:class:`ShardedFor`), which attention checks (:func:`check_sharded_for`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -16,9 +20,9 @@ from .comm.collectives import all_gather_rows
 from .comm.groups import agree_on, digest, resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
-from .per_plan import upload
+from .per_plan import attach, attached, upload
 from .plan import head_step_plan, plan_extras, step_plan
-from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, layout_name, resolve_strategy
 
 DEFAULT_PAD_VALUES = {"labels": -100}
 
@@ -28,7 +32,8 @@ class ShardedBatch:
     """One rank's part of a packed batch.
 
     - ``tensors``: each input padded and reordered, ``[T_padded / cp_size, ...]``.
-    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, global (whole pack).
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, global (whole pack); ``cu_seqlens`` is a
+      tensor of the batch's own, which attention checks against its group and layout (:class:`ShardedFor`).
     - ``indices``: ``[T_padded / cp_size]`` int64 physical positions of the local rows.
     """
 
@@ -43,6 +48,48 @@ class ShardedBatch:
     @property
     def strategy(self) -> Strategy:
         return self.spec.strategy
+
+
+class ShardedFor(NamedTuple):
+    """What :func:`shard_batch` laid a batch out for, remembered with its ``cu_seqlens``: the CP size, the
+    rank, the layout (``auto`` resolved) and the strategy as it was asked for (``auto`` kept)."""
+
+    cp_size: int
+    rank: int
+    spec: StrategySpec
+    requested: StrategySpec
+
+
+def _layout_key(spec: StrategySpec) -> tuple:
+    """What of ``spec`` decides the layout (``comm`` and ``head_parallel`` do not)."""
+    return spec.strategy, spec.stripe_size, spec.windows, spec.capacity
+
+
+def check_sharded_for(cu_seqlens: torch.Tensor, cp_size: int, rank: int | None, spec: StrategySpec) -> None:
+    """Raise ``ValueError`` where ``cu_seqlens`` is a :class:`ShardedBatch`'s and the batch was sharded for
+    another CP size, rank (``None``: not checked) or layout than attention runs with: its rows would be
+    another rank's or another layout's, and attention over them silently wrong where the token counts
+    happen to fit. ``spec``: attention's strategy (``auto`` is resolved as the plan resolves it). Reads
+    no values: other tensors, and ``cu_seqlens`` copied or changed since, are not checked."""
+    made = attached(cu_seqlens)
+    if not isinstance(made, ShardedFor):
+        return
+    wrong = None
+    if made.cp_size != cp_size:
+        wrong = f"cp_size={made.cp_size}, but the CP group has {cp_size} ranks"
+    elif rank is not None and made.rank != rank:
+        wrong = f"rank {made.rank}, but this is rank {rank} of the CP group"
+    elif _layout_key(spec) not in (_layout_key(made.spec), _layout_key(made.requested)) and (
+        spec.strategy is not Strategy.AUTO
+        or _layout_key(resolve_auto(spec, cu_seqlens, cp_size=cp_size)) != _layout_key(made.spec)
+    ):
+        wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
+    if wrong is not None:
+        raise ValueError(
+            f"cu_seqlens is from a batch that shard_batch laid out for {wrong}: attention over its rows would be "
+            "wrong. Shard each rank's batch with the CP group's size and the rank in it (cp_group.size(), "
+            "cp_group.rank()), and run the model under `with cpcompile.strategy(batch.spec)`"
+        )
 
 
 def physical_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
@@ -120,6 +167,10 @@ def shard_batch(
         full = t.new_full((num_padded, *t.shape[1:]), fills.get(name, 0))
         full[where] = t
         local[name] = full[indices]
+    # a tensor of the batch's own (not the caller's, which may serve other ranks' batches too), carrying
+    # what it was sharded for: attention checks it (check_sharded_for)
+    cu_seqlens = cu_seqlens.clone() if requested.capacity is None else cu_seqlens
+    attach(cu_seqlens, ShardedFor(cp_size, rank, spec, requested))
     sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
     return sharded if device is None else _to_device(sharded, torch.device(device))
 

@@ -169,6 +169,15 @@ _active: list[StrategySpec] = [StrategySpec()]
 guard_key = repr(_active[-1])  # see _sync_guard_key
 
 
+def layout_name(spec: StrategySpec) -> str:
+    """What of ``spec`` decides the layout, as it would be written: ``'striped' (stripe_size=4)``,
+    ``'balanced' (windows=(3, -1), capacity=(64, 8))``, ``'dual_chunk_swap'``."""
+    parts = [f"stripe_size={spec.stripe_size}"] if spec.strategy is Strategy.STRIPED else []
+    parts += [f"windows={spec.windows}"] if spec.windows else []
+    parts += [f"capacity={tuple(spec.capacity)}"] if spec.capacity is not None else []
+    return repr(spec.strategy.value) + (f" ({', '.join(parts)})" if parts else "")
+
+
 def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None = None) -> StrategySpec:
     """Turn any accepted strategy argument into a :class:`StrategySpec`.
 

@@ -206,6 +206,42 @@ def _unshard_of_other_batches(rank: int, world: int) -> None:
     torch.testing.assert_close(cpcompile.unshard(sharded.tensors["x"], sharded), torch.arange(16.0))
 
 
+def _batches_of_another_rank_or_layout(rank: int, world: int) -> None:
+    """A batch sharded for another rank or layout than attention runs, with the token count attention
+    expects: refused on every rank by ``cp_attention`` and by a compiled graph's plan op, naming what
+    differs; run, it would attend over the wrong rows without an error."""
+    tokens = {"x": torch.arange(16.0)}
+
+    def call(batch, spec, compiled=None) -> None:
+        q = torch.randn(batch.tensors["x"].shape[0], 2, 4)
+        if compiled is None:
+            cpcompile.cp_attention(q, q, q, batch.cu_seqlens, strategy=spec)
+            return
+        with cpcompile.strategy(spec):
+            compiled(q, q, q, batch.cu_seqlens)
+
+    def model(q, k, v, cu):
+        return cpcompile.packed_attention(q, k, v, cu)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    rejected = r"rank 1 rejected its arguments \(ValueError: cu_seqlens is from a batch that shard_batch laid out for "
+    for way in (None, compiled):
+        # rank 1 holds rank 0's rows: rank 1 is told why, rank 0 that rank 1 refused
+        batch = cpcompile.shard_batch(tokens, CU, cp_size=world, rank=0, strategy="dual_chunk_swap")
+        own = "laid out for rank 0, but this is rank 1 of the CP group"
+        with pytest.raises(ValueError, match=own if rank else rejected + "rank 0"):
+            call(batch, "dual_chunk_swap", way)
+        # the loader's layout is not the model's: every rank raises its own error
+        batch = cpcompile.shard_batch(tokens, CU, cp_size=world, rank=rank, strategy="striped")
+        with pytest.raises(ValueError, match="the layout 'striped' .*, but attention runs 'dual_chunk_swap'"):
+            call(batch, "dual_chunk_swap", way)
+        # sharded for one rank: its rows, doubled, are the token count of a group of two
+        batch = cpcompile.shard_batch({"x": torch.arange(8.0)}, CU[:3], cp_size=1, rank=0, strategy="no_load_balance")
+        with pytest.raises(ValueError, match="laid out for cp_size=1, but the CP group has 2 ranks"):
+            call(batch, "no_load_balance", way)
+
+
 def _configs_differ(rank: int, world: int) -> None:
     """Ranks configured for different K/V paths: every rank is told, before either path, through
     ``cp_attention`` and through a compiled graph's op. Nothing else catches it: each rank plans
@@ -253,6 +289,7 @@ CHECKS = (
     _ranks_disagree,
     _compiled_ranks_disagree,
     _unshard_of_other_batches,
+    _batches_of_another_rank_or_layout,
     _configs_differ,
     _errors_release_the_group,
 )

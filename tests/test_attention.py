@@ -166,3 +166,11 @@ def test_backend_keeps_the_group_by_name(single_rank_group):
     assert single_rank_group.group_name in held
     with pytest.raises(TypeError, match="group must be a ProcessGroup, its name or None, got int"):
         cpcompile.backend(group=3)
+    # what dist.new_group gives the ranks outside the group
+    outside = r"group is torch.distributed's NON_GROUP_MEMBER: global rank 0 is not in the group passed .*mesh\['cp'\]"
+    for call in (
+        lambda g: cpcompile.backend(group=g),
+        lambda g: cpcompile.cp_attention(*[torch.ones(2, 1, 2)] * 3, torch.tensor([0, 2], dtype=torch.int32), group=g),
+    ):
+        with pytest.raises(ValueError, match=outside):
+            call(dist.GroupMember.NON_GROUP_MEMBER)

@@ -33,7 +33,7 @@ def test_shard_batch_pads_then_selects(strategy):
         )
         padded = b.cu_seqlens_padded.diff().tolist()
         held = b.indices.tolist()
-        assert b.cu_seqlens is cu and b.strategy.value == strategy and (b.cp_size, b.rank) == (3, rank)
+        assert torch.equal(b.cu_seqlens, cu) and b.strategy.value == strategy and (b.cp_size, b.rank) == (3, rank)
         assert torch.equal(b.tensors["input_ids"], _brute_force(ids, lengths, padded, 7, held))
         assert torch.equal(b.tensors["labels"], _brute_force(ids, lengths, padded, -100, held))
         assert torch.equal(b.tensors["emb"], _brute_force(emb, lengths, padded, 0.0, held))
@@ -101,3 +101,48 @@ def test_bad_plans(kwargs, message):
     cu = torch.tensor([0, 4, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
         cpcompile.make_plan(cu, **{"cp_size": 2, "rank": 0, **kwargs})
+
+
+def test_attention_checks_what_the_batch_was_sharded_for():
+    """A batch's ``cu_seqlens`` remembers the CP size, rank and layout ``shard_batch`` laid it out for, and
+    attention (``batch.check_sharded_for``, called by ``cp_attention`` and the plan ops) refuses another:
+    rows of another rank or layout with the same token count would attend wrongly without an error."""
+    from cpcompile.batch import check_sharded_for
+    from cpcompile.cost import resolve_auto
+    from cpcompile.strategy import resolve_strategy
+
+    cu = torch.tensor([0, 3, 10, 11, 24], dtype=torch.int32)
+    x = {"x": torch.arange(24.0)}
+    striped = cpcompile.StrategySpec("striped", 2)
+    batches = [cpcompile.shard_batch(x, cu, cp_size=2, rank=r, strategy=striped) for r in range(2)]
+    # each batch has a cu_seqlens of its own: sharding another rank's from the same tensor changes nothing
+    assert batches[0].cu_seqlens is not cu and batches[0].cu_seqlens is not batches[1].cu_seqlens
+    for r, batch in enumerate(batches):
+        check_sharded_for(batch.cu_seqlens, 2, r, striped)
+        check_sharded_for(batch.cu_seqlens, 2, None, striped)  # a plan op without a rank
+    cases = [
+        ((4, 0, striped), r"laid out for cp_size=2, but the CP group has 4 ranks"),
+        ((2, 1, striped), r"laid out for rank 0, but this is rank 1 of the CP group"),
+        ((2, 0, resolve_strategy("striped")), r"the layout 'striped' \(stripe_size=2\), but attention runs 'striped' "),
+        ((2, 0, resolve_strategy("dual_chunk_swap")), r"but attention runs 'dual_chunk_swap': attention over its rows"),
+    ]
+    for (cp, rank, spec), message in cases:
+        with pytest.raises(ValueError, match=message + r".*cp_group.rank\(\)"):
+            check_sharded_for(batches[0].cu_seqlens, cp, rank, spec)
+    check_sharded_for(cu, 4, 3, resolve_strategy("balanced"))  # the caller's own tensor: not a batch's
+    check_sharded_for(batches[0].cu_seqlens.clone(), 4, 3, striped)  # a copy: not checked
+
+    # auto: the batch keeps the layout auto picked; attention under auto, or under that layout, fits it
+    auto = resolve_strategy("auto")
+    batch = cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=auto)
+    picked = resolve_auto(auto, cu, cp_size=2)
+    assert batch.spec == picked
+    check_sharded_for(batch.cu_seqlens, 2, 0, auto)
+    check_sharded_for(batch.cu_seqlens, 2, 0, picked)
+    other = "no_load_balance" if picked.strategy.value != "no_load_balance" else "dual_chunk_swap"
+    with pytest.raises(ValueError, match=f"but attention runs '{other}'"):
+        check_sharded_for(batch.cu_seqlens, 2, 0, resolve_strategy(other))
+    # a batch sharded under the layout auto picks fits attention under auto; another does not
+    check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked).cu_seqlens, 2, 0, auto)
+    with pytest.raises(ValueError, match=f"the layout '{other}'.*, but attention runs 'auto'"):
+        check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other).cu_seqlens, 2, 0, auto)

@@ -276,7 +276,11 @@ def test_one_rank_is_a_plain_matmul(single_rank_group):
         ({"bias": 1.0}, TypeError, "bias must be a torch.Tensor or None, got float"),
         ({"capacity_tokens": 0}, ValueError, "capacity_tokens must be None or an int >= 1, got 0"),
         ({"capacity_tokens": True}, ValueError, "capacity_tokens must be None or an int >= 1, got True"),
-        ({"capacity_tokens": 3}, ValueError, "4 tokens per rank exceed capacity_tokens=3"),
+        (
+            {"capacity_tokens": 3},
+            ValueError,
+            r"4 tokens per rank exceed capacity_tokens=3.*backend's tp_capacity_tokens",
+        ),
         ({"group": 0}, TypeError, "group must be a ProcessGroup, its name or None, got int"),
     ],
 )

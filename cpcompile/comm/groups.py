@@ -38,7 +38,7 @@ def resolve_group(group: dist.ProcessGroup | str | None) -> dist.ProcessGroup:
         return _resolve_process_group(group)
     if isinstance(group, dist.ProcessGroup):
         return group
-    raise TypeError(f"group must be a ProcessGroup, its name or None, got {type(group).__name__}")
+    raise _not_a_group(group)
 
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:
@@ -54,7 +54,19 @@ def held_group(group: dist.ProcessGroup | str | None) -> str | None:
         return group
     if isinstance(group, dist.ProcessGroup):
         return group.group_name
-    raise TypeError(f"group must be a ProcessGroup, its name or None, got {type(group).__name__}")
+    raise _not_a_group(group)
+
+
+def _not_a_group(group: object) -> Exception:
+    # dist.new_group gives the ranks outside the group a sentinel in its place
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        who = f"global rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+        return ValueError(
+            f"group is torch.distributed's NON_GROUP_MEMBER: {who} is not in the group "
+            "passed (dist.new_group returns it on the ranks outside); pass the CP group that holds this rank "
+            "(with a DeviceMesh: mesh['cp'].get_group())"
+        )
+    return TypeError(f"group must be a ProcessGroup, its name or None, got {type(group).__name__}")
 
 
 def digest(t: torch.Tensor) -> str:
@@ -90,10 +102,10 @@ def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, o
             # them too would make a reference cycle, which keeps the process group alive past
             # destroy_process_group() until a gc pass, or until exit, where gloo then aborts.
             error = None
-    name = group.group_name
+    name = _named(group)
     failed = [f"rank {r} rejected its arguments ({e['error']})" for r, e in enumerate(entries) if e["error"]]
     if failed:
-        raise ValueError(f"cpcompile: in process group {name!r}, " + "; ".join(failed))
+        raise ValueError(f"cpcompile: in process group {name}, " + "; ".join(failed))
     keys = list(dict.fromkeys(k for e in entries for k in e if k != "error"))
     disagree = []
     for key in keys:
@@ -105,7 +117,7 @@ def agree(group: dist.ProcessGroup, error: Exception | None, record: dict[str, o
             disagree.append(f"{key} ({held})")
     if disagree:
         raise ValueError(
-            f"cpcompile: ranks of process group {name!r} disagree on " + ", ".join(disagree) + "; this is rank "
+            f"cpcompile: ranks of process group {name} disagree on " + ", ".join(disagree) + "; this is rank "
             f"{group.rank()}. Every rank must pass the same arguments and the same global cu_seqlens."
         )
 
@@ -144,6 +156,15 @@ def agreed() -> Iterator[None]:
 
 def already_agreed() -> bool:
     return getattr(_skip, "on", False)
+
+
+def _named(group: dist.ProcessGroup) -> str:
+    """``group``'s name, and for a group of fewer ranks than the world its global ranks in group rank order
+    (messages name group ranks; on a mesh the name alone does not say which processes are meant)."""
+    name = repr(group.group_name)
+    if group.size() == dist.get_world_size():
+        return name
+    return f"{name} (global ranks {dist.get_process_group_ranks(group)})"
 
 
 def _ranks(ranks: list[int]) -> str:

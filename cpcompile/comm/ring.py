@@ -118,7 +118,8 @@ def _enter_ring(ring: TpRing, x: torch.Tensor, call: dict[str, object]) -> dict:
     if capacity is not None and rows > capacity:
         error = ValueError(
             f"{rows} tokens per rank exceed capacity_tokens={capacity}: the buffer is allocated once at "
-            "capacity and never grown in the loop; pass capacity_tokens >= the largest token count"
+            "capacity and never grown in the loop; pass capacity_tokens (cpcompile.backend's tp_capacity_tokens) "
+            ">= the largest token count"
         )
     try:
         if agreement_enabled(pg, x):

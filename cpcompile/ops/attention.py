@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from .. import kernels
+from ..batch import check_sharded_for
 from ..checks import (
     agreement_enabled,
     check_cu_seqlens,
@@ -44,7 +45,7 @@ from ..plan import (
     step_plan,
 )
 from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
-from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, resolve_strategy
+from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, layout_name, resolve_strategy
 from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import (
@@ -382,6 +383,7 @@ def cp_attention(
         path = check_comm(spec.comm if comm is None else comm)
         window = resolve_window(causal, window_size)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
+        check_sharded_for(cu_seqlens, cp, rank, spec)  # q/k/v are this rank's rows of spec's layout
         made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
         if spec.head_parallel > 1 and window not in UNBANDED:
             raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
@@ -487,18 +489,11 @@ def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, 
         )
     layout = None if made.spec is None else (made.spec.strategy, made.spec.stripe_size, made.spec.windows)
     if layout and spec.strategy is not Strategy.AUTO and layout != (spec.strategy, spec.stripe_size, spec.windows):
-        raise ValueError(
-            f"plan was made for the layout {_layout_name(made.spec)}, but strategy is {_layout_name(spec)}"
-        )
+        raise ValueError(f"plan was made for the layout {layout_name(made.spec)}, but strategy is {layout_name(spec)}")
     if data_checks_enabled(cu_seqlens) or twin(cu_seqlens) is not None:  # no host sync
         (given,) = on_host(cu_seqlens)
         if not torch.equal(given.to(made.pack.cu_seqlens.dtype), made.pack.cu_seqlens):
             raise ValueError(f"plan was made from other cu_seqlens: {_first_difference(made.pack.cu_seqlens, given)}")
-
-
-def _layout_name(spec) -> str:
-    windows = f", windows={spec.windows}" if spec.windows else ""
-    return f"{spec.strategy.value!r} (stripe_size={spec.stripe_size}{windows})"
 
 
 def _first_difference(made: torch.Tensor, given: torch.Tensor) -> str:

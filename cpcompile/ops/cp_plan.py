@@ -14,6 +14,7 @@ import inspect
 
 import torch
 
+from ..batch import check_sharded_for
 from ..capture import note_plan, plan_in_capture
 from ..checks import agreement_enabled
 from ..comm.groups import agree_on, digest, resolve_group
@@ -63,17 +64,24 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
     rank whose calls run no backward would leave the others waiting in theirs."""
     group = resolve_group(group_name) if group_name else None
     enabled = group is not None and agreement_enabled(group, args[0])
+    signature = inspect.signature(make)
+    bound = signature.bind(*args).arguments
+
+    def plan() -> tuple[torch.Tensor, ...]:
+        # the batch's rows must be this rank's of the layout the plan is made for (batch.check_sharded_for)
+        spec = _spec(bound["strategy"], bound["stripe_size"], bound.get("windows", ()), bound.get("capacity", ()))
+        cp, rank = (group.size(), group.rank()) if group is not None else (bound["cp_size"], bound.get("rank"))
+        check_sharded_for(bound["cu_seqlens"], cp, rank, spec)
+        return tuple(make(*args))
 
     def record(_plan) -> dict[str, object]:
-        signature = inspect.signature(make)
-        given = signature.bind(*args).arguments.items()
         # arguments at their defaults (no window, no capacity) left out: ranks of another plan op
         # then differ in the op alone
-        shown = {k: v for k, v in given if k != "rank" and not _is_default(v, signature.parameters[k].default)}
+        shown = {k: v for k, v in bound.items() if k != "rank" and not _is_default(v, signature.parameters[k].default)}
         values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
         return {"plan op": name} | values | {"the plan's calls (mask, backward)": calls}
 
-    return agree_on(group, enabled, lambda: tuple(make(*args)), record)
+    return agree_on(group, enabled, plan, record)
 
 
 def _is_default(value, default) -> bool:

@@ -20,7 +20,7 @@ from .comm.collectives import all_gather_rows
 from .comm.groups import agree_on, digest, resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
-from .per_plan import attach, attached, upload
+from .per_plan import attach, attached, on_host, upload
 from .plan import head_step_plan, plan_extras, step_plan
 from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, layout_name, resolve_strategy
 
@@ -49,6 +49,12 @@ class ShardedBatch:
     def strategy(self) -> Strategy:
         return self.spec.strategy
 
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, pickle, a DataLoader worker's batch) has a cu_seqlens of its own: it
+        # is told what its batch was sharded for too (check_sharded_for)
+        self.__dict__.update(state)
+        attach(self.cu_seqlens, ShardedFor(self.cp_size, self.rank, self.spec, self.spec))
+
 
 class ShardedFor(NamedTuple):
     """What :func:`shard_batch` laid a batch out for, remembered with its ``cu_seqlens``: the CP size, the
@@ -69,8 +75,10 @@ def check_sharded_for(cu_seqlens: torch.Tensor, cp_size: int, rank: int | None, 
     """Raise ``ValueError`` where ``cu_seqlens`` is a :class:`ShardedBatch`'s and the batch was sharded for
     another CP size, rank (``None``: not checked) or layout than attention runs with: its rows would be
     another rank's or another layout's, and attention over them silently wrong where the token counts
-    happen to fit. ``spec``: attention's strategy (``auto`` is resolved as the plan resolves it). Reads
-    no values: other tensors, and ``cu_seqlens`` copied or changed since, are not checked."""
+    happen to fit. ``spec``: attention's strategy (``auto`` is resolved as the plan resolves it); another
+    spelling of the same layout (windows in another order, say) passes where it gives the pack's rows to the
+    same ranks. Other tensors, and ``cu_seqlens`` copied (but for a copy of the whole :class:`ShardedBatch`)
+    or changed since, are not checked."""
     made = attached(cu_seqlens)
     if not isinstance(made, ShardedFor):
         return
@@ -79,17 +87,30 @@ def check_sharded_for(cu_seqlens: torch.Tensor, cp_size: int, rank: int | None, 
         wrong = f"cp_size={made.cp_size}, but the CP group has {cp_size} ranks"
     elif rank is not None and made.rank != rank:
         wrong = f"rank {made.rank}, but this is rank {rank} of the CP group"
-    elif _layout_key(spec) not in (_layout_key(made.spec), _layout_key(made.requested)) and (
-        spec.strategy is not Strategy.AUTO
-        or _layout_key(resolve_auto(spec, cu_seqlens, cp_size=cp_size)) != _layout_key(made.spec)
-    ):
-        wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
+    elif _layout_key(spec) not in (_layout_key(made.spec), _layout_key(made.requested)):
+        runs = resolve_auto(spec, cu_seqlens, cp_size=cp_size)  # spec itself unless auto
+        if _layout_key(runs) != _layout_key(made.spec) and not _same_rows(cu_seqlens, cp_size, made.spec, runs):
+            wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
     if wrong is not None:
         raise ValueError(
             f"cu_seqlens is from a batch that shard_batch laid out for {wrong}: attention over its rows would be "
             "wrong. Shard each rank's batch with the CP group's size and the rank in it (cp_group.size(), "
             "cp_group.rank()), and run the model under `with cpcompile.strategy(batch.spec)`"
         )
+
+
+def _same_rows(cu_seqlens: torch.Tensor, cp_size: int, a: StrategySpec, b: StrategySpec) -> bool:
+    """Whether layouts ``a`` and ``b`` pad the pack alike and give every rank the same rows. Reads
+    ``cu_seqlens`` (a host sync on GPUs without a twin): only where their specs differ."""
+    (cu,) = on_host(cu_seqlens)
+    try:
+        padded = [pad_for_cp(cu, cp_size=cp_size, strategy=s) for s in (a, b)]
+        if not torch.equal(*padded):
+            return False
+        layouts = [all_partition_indices(padded[0], cp_size=cp_size, strategy=s, cu_seqlens=cu) for s in (a, b)]
+    except ValueError:  # the pack does not fit one of them (a capacity, a divisibility)
+        return False
+    return torch.equal(*layouts)
 
 
 def physical_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:

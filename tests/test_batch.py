@@ -146,3 +146,26 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked).cu_seqlens, 2, 0, auto)
     with pytest.raises(ValueError, match=f"the layout '{other}'.*, but attention runs 'auto'"):
         check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other).cu_seqlens, 2, 0, auto)
+
+
+def test_a_copied_batch_is_checked_and_layouts_spelled_otherwise_pass():
+    """A copy of a whole ``ShardedBatch`` (``copy.deepcopy``, pickling, as a ``DataLoader`` worker hands it over)
+    knows what it was sharded for; attention under another spelling of the same layout (balanced's windows in
+    another order or repeated, none against one global layer) passes where it gives every rank the same rows."""
+    import copy
+    import pickle
+
+    from cpcompile.batch import check_sharded_for
+
+    cu = torch.tensor([0, 3, 10, 11, 24], dtype=torch.int32)
+    batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=1, strategy="dual_chunk_swap")
+    spec = batch.spec
+    for copied in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
+        assert copied.cu_seqlens is not batch.cu_seqlens
+        check_sharded_for(copied.cu_seqlens, 2, 1, spec)
+        with pytest.raises(ValueError, match="laid out for rank 1, but this is rank 0"):
+            check_sharded_for(copied.cu_seqlens, 2, 0, spec)
+    for loader, model in [((3, -1), (-1, 3)), ((3, -1), (3, -1, 3, -1)), ((), (-1,))]:
+        balanced = cpcompile.StrategySpec("balanced", windows=loader)
+        batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=0, strategy=balanced)
+        check_sharded_for(batch.cu_seqlens, 2, 0, cpcompile.StrategySpec("balanced", windows=model))

@@ -18,6 +18,19 @@ from them, when the step drops them. ``ENTRIES`` only bounds the cache. The cach
 for all threads: on CUDA the autograd engine runs the backward on a thread of its
 own, which must find what the forward derived.
 
+The key, and when an entry holds: an argument tensor is known by its storage, address, dtype,
+device, shape, strides and version (:func:`_key`); other arguments by value. A write through
+the tensor or a view of it bumps the version, so the entry is not found again. A write that
+bypasses the version counter (through the numpy array of ``torch.from_numpy``, DLPack, shared
+memory: a data loader that refills one ``cu_seqlens`` buffer for every pack) is caught on the
+host only: each entry keeps a copy of the values of its CPU tensor arguments, of any size, and
+is found only while they are unchanged (compared in full, byte for byte, at every lookup: a
+copy and a compare of the tensor's bytes, far below the cost of the plans and kernels keyed on
+it). A CUDA tensor's values are never read for a lookup (that would wait for the stream): it is
+known by its memory and version alone, and must change only through torch (a loader that
+refills device memory behind torch's back must hand over a new tensor); a CUDA graph replay's
+outputs are never cached (:func:`replayed`).
+
 Host twins: some metadata has data-dependent sizes (the backward's scratch rows,
 the keys a rank reads), and reading a size from a GPU tensor waits for the stream.
 The plan is therefore made on the host (``plan.step_plan``) and uploaded with
@@ -53,10 +66,6 @@ from torch._subclasses.fake_tensor import is_fake
 
 #: Most argument sets kept per function: far more plans than one step uses.
 ENTRIES = 64
-#: CPU tensors of at most this many bytes are also known by their values: a pack's offsets up to 1,023
-#: documents, a plan's per-piece counts; not a rank's rows (host twins of ``[T_local]`` indices), whose
-#: copy per call would cost host time in every layer.
-VALUES_UP_TO = 4096
 
 
 def _key(a):
@@ -66,13 +75,27 @@ def _key(a):
     # identity tells apart another tensor over the same memory with a storage and version counter
     # of its own (``torch.from_numpy`` of a refilled buffer), and is shared by views and detached
     # aliases; an entry goes when its owner is freed, and a live owner keeps its storage.
-    key = (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
-    # Writes that bypass the version counter (through the numpy array a ``torch.from_numpy`` tensor
-    # shares, or DLPack) are seen where reading the values costs no sync: a small CPU tensor, such as
-    # a loader's reused cu_seqlens buffer, whose stale plan would be silently wrong.
-    if a.device.type == "cpu" and a.nbytes <= VALUES_UP_TO and not is_fake(a):
-        key += (a.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),)
-    return key
+    return (_storage(a), a.data_ptr(), a.dtype, a.device, tuple(a.shape), a.stride(), a._version)
+
+
+def _values(a) -> bytes | None:
+    """The bytes of ``a``'s values (a copy) where reading them costs no sync: ``a`` a CPU tensor with
+    memory (not fake); else ``None``. Writes that bypass the version counter (through the numpy array
+    a ``torch.from_numpy`` tensor shares, DLPack) are seen by comparing these (:func:`_values_of`)."""
+    if not isinstance(a, torch.Tensor) or a.device.type != "cpu" or is_fake(a):
+        return None
+    a = a.detach()
+    try:  # numpy reads the memory in place: one copy, in the tensor's element order
+        array = a.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8), a conjugate or negative view
+        array = a.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return array.tobytes()  # bytes, not elements: a NaN equals itself
+
+
+def _values_of(args) -> tuple:
+    """:func:`_values` of each of ``args``, ``()`` where none has any (no CPU tensor)."""
+    values = tuple(_values(a) for a in args)
+    return values if any(v is not None for v in values) else ()
 
 
 def capturing() -> bool:
@@ -131,20 +154,22 @@ def _owner(t: torch.Tensor) -> torch.Tensor:
 
 
 def token(t: torch.Tensor):
-    """What :func:`per_plan` knows ``t`` by: its memory key, and a weak reference to the tensor
-    that owns the memory (``t`` or the tensor it is a view of), for :func:`same_plan`."""
-    return _key(t), weakref.ref(_owner(t))
+    """What :func:`per_plan` knows ``t`` by: its memory key, its values on the host (a CPU
+    tensor's: :func:`_values`), and a weak reference to the tensor that owns the memory (``t``
+    or the tensor it is a view of), for :func:`same_plan`."""
+    return _key(t), _values(t), weakref.ref(_owner(t))
 
 
 def same_plan(known, t: torch.Tensor) -> bool:
     """Whether ``t`` is the plan tensor of ``known`` (a :func:`token`): the same memory, still
-    owned by the same live tensor, unchanged since. Views of it count as it."""
-    key, owner = known
-    return owner() is not None and not replayed(t) and key == _key(t)
+    owned by the same live tensor, unchanged since (on the host: the same values). Views of it count as it."""
+    key, values, owner = known
+    return owner() is not None and not replayed(t) and key == _key(t) and values == _values(t)
 
 
 class _Cache:
-    """Entries keyed by their tensors' memory (:func:`_key`); each goes when one of its
+    """Entries keyed by their tensors' memory (:func:`_key`), each holding the values of its CPU
+    tensors (:func:`_values_of`) and found only while they are unchanged; each goes when one of its
     tensors (or the tensor a view is of) is freed. One lock for all threads, reentrant:
     an entry replaced or evicted under it may free tensors whose entries then go too."""
 
@@ -152,21 +177,25 @@ class _Cache:
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.bound, self.lock = bound, threading.RLock()
 
-    def get(self, key):
+    def get(self, key, values=()):
+        """``(found, value)`` of the entry of ``key`` whose tensors hold ``values`` (:func:`_values_of`).
+        An entry whose values differ stays: its tensors were written behind their version counter, and
+        :meth:`put` replaces it (or they get its values back, and it holds again)."""
         with self.lock:
-            if key in self.entries:
+            entry = self.entries.get(key)
+            if entry is not None and entry[2] == values:
                 self.entries.move_to_end(key)
-                return True, self.entries[key][1]
+                return True, entry[1]
         return False, None
 
-    def put(self, key, tensors, value) -> None:
+    def put(self, key, tensors, value, values=()) -> None:
         def forget(_, key=key):
             with self.lock:
                 self.entries.pop(key, None)
 
         owners = {id(t): t for t in map(_owner, tensors)}
         with self.lock:
-            self.entries[key] = ([weakref.ref(o, forget) for o in owners.values()], value)
+            self.entries[key] = ([weakref.ref(o, forget) for o in owners.values()], value, values)
             if self.bound is not None and len(self.entries) > self.bound:
                 self.entries.popitem(last=False)
 
@@ -178,8 +207,9 @@ def per_plan(fn):
     so its memory is not reused while the entry exists. A tensor is assumed to
     change only through itself or its views (which bump its version); another tensor
     over the same memory (``torch.from_numpy`` of a reused buffer) is another key,
-    but writes through it do not reach this tensor's version: those are seen only in
-    small CPU tensors, which are also known by their values (``VALUES_UP_TO`` bytes). Inference tensors have
+    but writes through it do not reach this tensor's version: those are seen in CPU
+    tensors of any size, whose values an entry keeps and compares at every lookup, and
+    not in CUDA tensors, whose values are never read here (module docstring). Inference tensors have
     no version counter, and CUDA graph replays' outputs (:func:`replayed`) change with the same
     version: calls with them are not cached, nor calls while a CUDA graph is captured
     (:func:`capturing`: each capture derives its own, on the device). ``fn`` must not communicate:
@@ -193,11 +223,11 @@ def per_plan(fn):
         uncacheable = getattr(_uncached, "on", False) or capturing()
         if uncacheable or any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
             return fn(*args)
-        key = tuple(_key(a) for a in args)
-        hit, result = cache.get(key)
+        key, values = tuple(_key(a) for a in args), _values_of(args)  # values: before fn reads them
+        hit, result = cache.get(key, values)
         if not hit:
             result = fn(*args)
-            cache.put(key, [a for a in args if isinstance(a, torch.Tensor)], result)
+            cache.put(key, [a for a in args if isinstance(a, torch.Tensor)], result, values)
         return result
 
     return wrapper
@@ -308,7 +338,7 @@ def attach(t: torch.Tensor, value) -> None:
     tensors, or while tracing: they have no memory to know them by."""
     if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta" or replayed(t):
         return
-    _ATTACHED.put(_memory_key(t), [t], value)
+    _ATTACHED.put(_memory_key(t), [t], value, _values_of((t,)))
 
 
 def attached(t: torch.Tensor):
@@ -318,7 +348,7 @@ def attached(t: torch.Tensor):
         return None
     for x in (t, twin(t)):
         if x is not None and x.device.type != "meta":
-            hit, value = _ATTACHED.get(_memory_key(x))
+            hit, value = _ATTACHED.get(_memory_key(x), _values_of((x,)))
             if hit:
                 return value
     return None

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import weakref
 
+import numpy as np
+import pytest
 import torch
 
+import cpcompile
+from cpcompile.ops.attention import _single_device_pieces
 from cpcompile.per_plan import (
     ENTRIES,
     attach,
@@ -21,6 +26,7 @@ from cpcompile.per_plan import (
     twinned,
     upload,
 )
+from cpcompile.plan import step_plan
 
 
 def test_per_plan_builds_once_for_the_same_plan_tensors():
@@ -231,3 +237,77 @@ def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
         torch._C._remove_cached_tensor(out)
         enabled(False)
     assert total(out) == 13 and total(out) == 13 and len(calls) == 4  # an ordinary tensor again: cached
+
+
+def _refilled_packs(docs: int, dtype=np.int32):
+    """A loader's reused offsets buffer ``[docs + 1]`` (numpy) and two packs' offsets for it: the
+    second the first's documents in another order (the same count, tokens and padding: a stale
+    plan would be taken for it)."""
+    g = np.random.default_rng(docs)
+    lengths = g.integers(1, 5, docs)
+    packs = [np.concatenate([[0], np.cumsum(order)]).astype(dtype) for order in (lengths, g.permutation(lengths))]
+    assert not np.array_equal(*packs)
+    return np.empty(docs + 1, dtype=dtype), packs
+
+
+@pytest.mark.parametrize("docs, dtype", [(1100, np.int32), (5000, np.int32), (1100, np.int64)])
+def test_a_refilled_buffer_of_any_size_is_known_by_its_values(docs, dtype):
+    """Offsets past 4 KiB (more than 1,023 documents) refilled through numpy, version unchanged:
+    the cache, the values attached and a kept token all see the new pack."""
+    calls = []
+
+    @per_plan
+    def plan(t, n):
+        calls.append(1)
+        return t.clone() * n
+
+    buffer, (first, second) = _refilled_packs(docs, dtype)
+    buffer[:] = first
+    cu = torch.from_numpy(buffer)
+    assert cu.nbytes > 4096
+    assert torch.equal(plan(cu, 2), torch.from_numpy(first) * 2) and len(calls) == 1
+    assert torch.equal(plan(cu[1:], 2), torch.from_numpy(first[1:]) * 2) and len(calls) == 2  # a view
+    kept, made = token(cu), "the first pack"
+    attach(cu, made)
+    plan(cu, 2), plan(cu[1:], 2)  # the next layers: cached
+    assert len(calls) == 2 and attached(cu) is made and same_plan(kept, cu)
+    buffer[:] = second
+    assert cu._version == 0
+    assert torch.equal(plan(cu, 2), torch.from_numpy(second) * 2) and len(calls) == 3
+    assert torch.equal(plan(cu[1:], 2), torch.from_numpy(second[1:]) * 2) and len(calls) == 4
+    assert attached(cu) is None and not same_plan(kept, cu)
+    plan(cu, 2), plan(cu[1:], 2)  # cached again for the new pack's layers
+    assert len(calls) == 4
+    buffer[-1] += 1  # a single offset
+    assert int(plan(cu, 1)[-1]) == int(second[-1]) + 1 and len(calls) == 5
+
+
+@pytest.mark.parametrize("docs", [1100, 5000])
+def test_a_refilled_buffers_plan_is_the_new_packs(docs):
+    """End to end on one process: the step plan, the ``cp_plan`` op and the pieces single-device attention
+    runs on a refilled ``cu_seqlens`` buffer are exactly those of a fresh tensor of the new pack's offsets."""
+    buffer, packs = _refilled_packs(docs)
+    cu = torch.from_numpy(buffer)
+    balanced, plain = (cpcompile.StrategySpec(s) for s in ("balanced", "no_load_balance"))
+    tokens = int(cpcompile.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=balanced)[-1])
+    assert tokens == int(cpcompile.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=plain)[-1])
+    windowed = (tokens, 2, 1, balanced.strategy.value, balanced.stripe_size, (3,))
+    layout = (plain.strategy.value, plain.stripe_size)  # the op's: a cheaper layout for 5,000 documents
+    q = torch.empty(int(packs[0][-1]), 1, 4)
+    seen = []
+    for pack in packs:
+        buffer[:] = pack
+        fresh = torch.from_numpy(pack.copy())
+        got, want = (
+            [step_plan(t, None, *windowed), torch.ops.cpcompile.cp_plan.default(t, None, tokens, 2, 0, *layout)]
+            for t in (cu, fresh)
+        )
+        for a, b in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        seen.append(got[0].gather_index)
+        for window in ((-1, 0), (2, 1)):  # what single-device attention hands its kernel
+            pieces = [_single_device_pieces(q, t, None, None, window) for t in (cu, fresh)]
+            for field in dataclasses.fields(pieces[0]):
+                a, b = (getattr(p, field.name) for p in pieces)
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+    assert not torch.equal(*seen)  # the packs' plans differ: a stale one would have been caught

@@ -58,6 +58,18 @@ def check_device(q: torch.Tensor, **metadata: torch.Tensor | None) -> None:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
 
 
+def check_has_values(what: str, **metadata: torch.Tensor | None) -> None:
+    """Metadata tensors that ``what`` plans from must hold values: a tensor on the ``meta`` device has
+    none to read (fake tensors, while tracing, are planned by the plan ops' fakes instead)."""
+    meta = [name for name, t in metadata.items() if isinstance(t, torch.Tensor) and t.is_meta and not is_fake(t)]
+    if meta:
+        raise ValueError(
+            f"{' and '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, which holds no values: "
+            f"{what} reads the offsets to plan which keys each rank reads. Pass them with their values, on q's "
+            "device (to trace shapes without data, use torch.compile or FakeTensorMode)"
+        )
+
+
 def check_int(name: str, value: object, *, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -85,7 +97,10 @@ def check_cu_seqlens(name: str, cu: object) -> None:
     if not data_checks_enabled(cu):
         return
     if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+        raise ValueError(
+            f"{name} must start at 0, got {int(cu[0])} (under CP: the whole pack's offsets, not offsets made from "
+            "one rank's rows)"
+        )
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {cu.tolist()}")
     if int(cu[-1]) <= 0:
@@ -110,6 +125,38 @@ def check_padded(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> N
             "cu_seqlens_padded gives a document fewer tokens than cu_seqlens: "
             f"padded lengths {padded.tolist()}, real lengths {real.tolist()}"
         )
+
+
+def check_pack_tokens(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, *, given: bool, num_tokens, cp_size: int, spec
+) -> None:
+    """Under CP the offsets describe the whole pack, which the ranks' rows are shares of: the padded
+    pack must hold ``num_tokens`` (local tokens x ``cp_size``) rows. ``cu_seqlens_padded``: the caller's
+    (``given``) or ``pad_for_cp``'s of ``cu_seqlens`` for ``spec``; named only where the caller gave
+    it. Reads values (see the module's note)."""
+    if not isinstance(num_tokens, int) or not data_checks_enabled(cu_seqlens_padded):
+        return
+    capacity = getattr(spec, "capacity", None)
+    if capacity is not None and num_tokens != capacity.tokens:
+        return  # another capacity's batch: partition.check_layout names the capacity
+    total = int(cu_seqlens_padded[-1])
+    if total == num_tokens:
+        return
+    from .strategy import layout_name
+
+    local = num_tokens // cp_size
+    held = f"the {cp_size} ranks hold {num_tokens} rows ({local} local tokens in q x cp_size {cp_size})"
+    if given:
+        what = f"cu_seqlens_padded[-1] = {total}, but {held}: cu_seqlens and cu_seqlens_padded"
+        source = "ShardedBatch.cu_seqlens and .cu_seqlens_padded"
+    else:
+        padding = "" if total == int(cu_seqlens[-1]) else f", {total} once padded for {layout_name(spec)}"
+        what = f"cu_seqlens describes {int(cu_seqlens[-1])} tokens{padding}, but {held}: cu_seqlens"
+        source = "ShardedBatch.cu_seqlens"
+    raise ValueError(
+        f"{what} must describe the whole (global) pack, which this rank's tokens are a share of ({source} "
+        "from cpcompile.shard_batch), not offsets made from this rank's own rows (its position_ids, say)"
+    )
 
 
 def check_scale_and_bound(scale: object, max_seqlen: object) -> None:

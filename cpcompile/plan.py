@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_cp, check_int, check_padded
+from .checks import check_cp, check_int, check_pack_tokens, check_padded
 from .cost import auto_candidates, resolve_auto
 from .partition import all_partition_indices, check_capacity_documents, pad_for_cp, piece_marks
 from .per_plan import attach, attached, on_host, per_plan, upload
@@ -130,9 +130,11 @@ def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, nu
     spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     if spec.capacity is not None:
         check_capacity_documents(cu_seqlens, spec.capacity)
-    if cu_seqlens_padded is None:
+    given = cu_seqlens_padded is not None
+    if not given:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
     check_padded(cu_seqlens, cu_seqlens_padded)
+    check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=given, num_tokens=num_tokens, cp_size=cp_size, spec=spec)
     layout = all_partition_indices(
         cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens, cu_seqlens=cu_seqlens
     )
@@ -260,6 +262,8 @@ def make_head_plan(
     spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+        tokens = {"num_tokens": num_tokens, "cp_size": cp_size, "spec": spec}
+        check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=False, **tokens)
     layout = make_plan(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=0, strategy=spec, num_tokens=num_tokens)
     whole = make_plan(
         cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens

@@ -42,7 +42,9 @@ def check_comm(comm: object) -> str:
 _ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
 
 
-def _to_enum(value: Strategy | str) -> Strategy:
+def _to_enum(value: Strategy | str, accepted: str = "a Strategy or a str", more: str = "") -> Strategy:
+    """``value`` as a :class:`Strategy`; ``accepted`` and ``more``: what the caller's parameter takes,
+    for the error (``StrategySpec`` takes no ``None``; functions taking a ``StrategyLike`` do)."""
     if isinstance(value, Strategy):
         return value
     if isinstance(value, str):
@@ -50,7 +52,7 @@ def _to_enum(value: Strategy | str) -> Strategy:
             return Strategy(value.lower())
         except ValueError:
             raise ValueError(f"strategy must be one of {_ACCEPTED}, got {value!r}") from None
-    raise TypeError(f"strategy must be a Strategy, a str or None, got {type(value).__name__}")
+    raise TypeError(f"strategy must be {accepted}, got {type(value).__name__} ({more}the strings: {_ACCEPTED})")
 
 
 class Capacity(NamedTuple):
@@ -192,7 +194,7 @@ def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None =
     if strategy is None:
         spec = _active[-1]
     else:
-        kind = _to_enum(strategy)
+        kind = _to_enum(strategy, "a Strategy, a str or None", "or a StrategySpec; None: the active strategy; ")
         active = _active[-1]
         spec = active if active.strategy is kind else StrategySpec(kind)
     if stripe_size is not None and stripe_size != spec.stripe_size:
@@ -233,7 +235,8 @@ def strategy(
     if isinstance(value, StrategySpec):
         spec = resolve_strategy(value, stripe_size=stripe_size)
     else:
-        spec = StrategySpec(_to_enum(value), 1 if stripe_size is None else stripe_size)
+        kind = _to_enum(value, "a Strategy, a str or a StrategySpec")
+        spec = StrategySpec(kind, 1 if stripe_size is None else stripe_size)
     if comm is not None:
         spec = dataclasses.replace(spec, comm=check_comm(comm))
     if head_parallel is not None:

@@ -3,10 +3,14 @@
 Rows are processed in blocks against the key window they need, with a dense mask:
 simple and exact, meant for CPU tests and small runs, not for speed. It needs
 none of the GPU backends' hints (the pieces' launch bounds and ``disjoint_keys``, the
-backward's options) and accepts them.
+backward's options) and accepts them. It computes in its accumulation dtype under autocast too:
+autocast would run the score matmuls in bfloat16 or float16, whose sums and masks it is not written
+for (a float32 bound does not fit them), and whose results the ops' fakes do not describe.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -18,6 +22,13 @@ _ROW_BLOCK = 256
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off for ``device``'s type (where it has autocast at all): the kernel casts itself."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _row_bounds(pieces: Pieces, causal: bool, window: tuple[int, int], num_rows: int):
@@ -73,6 +84,11 @@ def _scores(q, k, bounds, pieces: Pieces, window, r0, r1, k0, k1, scale, acc):
 
 def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+    with _no_autocast(q.device):
+        return _forward(q, k, v, pieces, causal=causal, scale=scale, window=window)
+
+
+def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window):
     acc = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
@@ -94,6 +110,11 @@ def backward(
 ):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
+    with _no_autocast(q.device):
+        return _backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=scale, window=window, grads=grads)
+
+
+def _backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window, grads):
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]

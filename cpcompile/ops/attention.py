@@ -24,6 +24,7 @@ from ..checks import (
     agreement_enabled,
     check_cu_seqlens,
     check_device,
+    check_has_values,
     check_longest,
     check_padded,
     check_qkv,
@@ -377,6 +378,7 @@ def cp_attention(
         check_qkv(q, k, v)
         check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_cu_seqlens("cu_seqlens", cu_seqlens)
         check_longest(cu_seqlens, max_seqlen)
         spec = resolve_strategy(strategy)

@@ -145,6 +145,47 @@ def _guard_on_strategy() -> None:
     install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
+def _refuse_suppressed_errors(gm: torch.fx.GraphModule, group) -> Callable | None:
+    """Under ``torch._dynamo.config.suppress_errors``, a graph Dynamo fails to compile (the recompile limit
+    :func:`_check_recompile_room` enforces, an attention call the pass refuses, the inner compiler's error)
+    runs its function eagerly instead, where attention attends within each rank's own tokens: silently
+    wrong under CP. So a graph holding attention under a CP group is refused while it is on, by what the
+    backend returns: a graph that raises when it runs. An error raised here, while compiling, is what
+    suppress_errors swallows. The refusal is shared with the other ranks (:func:`_failure_shared`: a rank
+    that has suppress_errors off runs its graph, whose plan op meets this rank's failure), and the graph
+    is guarded on the flag: once it is off, the function compiles anew."""
+    from torch._dynamo import config as dynamo
+
+    if not dynamo.suppress_errors:
+        return None
+    pg = resolve_group(group)
+    if pg.size() == 1 or not _attends(gm):
+        return None
+    _guard_on_suppress_errors()
+    message = (
+        "cpcompile: torch._dynamo.config.suppress_errors is True, under which a graph that fails to compile "
+        "runs eagerly, where packed attention attends within each rank's own tokens (wrong under context "
+        f"parallelism, group of {pg.size()} ranks): set torch._dynamo.config.suppress_errors = False (and leave "
+        "TORCHDYNAMO_SUPPRESS_ERRORS unset) to compile this model for CP"
+    )
+    with contextlib.suppress(RuntimeError), _failure_shared(pg, True):
+        raise RuntimeError(message)
+
+    def refused(*args):
+        raise RuntimeError(message)  # a new error each call: one kept here would hold its traceback's frames
+
+    return refused
+
+
+def _guard_on_suppress_errors() -> None:
+    """Make the graph being compiled valid only while ``torch._dynamo.config.suppress_errors`` is as now."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource
+
+    config = DictGetItemSource(AttrSource(ImportSource("sys"), "modules"), "torch._dynamo.config")
+    install_guard(AttrSource(config, "suppress_errors").make_guard(GuardBuilder.EQUALS_MATCH))
+
+
 def _check_recompile_room() -> None:
     """Refuse the last graph Dynamo would compile of a function (``torch._dynamo.config.recompile_limit``):
     past it Dynamo runs the function eagerly, where packed attention attends within each rank's own tokens,
@@ -259,6 +300,9 @@ def backend(
     config = resolve_config(config)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
+        refused = _refuse_suppressed_errors(gm, group)
+        if refused is not None:
+            return refused
         compile_rest, cuda_graphs = _with_inductor_options(compile_inner, inner, **inductor)
         cuda_graphs = cuda_graphs or captured_step
         pg = resolve_group(group)

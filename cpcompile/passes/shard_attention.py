@@ -12,8 +12,8 @@ built once per step and shared by every layer. With ``spec.comm == "ring"`` it b
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
 and mask (the plan's key ranges as rows of every rank's block). A sliding window
 (``window_size``, ``cpcompile.window``) is one ``cpcompile::window_keys`` per plan and window
-(each piece's keys within it), and travels in the CP op's arguments (a symbolic window is
-specialized: its graph is guarded on it). With
+(each piece's keys within it), and travels in the CP op's arguments (a symbolic window, and
+``packed_attention``'s causal flag computed from one, is specialized: its graph is guarded on it). With
 ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
 ``cpcompile.ops.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
 ``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
@@ -22,8 +22,11 @@ CP op cannot compute exactly (different query and key offsets, per-sequence key 
 paged keys, dropout, softcap, ALiBi, a used RNG state, an invalid window) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
 would attend within each rank's own tokens only, and the model would train wrong.
-``unsupported="single_device"`` leaves such calls alone instead, with one warning each,
-for users who mean it.
+Attention ops that have no documents, so the pass cannot split them (``F.scaled_dot_product_attention``,
+flex attention, aten's attention ops), are refused the same way under CP: they too would attend
+within each rank's tokens. ``unsupported="single_device"`` leaves such calls alone instead, with
+one warning each, for users who mean it. The rewrite removes only nodes it added or left unread
+(never graph-wide dead-code elimination, which drops Dynamo's in-place calls whose results are unused).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Unsupported:
 
     node: fx.Node
     reason: str
+    packed: bool = True  # a packed attention call; else another attention op (:func:`_token_mixer`)
 
 
 _IN_AUTOGRAD_FUNCTION = (
@@ -260,6 +264,25 @@ def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | 
     return AttentionMatch(node, a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale], window)
 
 
+def _match_packed(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
+    """A ``cpcompile::packed_attention`` call (arguments ``a`` by name) as CP attention.
+
+    Its mask is read as values, never as graph nodes: a window passed to a compiled function makes
+    Dynamo lift its ints to inputs, and ``causal`` then reaches the op as a symbolic bool (``window[1]
+    == 0``, a node). Both are specialized here, as :func:`_match_varlen` does the window (``bool`` and
+    ``int`` of a symbolic value guard the graph on it: another window compiles another graph)."""
+    causal, left, right = _known([a["causal"], a["window_left"], a["window_right"]])
+    try:
+        if not isinstance(causal, (bool, torch.SymBool)):
+            raise TypeError(f"causal must be a bool, got {_shown(causal)}")
+        causal = bool(causal)
+        window = check_window(tuple(int(w) if isinstance(w, torch.SymInt) else w for w in (left, right)))
+    except (TypeError, ValueError) as e:
+        return Unsupported(node, str(e))
+    args = (a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"))
+    return AttentionMatch(node, *args, causal, a["scale"], window=op_window(causal, *window))
+
+
 def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
     """Packed attention calls of ``gm`` in graph order: the rewritable ones and the rest."""
     matches: list[AttentionMatch] = []
@@ -270,12 +293,7 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
         name = op.name() if op is not None else None
         if name == _PACKED:
             a = _bound_args(node, op)
-            found = AttentionMatch(
-                node,
-                *(a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "causal", "scale")),
-                window=op_window(a["causal"], a["window_left"], a["window_right"]),
-            )
-            qkv = ("q", "k", "v")
+            found, qkv = _match_packed(node, a), ("q", "k", "v")
         elif name in _VARLEN_SCHEMAS:
             a = _bound_args(node, op)
             if a.get("cu_seqlens_q", node) is None:
@@ -284,6 +302,9 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
             found, qkv = _match_varlen(node, a, schema), (schema.q, schema.k, schema.v)
         elif name in _REFUSED:
             skipped.append(Unsupported(node, _REFUSED[name]))
+            continue
+        elif (reason := _token_mixer(node)) is not None:
+            skipped.append(Unsupported(node, reason, packed=False))
             continue
         else:
             continue
@@ -294,6 +315,28 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
             found = Unsupported(node, _GRAD_OFF_ON_GRAD_INPUTS)
         (matches if isinstance(found, AttentionMatch) else skipped).append(found)
     return matches, skipped
+
+
+def _token_mixer(node: fx.Node) -> str | None:
+    """Why ``node`` cannot run under CP, where it is an attention op that the pass cannot make
+    context-parallel (it has no documents: SDPA, flex attention and aten's attention ops); else None.
+    Left as it is, it would attend within each rank's own tokens: the model would train wrong."""
+    if node.op != "call_function":
+        return None
+    target, op = node.target, _overload(node.target)
+    if target is torch.nn.functional.scaled_dot_product_attention:
+        what = "F.scaled_dot_product_attention"
+    elif isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "flex_attention":
+        what = "flex_attention"
+    elif op is not None and op.name().startswith("aten::") and "attention" in op.name():
+        what = op.name()
+    else:
+        return None
+    return (
+        f"{what} is not packed attention, and CP cannot split it (it would attend within each rank's own tokens "
+        "alone): call cpcompile.packed_attention or torch.nn.attention.varlen.varlen_attn with the pack's "
+        'cu_seqlens instead (a transformers model: attn_implementation="cpcompile")'
+    )
 
 
 def _describe_call(m: AttentionMatch) -> str:
@@ -371,6 +414,7 @@ def rewrite_packed_attention(
     so that the plan op (kept out of CUDA graphs) does not cut the captured forward in two."""
     graph = gm.graph
     config = resolve_config(config)
+    own, freed = set(graph.nodes), []  # the graph's nodes before the rewrite; the replaced calls' inputs
     heads = spec.head_parallel > 1
     hybrid = 1 < spec.head_parallel < cp_size
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -527,6 +571,7 @@ def rewrite_packed_attention(
                 user.replace_all_uses_with(cp[user.args[1]])
                 graph.erase_node(user)
         m.node.replace_all_uses_with(cp)
+        freed += m.node.all_input_nodes
         graph.erase_node(m.node)
     # What the calls make of each plan, in its op: the ranks compare it there (a rank whose calls run
     # no backward would leave the others waiting in theirs). It also keeps AOT autograd's CSE from
@@ -537,6 +582,24 @@ def rewrite_packed_attention(
     for key, (index, *_) in plans.items():
         plan = index.args[0]
         plan.kwargs = {**plan.kwargs, "calls": calls[key]}
+    _erase_unread(graph, set(graph.nodes) - own, freed)
+
+
+def _erase_unread(graph: fx.Graph, added: set[fx.Node], freed: list[fx.Node]) -> None:
+    """Erase what the rewrite left unread, and nothing else: the nodes it ``added`` (plan outputs a call
+    does not read, a window's query positions under a causal mask) and the symbolic scalars that only
+    the replaced calls read (a ``causal`` computed as ``window[1] == 0``), consumers first.
+
+    Never graph-wide dead-code elimination: Dynamo's graph holds in-place calls whose results are
+    unused (``out.add_(b)``, a ``call_method``; ``operator.iadd``), which it takes for pure and drops."""
+    candidates = added | set(freed)
+    for node in reversed(list(graph.nodes)):
+        if node not in candidates or node.users or node.op != "call_function":
+            continue
+        scalar = isinstance(node.meta.get("example_value"), (torch.SymInt, torch.SymBool, torch.SymFloat))
+        if node in added or (scalar and not node.is_impure()):
+            candidates.update(node.all_input_nodes)
+            graph.erase_node(node)
 
 
 def shard_attention_pass(
@@ -573,19 +636,28 @@ def shard_attention_pass(
     # (find_packed_attention refuses a forward that Dynamo compiles as a graph of its own).
     forwards = _autograd_function_forwards(gm)
     found = [
-        (m, [], [Unsupported(x.node, _IN_AUTOGRAD_FUNCTION) for x in matches + skips])
+        (m, [], [x if isinstance(x, Unsupported) and not x.packed else Unsupported(x.node, _IN_AUTOGRAD_FUNCTION)
+                 for x in matches + skips])
         if any(m is f for f in forwards)
         else (m, matches, skips)
         for m, matches, skips in found
-    ]
+    ]  # fmt: skip
     skipped = [s for _, _, skips in found for s in skips]
     if skipped and check_unsupported(unsupported) == "raise":
-        calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in skipped)
+        packed, others = ([s for s in skipped if s.packed is p] for p in (True, False))
+        problems = []
+        if packed:
+            calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in packed)
+            problems.append(
+                f"cpcompile cannot run {len(packed)} packed attention call(s) context-parallel exactly: {calls}. "
+                "Use one cu_seqlens for queries and keys and a valid window"
+            )
+        if others:
+            calls = "; ".join(f"{s.node.format_node()}: {s.reason}" for s in others)
+            problems.append(f"cpcompile cannot run {len(others)} attention call(s) context-parallel: {calls}")
         raise UnsupportedAttentionError(
-            f"cpcompile cannot run {len(skipped)} packed attention call(s) context-parallel exactly: {calls}. "
-            "Use one cu_seqlens for queries and keys and a valid window, or pass "
-            "cpcompile.backend(..., unsupported='single_device') to run such calls over each rank's own "
-            "tokens alone (not the single-device result)."
+            ". ".join(problems) + ". Or pass cpcompile.backend(..., unsupported='single_device') to run such "
+            "calls over each rank's own tokens alone (not the single-device result)."
         )
     for s in skipped:
         warnings.warn(f"cpcompile left {s.node.format_node()} as single-device attention: {s.reason}", stacklevel=2)
@@ -597,7 +669,6 @@ def shard_attention_pass(
             module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config,
             captured=captured,
         )  # fmt: skip
-        module.graph.eliminate_dead_code()
         module.graph.lint()
         module.recompile()
         count += len(matches)

@@ -51,6 +51,7 @@ from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_key
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import (
     NOT_CAPTURED,
+    communicates,
     agree_in_op,
     check_fake_gather,
     check_fake_qkv,
@@ -236,6 +237,7 @@ def _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_attention (all_gather)")
 def _cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -277,6 +279,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
 
 
 @torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_attention (all_gather)", "backward")
 def _cp_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

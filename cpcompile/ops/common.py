@@ -1,13 +1,25 @@
 """What the attention ops share: fake-tensor checks, output allocation, the softmax
-scale, the accumulation dtype, the agreement an op runs where no wrapper ran one, and
-the autograd that ties each op to its backward op."""
+scale, the accumulation dtype, the agreement an op runs where no wrapper ran one (forward)
+and before its backward's collectives, the naming of a collective's failure, and the autograd
+that ties each op to its backward op."""
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
 from ..checks import agreement_enabled
-from ..comm.groups import agree, already_agreed, digest
+from ..comm.groups import (
+    agree,
+    already_agreed,
+    collective_failure,
+    digest,
+    failed_inside,
+    raised_on_every_rank,
+    resolve_group,
+)
 from ..plan import origin
 
 #: Tags of every cpcompile op but the captured pair (``ops.captured``): kept out of CUDA graphs. The
@@ -87,7 +99,70 @@ def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, 
     if not already_agreed() and agreement_enabled(group, q):
         made = None if k_len is None else origin(k_len)
         pack = {} if made is None else {"cu_seqlens (the plan's)": digest(made.pack.cu_seqlens)}
-        agree(group, None, op_record(op, q, k, mask, scale, layout, config) | pack)
+        agree(group, None, op_record(op, q, k, mask, scale, layout, config) | pack, where=f"forward of {op}")
+
+
+def communicates(op: str, phase: str | None = "forward"):
+    """Decorates the implementation of an op that runs collectives over its ``group_name`` argument;
+    ``op`` names it in messages (``"cp_attention (all_gather)"``), ``phase`` is ``"forward"``,
+    ``"backward"`` or ``None`` (an op used both ways: ``head_all_to_all``).
+
+    A backward first runs an agreement (``comm.groups.agree``, where ``checks.agreement_enabled``,
+    alike on every rank: gloo always, elsewhere only with ``CPCOMPILE_VALIDATE=1``, so a compiled
+    step on NCCL gains no host sync): a rank that skipped the backward, or started the next step's
+    forward, meets the others there and every rank raises, rather than waiting in mismatched
+    collectives. A forward's agreement is the op's own (:func:`agree_in_op`) or its wrapper's.
+
+    An error of a collective inside the op (the group's timeout: no other rank came; a closed
+    connection: another rank's process ended) is raised again naming the op, the step, the rank
+    and the timeout (``comm.groups.collective_failure``). Any other error raised on one rank inside
+    the op, once its collectives may have begun (a kernel's), leaves the others in them: it gets a
+    note saying so, and the rank tells the others at its next agreement on the group.
+    """
+    step = op if phase is None else f"{phase} of {op}"
+
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)  # custom_op reads the schema from fn's signature (followed through __wrapped__)
+        def run(*args, **kwargs):
+            call = signature.bind(*args, **kwargs).arguments
+            # the group: ``group_name``, or in ops that take the rest as ``*call``, their first str argument
+            name = call.get("group_name") or next(a for a in (*args, *kwargs.values()) if isinstance(a, str))
+            group = resolve_group(name)
+            if phase == "backward" and agreement_enabled(group, call.get("q")):
+                agree(group, None, {}, where=step)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if raised_on_every_rank(e):
+                    raise
+                if _from_collective(e):
+                    raise collective_failure(e, group, step) from e
+                failed_inside(group, step)
+                _note(e, f"cpcompile: raised on rank {group.rank()} inside the {step}; ranks that went on wait in its "
+                      "collectives until the process group's timeout, then raise (docs/failures.md)")  # fmt: skip
+                raise
+
+        return run
+
+    return decorate
+
+
+def _from_collective(error: Exception) -> bool:
+    """Whether ``error`` is a collective's failure: torch's ``DistError`` kinds (NCCL's among them), or
+    the ``RuntimeError`` gloo raises (its message names a gloo source file or a pair's closure)."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("/gloo/" in text or "caused pair closure" in text)
+
+
+def _note(error: Exception, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
 
 
 def register_attention_autograd(op, backward_op, num_plan: int) -> None:

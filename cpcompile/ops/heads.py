@@ -31,6 +31,7 @@ from ..reads import keys_read
 from ..strategy import Strategy, StrategySpec
 from .common import (
     NOT_CAPTURED,
+    communicates,
     agree_in_op,
     check_fake_gather,
     check_fake_qkv,
@@ -195,7 +196,7 @@ def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, cau
 
 _cp_head_attention = torch.library.custom_op(
     "cpcompile::cp_head_attention",
-    _head_attention,
+    communicates("cp_head_attention (all_to_all)")(_head_attention),
     mutates_args=(),
     tags=NOT_CAPTURED,
     schema=f"(Tensor q, Tensor k, Tensor v, {_PLAN_SCHEMA}) -> (Tensor, Tensor)",
@@ -228,7 +229,7 @@ def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_star
 
 _cp_head_attention_backward = torch.library.custom_op(
     "cpcompile::cp_head_attention_backward",
-    _head_attention_backward,
+    communicates("cp_head_attention (all_to_all)", "backward")(_head_attention_backward),
     mutates_args=(),
     tags=NOT_CAPTURED,
     schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_PLAN_SCHEMA}) "

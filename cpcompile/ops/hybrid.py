@@ -18,11 +18,12 @@ from ..comm.groups import resolve_group
 from ..comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
 from ..plan import AttentionPlan, hybrid_step_plan, max_pieces
 from ..strategy import Strategy, StrategySpec
-from .common import NOT_CAPTURED, check_fake_tokens
+from .common import NOT_CAPTURED, check_fake_tokens, communicates
 from .cp_plan import fake_plan, plan_op
 
 
 @torch.library.custom_op("cpcompile::head_all_to_all", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("head_all_to_all (the hybrid's)", None)
 def head_all_to_all(x: torch.Tensor, group_name: str, to_tokens: bool) -> torch.Tensor:
     """``to_tokens``: ``[T_local, H, D]`` -> ``[u * T_local, H / u, D]`` over the group of ``u`` ranks
     (``comm.heads.heads_to_tokens``); else the mirror."""

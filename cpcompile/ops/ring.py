@@ -31,6 +31,7 @@ from ..ring_plan import block_key_ranges, ring_window_plan
 from ..window import beyond_gpu
 from .common import (
     NOT_CAPTURED,
+    communicates,
     accumulation_dtype,
     agree_in_op,
     check_fake_qkv,
@@ -120,6 +121,7 @@ def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, 
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_ring_attention (ring)")
 def _ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,6 +171,7 @@ def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_ring_attention (ring)", "backward")
 def _ring_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -79,24 +79,25 @@ def _check_window_argument(rank: int, world: int) -> None:
 
 
 def _check_suppress_errors(rank: int, world: int) -> None:
+    """Refused on every call while the flag is on, at the first compile or at a recompile (a new window
+    after graphs compiled with it off); compiled and exact once it is off again."""
     tensors, sharded = _case(rank, world)
-    cu, window = sharded.cu_seqlens, (2, 3)
-    want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
+    cu = sharded.cu_seqlens
     torch._dynamo.reset()
     compiled = torch.compile(windowed, backend=cpcompile.backend(inner="aot_eager"))
-    torch._dynamo.config.suppress_errors = True
-    try:
-        with cpcompile.strategy(SPEC):
-            for _ in range(2):  # refused on every call, never run eagerly
-                with pytest.raises(
-                    RuntimeError, match=r"suppress_errors is True.*set torch._dynamo.config.suppress_errors = False"
-                ):
-                    compiled(*_local(sharded), cu, window)
-    finally:
-        torch._dynamo.config.suppress_errors = False
-    with cpcompile.strategy(SPEC):  # the refusal was guarded on the flag: this compiles
-        out = compiled(*_local(sharded), cu, window)
-    assert_attention_matches([out], want[:1], EXACT, f"rank {rank} after suppress_errors", dtype=torch.float64)
+    for window in ((2, 3), (4, 4)):
+        torch._dynamo.config.suppress_errors = True
+        try:
+            with cpcompile.strategy(SPEC):
+                for _ in range(2):  # refused on every call, never run eagerly
+                    with pytest.raises(RuntimeError, match=r"suppress_errors is True.*suppress_errors = False"):
+                        compiled(*_local(sharded), cu, window)
+        finally:
+            torch._dynamo.config.suppress_errors = False
+        with cpcompile.strategy(SPEC):  # the refusal was guarded on the flag: this compiles
+            out = compiled(*_local(sharded), cu, window)
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)[:1]
+        assert_attention_matches([out], want, EXACT, f"rank {rank} {window} after suppress_errors", torch.float64)
 
 
 def sdpa(q, k, v):  # q [T, H, D]: one sequence of this rank's tokens, heads first for SDPA

@@ -191,7 +191,7 @@ def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, cau
     out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
     (lse,) = tokens_to_heads([lse], group)  # [T_local, Hq, 1]
-    return out, lse.squeeze(-1).t().contiguous()
+    return out.contiguous(), lse.squeeze(-1).t().contiguous()  # contiguous whatever q's layout, as the fake says
 
 
 _cp_head_attention = torch.library.custom_op(
@@ -209,7 +209,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     u = resolve_group(group_name).size()
     torch._check(q.shape[1] % u == 0, lambda: f"head_parallel={u} must divide the query heads {q.shape[1]}")
     check_fake_gather(q, gather_index, u)
-    return out_and_lse(q)
+    return q.new_empty(q.shape), out_and_lse(q)[1]  # out contiguous, as the op returns it
 
 
 def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, *call):
@@ -224,7 +224,8 @@ def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_star
     dq, dk, dv = local.backward(dout_t, q_t, k_t, v_t, out_t, lse_t, wire)
     (dq,) = tokens_to_heads([dq], group)  # [T_local, Hq, D]
     dk, dv = tokens_to_heads([dk, dv], group)  # [T_local, Hkv * f, D]
-    return dq, sum_replicas(dk, f).to(k.dtype), sum_replicas(dv, f).to(v.dtype)
+    dk, dv = sum_replicas(dk, f).to(k.dtype), sum_replicas(dv, f).to(v.dtype)
+    return tuple(t.contiguous() for t in (dq, dk, dv))  # whatever q's, k's and v's layouts, as the fake says
 
 
 _cp_head_attention_backward = torch.library.custom_op(
@@ -239,7 +240,7 @@ _cp_head_attention_backward = torch.library.custom_op(
 
 @_cp_head_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op returns them
 
 
 # plan: gather_index, cu_q, k_start, k_len

@@ -156,7 +156,8 @@ def _ring_attention(
         out, lse = (block[0].to(lse_dtype), block[1]) if lse is None else merge(out, lse, *block)
     if lse is None:  # no piece reads a key
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype, device=q.device)
-    return out.to(q.dtype), lse
+    # contiguous whatever q's layout (a head-major q, say) and the kernel made of it, as the fake says
+    return out.to(q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
 
 
 @_ring_attention.register_fake
@@ -167,7 +168,7 @@ def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_
     cp = resolve_group(group_name).size()
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
     torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")
-    return out_and_lse(q)
+    return q.new_empty(q.shape), out_and_lse(q)[1]  # out contiguous, as the op returns it
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -225,13 +226,14 @@ def _ring_attention_backward(
         work.wait()
     # Copied into fresh tensors, not returned as views of one buffer: with one local row
     # the two halves are contiguous views already, and an op's outputs must not alias.
-    dk, dv = (torch.empty_like(t).copy_(part) for t, part in zip((k, v), arrived.split(k.shape[1], dim=1)))
-    return dq.to(q.dtype), dk, dv
+    # Contiguous, whatever k's and v's layouts, as the fake says.
+    dk, dv = (t.new_empty(t.shape).copy_(part) for t, part in zip((k, v), arrived.split(k.shape[1], dim=1)))
+    return dq.to(q.dtype, memory_format=torch.contiguous_format), dk, dv
 
 
 @_ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_q, k_start, k_len, group_name, causal, scale, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op returns them
 
 
 # plan: cu_q, k_start, k_len

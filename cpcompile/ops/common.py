@@ -122,15 +122,19 @@ def communicates(op: str, phase: str | None = "forward"):
     step = op if phase is None else f"{phase} of {op}"
 
     def decorate(fn):
-        signature = inspect.signature(fn)
+        params = list(inspect.signature(fn).parameters)
+        at = {name: params.index(name) if name in params else None for name in ("group_name", "q")}
+
+        def argument(name: str, args, kwargs):
+            i = at[name]
+            return args[i] if i is not None and i < len(args) else kwargs.get(name)
 
         @functools.wraps(fn)  # custom_op reads the schema from fn's signature (followed through __wrapped__)
         def run(*args, **kwargs):
-            call = signature.bind(*args, **kwargs).arguments
             # the group: ``group_name``, or in ops that take the rest as ``*call``, their first str argument
-            name = call.get("group_name") or next(a for a in (*args, *kwargs.values()) if isinstance(a, str))
+            name = argument("group_name", args, kwargs) or next(a for a in args if isinstance(a, str))
             group = resolve_group(name)
-            if phase == "backward" and agreement_enabled(group, call.get("q")):
+            if phase == "backward" and agreement_enabled(group, argument("q", args, kwargs)):
                 agree(group, None, {}, where=step)
             try:
                 return fn(*args, **kwargs)

@@ -15,6 +15,7 @@ and 10), on 2 real gloo ranks:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from datetime import timedelta
@@ -83,6 +84,28 @@ def _skips_backward(rank: int, world: int) -> None:
         _attention(rank, world, path, seed=2).sum().backward()
 
 
+def _told_at_the_next_agreement(rank: int, world: int) -> None:
+    """Rank 1's kernel raises in the forward once K/V are gathered, so rank 0's forward completes; both
+    go on to a forward (rank 0 its next layer, rank 1 its next step), where rank 1 tells rank 0: both
+    raise at once, and are in step again."""
+    path = PATHS[0]
+    kernels = sys.modules["cpcompile.kernels"]
+    select = kernels.select
+    if rank == 1:
+        kernels.select = lambda *a, **kw: _Raising(select(*a, **kw), "forward")
+    try:
+        with pytest.raises(RuntimeError, match="kernel failed on this rank") if rank == 1 else contextlib.nullcontext():
+            _attention(rank, world, path, seed=0)
+    finally:
+        kernels.select = select
+    start = time.monotonic()
+    told = r"rank 1 failed inside the forward of cp_attention \(all_gather\), once its collectives had begun"
+    with pytest.raises(RuntimeError, match=told):
+        _attention(rank, world, path, seed=1)
+    assert time.monotonic() - start < 10, "detected only after the timeout"
+    _attention(rank, world, path, seed=2).sum().backward()
+
+
 class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +146,10 @@ def _compiled_skips_backward(rank: int, world: int) -> None:
 
 def test_a_rank_that_skips_the_backward_fails_every_rank_at_once():
     run_ranks(_skips_backward, 2, timeout_s=20)
+
+
+def test_a_rank_that_failed_inside_an_op_tells_the_others_at_the_next_agreement():
+    run_ranks(_told_at_the_next_agreement, 2, timeout_s=20)
 
 
 def test_a_compiled_rank_that_skips_the_backward_fails_every_rank_at_once():

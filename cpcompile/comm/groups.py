@@ -118,8 +118,13 @@ def agree(
     try:
         dist.all_gather_object(entries, mine, group=group)
     except Exception as e:
+        error = None  # see below: a raised error must not hold the frame that holds it
         raise collective_failure(e, group, f"agreement before the {where}") from e
-    _check_steps(group, entries)
+    try:
+        _check_steps(group, entries)
+    except Exception:
+        error = None
+        raise
     if error is not None:
         try:
             raise _every_rank(error)  # the others raise too, naming this rank

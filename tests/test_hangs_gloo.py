@@ -10,7 +10,8 @@ and 10), on 2 real gloo ranks:
 - A rank's kernel raises inside the op once its collectives began (forward and backward): it
   raises its own error with a note, and the other raises, within the process group's timeout,
   an error naming the op and the step. The group is broken after a timeout, so each case runs
-  in a group of its own with a short timeout, and the world group stays usable.
+  in a group of its own with a short timeout, and the world group stays usable. Where the other
+  rank's op completed and both reach an agreement, the failed rank tells it there: both raise at once.
 """
 
 from __future__ import annotations

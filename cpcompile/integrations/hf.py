@@ -9,6 +9,10 @@ batch size 1, ``position_ids`` restarting per document, ``cu_seq_lens_q`` /
 layer's call becomes CP attention; :func:`shard_flattened_batch` cuts the batch for a
 rank (its tokens, labels shifted on the whole pack, ``cu_seq_lens`` kept global).
 
+What a rank cannot compute from its own tokens raises (on every rank, naming the config field): LFM2's
+convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, soft-capping, sinks,
+and Llama 4's chunked attention under CP for documents longer than a chunk.
+
 Design constraint: the model code stays stock. No attention mask is built (custom
 implementations get ``attention_mask=None`` from transformers), so nothing of size
 ``T x T`` exists, and rotary embeddings follow the sharded ``position_ids``.
@@ -79,14 +83,23 @@ def cpcompile_attention_forward(
             models that alternate sliding and global layers run both.
     Returns:
         ``([1, T, Hq, D], None)``: the output in transformers' layout, and no attention weights.
+
+    A chunked-attention layer (Llama 4's ``config.attention_chunk_size``) attends within each chunk of each
+    document (:func:`_chunked`). Under CP (the batch cut by :func:`shard_flattened_batch` with ``cp_size > 1``)
+    a model that reads more of the sequence than attention does is refused, eagerly or while Dynamo traces
+    this function: token mixers outside attention (:func:`non_attention_layers`), Llama 4's temperature tuning.
     """
     layer = f"{type(module).__name__} (attn_implementation={ATTN_IMPLEMENTATION!r})"
     if cu_seq_lens_q is None:
         raise ValueError(
             f"{layer} needs cu_seq_lens_q, the [B + 1] int32 document boundaries of the flattened batch, got None: "
             "pass the batch of DataCollatorWithFlattening(return_flash_attn_kwargs=True) or of "
-            "cpcompile.integrations.hf.shard_flattened_batch to the model"
+            "cpcompile.integrations.hf.shard_flattened_batch to the model" + _dropped_kwargs_hint(module)
         )
+    config = getattr(module, "config", None)
+    cp_size = getattr(cu_seq_lens_q, CP_SIZE_ATTR, 1)
+    if cp_size > 1:
+        _check_cp_computable(module, config, cp_size, layer)
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
         # values are compared only where they can be read (not while tracing): see checks.data_checks_enabled
         readable = data_checks_enabled(cu_seq_lens_k) and data_checks_enabled(cu_seq_lens_q)
@@ -103,7 +116,10 @@ def cpcompile_attention_forward(
     }
     for name, (value_, what) in unsupported.items():
         if value_ is not None:
-            raise ValueError(f"{layer} does not support {what}: {name} must be None, got {value_!r}")
+            raise ValueError(
+                f"{layer} does not support {what}: {name} must be None, got {value_!r}"
+                + _config_field_hint(config, name, value_)
+            )
     if dropout != 0.0:
         raise ValueError(
             f"{layer} does not support attention dropout: dropout must be 0.0, got {dropout!r} "
@@ -112,11 +128,15 @@ def cpcompile_attention_forward(
     _check_batch_of_one("query", query)
     causal = module.is_causal if is_causal is None else is_causal
     window = hf_window(sliding_window, causal, layer)
+    cu_seqlens = cu_seq_lens_q
+    chunk = _attention_chunk(module, config)
+    if chunk is not None:
+        cu_seqlens, max_length_q = _chunked(cu_seq_lens_q, chunk, max_length_q, cp_size, layer)
     out = packed_attention(
         query[0].transpose(0, 1),  # [Hq, T, D] -> [T, Hq, D]
         key[0].transpose(0, 1),  # [T, Hkv, D]
         value[0].transpose(0, 1),
-        cu_seq_lens_q,
+        cu_seqlens,
         max_seqlen=max_length_q,
         causal=causal,
         window_size=window,
@@ -160,6 +180,154 @@ def layer_windows(config: object) -> tuple[int, ...]:
     if kinds is None:
         return (left,) * int(config.num_hidden_layers)
     return tuple(left if kind == "sliding_attention" else -1 for kind in kinds)
+
+
+#: The attribute :func:`shard_flattened_batch` sets on the ``cu_seq_lens_q`` it returns: the CP size the batch
+#: was cut for. The attention function reads it (Dynamo guards on it, so compiled graphs read it too) to refuse,
+#: under CP, what a rank cannot compute from its own tokens (:func:`_check_cp_computable`).
+CP_SIZE_ATTR = "_cpcompile_cp_size"
+
+#: ``config.layer_types`` entries whose layers mix tokens in the attention function alone (or not at all).
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+_NO_MIXING_LAYERS = frozenset({"mlp", "moe"})  # nemotron_h's feed-forward layers
+#: Config fields of state-space, convolution and linear-attention layers, for configs without ``layer_types``.
+_MIXER_FIELDS = (
+    "conv_L_cache",  # LFM2
+    "mamba_d_state",  # Bamba, Jamba, Zamba, Falcon-H1, GraniteMoeHybrid
+    "mamba_num_heads",  # Nemotron-H
+    "ssm_state_size",
+    "linear_conv_kernel_dim",  # Qwen3-Next, Qwen3.5, Kimi-Linear, OLMo-hybrid
+    "short_conv_kernel_size",
+    "conv1d_width",  # RecurrentGemma
+    "layers_block_type",
+    "block_types",
+    "hybrid_override_pattern",
+)
+
+
+def non_attention_layers(config: object) -> str | None:
+    """What in a transformers config mixes tokens outside attention (convolutions, state-space scans, linear or
+    sparse-indexed attention), named for an error; ``None``: nothing found.
+
+    ``config.layer_types`` decides where the config has it: entries other than full, sliding and chunked attention
+    (and the feed-forward ``"mlp"``/``"moe"``), with the layers that have them; else a field of such layers
+    (:data:`_MIXER_FIELDS`)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        others = [(i, kind) for i, kind in enumerate(kinds) if kind not in _ATTENTION_LAYERS | _NO_MIXING_LAYERS]
+        if not others:
+            return None
+        named = sorted({kind for _, kind in others})
+        return f"config.layer_types {named} (layers {[i for i, _ in others]})"
+    for field in _MIXER_FIELDS:
+        if getattr(config, field, None) is not None:
+            return f"config.{field}"
+    return None
+
+
+def _check_cp_computable(module: torch.nn.Module, config: object, cp_size: int, layer: str) -> None:
+    """Refuse, under CP (``cp_size > 1``), a model that reads more of the sequence than attention does: a rank
+    holds part of each document, so such a layer would see its own tokens alone, silently wrong."""
+    model = type(config).__name__ if config is not None else type(module).__name__
+    mixers = non_attention_layers(config) if config is not None else None
+    if mixers is not None:
+        raise ValueError(
+            f"{layer}: {model} has layers that mix tokens outside attention ({mixers}: convolutions, state-space "
+            f"or linear-attention scans, sparse indexers). Under context parallelism (cp_size={cp_size}) each rank "
+            "holds only part of each document, and those layers would see only the rank's own tokens: "
+            "cpcompile cannot run this model context-parallel. Use cp_size=1 (data parallelism alone)"
+        )
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        # Llama 4's NoPE layers scale queries by the token's index in the sequence the layer sees
+        raise ValueError(
+            f"{layer}: {model}'s layers without RoPE scale their queries by each token's index in the sequence "
+            "they see (config.attn_temperature_tuning=True), which under context parallelism "
+            f"(cp_size={cp_size}) is the rank's own rows, not the pack: set config.attn_temperature_tuning=False, "
+            "or use cp_size=1"
+        )
+
+
+def _config_field_hint(config: object, argument: str, value: object) -> str:
+    """`` (set config.X=None ...)``: the config field that gave ``argument`` its ``value``, where one is known."""
+    fields = {"softcap": ("attn_logit_softcapping",)}.get(argument, ())
+    for field in fields:
+        if config is not None and getattr(config, field, None) == value:
+            return f" (it comes from config.{field}={value!r}: set config.{field}=None)"
+    return ""
+
+
+@torch.compiler.disable  # only on the error path: reads the model's source
+def _dropped_kwargs_hint(module: torch.nn.Module) -> str:
+    """Where the attention module's decoder layer calls it without passing on its keyword arguments, a sentence
+    saying so (the batch's ``cu_seq_lens_q`` never reaches attention then); else ``""``."""
+    import inspect
+    import re
+    import sys
+
+    source_module = sys.modules.get(type(module).__module__)
+    for name, cls in vars(source_module or object()).items():
+        if not (name.endswith("DecoderLayer") and isinstance(cls, type) and hasattr(cls, "forward")):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        call = re.search(r"self\.self_attn\((.*?)\n\s*\)", source, re.DOTALL)
+        if call is not None and "**kwargs" not in call.group(1):
+            return (
+                f". If the batch had them, the model dropped them: {name}.forward does not pass its keyword "
+                f"arguments (cu_seq_lens_q among them) on to {type(module).__name__}, so this model cannot run "
+                f"with attn_implementation={ATTN_IMPLEMENTATION!r} unless its decoder layer passes **kwargs on to "
+                "attention"
+            )
+    return ""
+
+
+def _attention_chunk(module: torch.nn.Module, config: object) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4's ``"chunked_attention"`` layers: a query sees the keys of
+    its own ``config.attention_chunk_size`` chunk of the document), ``None`` for other layers."""
+    kinds = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if kinds is None or index is None or kinds[index] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
+def _chunked(
+    cu_seqlens: torch.Tensor, chunk: int, max_length: int | None, cp_size: int, layer: str
+) -> tuple[torch.Tensor, int | None]:
+    """``(cu_seqlens, max_length)`` of chunked attention: each document cut into chunks of ``chunk`` tokens
+    (from its first token, as the document alone would be), which attend as documents.
+
+    Packs whose documents fit in one chunk (``max_length <= chunk``) are unchanged. Otherwise the cut offsets
+    depend on the values of ``cu_seqlens``: on one process they are made on the host (:func:`_cut_in_chunks`,
+    a graph break where compiled); under CP (``cp_size > 1``) they are refused, since the rows were laid out by
+    the documents, not their chunks."""
+    if max_length is not None and max_length <= chunk:
+        return cu_seqlens, max_length
+    if cp_size > 1:
+        raise ValueError(
+            f"{layer} is a chunked-attention layer (config.attention_chunk_size={chunk}): under context "
+            f"parallelism (cp_size={cp_size}) cpcompile computes it only for packs whose documents fit in one "
+            f"chunk, max_length_q <= {chunk}, got max_length_q={max_length}. Pack documents of at most {chunk} "
+            "tokens (shard_flattened_batch gives the longest as max_length_q), or run on one process (cp_size=1), "
+            "where documents are cut into chunks exactly"
+        )
+    return _cut_in_chunks(cu_seqlens, chunk)
+
+
+@torch.compiler.disable  # the offsets' count depends on their values: made on the host, outside the graph
+def _cut_in_chunks(cu_seqlens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` ``[B + 1]`` with each document cut every ``chunk`` tokens from its start, and the longest
+    piece."""
+    bounds = cu_seqlens.tolist()
+    cut = bounds[:1]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        cut.extend(range(start + chunk, end, chunk))
+        cut.append(end)
+    longest = max([b - a for a, b in zip(cut[:-1], cut[1:])], default=0)
+    return torch.tensor(cut, dtype=cu_seqlens.dtype, device=cu_seqlens.device), max(longest, 1)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpcompile_attention_forward)
@@ -259,6 +427,7 @@ def shard_flattened_batch(
         raise ValueError(f"max_length must be an int of at least the longest document, {longest}; got {max_length!r}")
     sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy, device=device)
     cu = sharded.cu_seqlens
+    setattr(cu, CP_SIZE_ATTR, cp_size)  # what a rank cannot compute from its rows is refused by it (attention)
     inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}
     inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
     if "labels" in tensors:

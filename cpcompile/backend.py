@@ -22,7 +22,7 @@ from .comm.groups import agree, held_group, resolve_group
 from .config import Config, resolve_config
 from .passes.overlap_matmul import overlap_matmul_pass
 from .passes.shard_attention import check_unsupported, find_packed_attention, shard_attention_pass
-from .strategy import check_comm, current_spec
+from .strategy import check_comm, current_spec, layout_in_force
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
 
@@ -306,11 +306,14 @@ def backend(
         compile_rest, cuda_graphs = _with_inductor_options(compile_inner, inner, **inductor)
         cuda_graphs = cuda_graphs or captured_step
         pg = resolve_group(group)
-        spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
         rewritten = 0
+        spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
         if pg.size() > 1:
             _guard_on_strategy()
-            with _failure_shared(pg, _attends(gm)):
+            attends = _attends(gm)
+            with _failure_shared(pg, attends):
+                if attends:  # no default layout under CP: a strategy block must give it
+                    layout_in_force(None, cp_size=pg.size(), what="packed attention compiled for a CP group")
                 rewritten = shard_attention_pass(
                     gm,
                     group_name=pg.group_name,

@@ -1,17 +1,18 @@
 """Data-loader side: pad a packed batch for CP and keep one rank's tokens.
 
 The loader and the model must agree on the layout; ``shard_batch`` reads the same
-active strategy as the compiled attention unless one is passed. Attention reads only the
-batch's rows and ``cu_seqlens``, and rows laid out for another rank or layout of the same
-token count would attend wrongly without an error, so the batch's ``cu_seqlens`` carries what
-it was sharded for (:class:`ShardedFor`), which attention checks (:func:`check_sharded_for`).
+active strategy as the compiled attention unless one is passed (under CP there is no
+default). Attention reads only the batch's rows and ``cu_seqlens``, and rows laid out for
+another rank or layout of the same token count would attend wrongly without an error, so
+attention checks what the rows were laid out for (:class:`~cpcompile.strategy.ShardedFor`,
+:func:`check_rows`): given as a value, ``with cpcompile.strategy(batch)`` (or
+``strategy=batch``), or remembered with the batch's own ``cu_seqlens`` tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -20,9 +21,18 @@ from .comm.collectives import all_gather_rows
 from .comm.groups import agree_on, digest, resolve_group
 from .cost import resolve_auto
 from .partition import all_partition_indices, pad_for_cp, partition_indices
-from .per_plan import attach, attached, on_host, upload
+from .per_plan import attach, attached, on_host, twin, upload
 from .plan import head_step_plan, plan_extras, step_plan
-from .strategy import Strategy, StrategyLike, StrategySpec, check_head_parallel, layout_name, resolve_strategy
+from .strategy import (
+    ShardedFor,
+    Strategy,
+    StrategyLike,
+    StrategySpec,
+    check_head_parallel,
+    layout_name,
+    note_batch,
+    resolve_strategy,
+)
 
 DEFAULT_PAD_VALUES = {"labels": -100}
 
@@ -49,21 +59,22 @@ class ShardedBatch:
     def strategy(self) -> Strategy:
         return self.spec.strategy
 
+    @property
+    def sharded_for(self) -> ShardedFor:
+        """What the rows were laid out for: ``with cpcompile.strategy(batch)`` hands it to attention."""
+        made = attached(self.cu_seqlens)
+        return made if isinstance(made, ShardedFor) else _sharded_for(self, self.spec)
+
     def __setstate__(self, state: dict) -> None:
         # a copy (copy.deepcopy, pickle, a DataLoader worker's batch) has a cu_seqlens of its own: it
         # is told what its batch was sharded for too (check_sharded_for)
         self.__dict__.update(state)
-        attach(self.cu_seqlens, ShardedFor(self.cp_size, self.rank, self.spec, self.spec))
+        attach(self.cu_seqlens, _sharded_for(self, self.spec))
 
 
-class ShardedFor(NamedTuple):
-    """What :func:`shard_batch` laid a batch out for, remembered with its ``cu_seqlens``: the CP size, the
-    rank, the layout (``auto`` resolved) and the strategy as it was asked for (``auto`` kept)."""
-
-    cp_size: int
-    rank: int
-    spec: StrategySpec
-    requested: StrategySpec
+def _sharded_for(batch: ShardedBatch, requested: StrategySpec) -> ShardedFor:
+    (cu,) = on_host(batch.cu_seqlens)
+    return ShardedFor(batch.cp_size, batch.rank, batch.spec, requested, cu, batch.indices.shape[0])
 
 
 def _layout_key(spec: StrategySpec) -> tuple:
@@ -71,16 +82,40 @@ def _layout_key(spec: StrategySpec) -> tuple:
     return spec.strategy, spec.stripe_size, spec.windows, spec.capacity
 
 
-def check_sharded_for(cu_seqlens: torch.Tensor, cp_size: int, rank: int | None, spec: StrategySpec) -> None:
-    """Raise ``ValueError`` where ``cu_seqlens`` is a :class:`ShardedBatch`'s and the batch was sharded for
-    another CP size, rank (``None``: not checked) or layout than attention runs with: its rows would be
-    another rank's or another layout's, and attention over them silently wrong where the token counts
-    happen to fit. ``spec``: attention's strategy (``auto`` is resolved as the plan resolves it); another
-    spelling of the same layout (windows in another order, say) passes where it gives the pack's rows to the
-    same ranks. Other tensors, and ``cu_seqlens`` copied (but for a copy of the whole :class:`ShardedBatch`)
-    or changed since, are not checked."""
-    made = attached(cu_seqlens)
+def check_rows(
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    rank: int | None,
+    spec: StrategySpec,
+    rows: ShardedFor | None,
+    *,
+    required: bool = True,
+    learned: bool = False,
+) -> None:
+    """Raise ``ValueError`` unless the rows attention gets were laid out for this CP size, rank (``None``:
+    not checked), layout and pack: else they would be another rank's or another layout's, and attention
+    over them silently wrong where the token counts happen to fit.
+
+    ``rows``: what the call was told of them (``with cpcompile.strategy(batch)`` or ``strategy=batch``;
+    ``learned``: only the last batch ``shard_batch`` made in the block, which what ``cu_seqlens`` remembers
+    overrides); ``None``: what ``cu_seqlens`` remembers where it is a :class:`ShardedBatch`'s own tensor. Under CP
+    (``cp_size > 1``) one of them must say it: offsets copied from a batch, or made by hand, carry no
+    record of the rank their rows are for (``required=False``: not refused, as on the fake process group,
+    whose rows are garbage). ``spec``: attention's strategy (``auto`` is resolved as the
+    plan resolves it); another spelling of the same layout (windows in another order, say) passes where
+    it gives the pack's rows to the same ranks. The pack is compared where ``cu_seqlens`` can be read
+    without a host sync."""
+    own = attached(cu_seqlens) if rows is None or learned else None
+    made = own if isinstance(own, ShardedFor) else rows
+    rows = None if made is own else rows  # the pack is compared against a record given apart from it
     if not isinstance(made, ShardedFor):
+        if cp_size > 1 and required:
+            raise ValueError(
+                "attention under context parallelism cannot tell which rank's rows it got: cu_seqlens is not a "
+                "sharded batch's own (a copy of batch.cu_seqlens, or offsets made by hand) and no batch was given. "
+                "Run the model inside `with cpcompile.strategy(batch):` (or pass strategy=batch to cp_attention), "
+                "batch being this rank's cpcompile.shard_batch result"
+            )
         return
     wrong = None
     if made.cp_size != cp_size:
@@ -91,11 +126,19 @@ def check_sharded_for(cu_seqlens: torch.Tensor, cp_size: int, rank: int | None, 
         runs = resolve_auto(spec, cu_seqlens, cp_size=cp_size)  # spec itself unless auto
         if _layout_key(runs) != _layout_key(made.spec) and not _same_rows(cu_seqlens, cp_size, made.spec, runs):
             wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
+    if wrong is None and rows is not None and made.pack is not None:
+        given = twin(cu_seqlens) if not data_checks_enabled(cu_seqlens) else cu_seqlens  # no host sync
+        if given is not None and not torch.equal(given.to(made.pack.dtype), made.pack):
+            wrong = (
+                "another pack (its cu_seqlens differ from the call's: pass batch.cu_seqlens, which under a capacity "
+                "holds the bucket's zero-length documents too)"
+            )
     if wrong is not None:
+        where = "cu_seqlens is from" if rows is None else "the rows are of"
         raise ValueError(
-            f"cu_seqlens is from a batch that shard_batch laid out for {wrong}: attention over its rows would be "
+            f"{where} a batch that shard_batch laid out for {wrong}: attention over its rows would be "
             "wrong. Shard each rank's batch with the CP group's size and the rank in it (cp_group.size(), "
-            "cp_group.rank()), and run the model under `with cpcompile.strategy(batch.spec)`"
+            "cp_group.rank()), and run the model under `with cpcompile.strategy(batch)` with that batch"
         )
 
 
@@ -144,16 +187,19 @@ def shard_batch(
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
         pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
         device: where the step runs (default: where the inputs are).
-        strategy: default the active one; ``auto`` is resolved here (:func:`cpcompile.cost.resolve_auto`:
+        strategy: the layout (a strategy or spec; default the active one, ``dual_chunk_swap`` outside every
+            :func:`cpcompile.strategy` block). Attention takes no default: run it inside
+            ``with cpcompile.strategy(batch)``, which gives it this batch's layout, so the two sides never
+            differ. ``auto`` is resolved here (:func:`cpcompile.cost.resolve_auto`:
             under the spec's ``windows``) and ``ShardedBatch.spec`` holds the strategy it picked.
     """
     check_cp(cp_size, rank, rank_given=True)
+    requested = resolve_strategy(strategy)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
     if cu_seqlens.device.type == "meta":  # the layout is made from its values
         raise ValueError("cu_seqlens must hold its values (on the host or a device), got a meta tensor")
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError(f"tensors must be a non-empty dict of name -> [T, ...] tensors, got {tensors!r}")
-    requested = resolve_strategy(strategy)
     check_head_parallel(requested.head_parallel, cp_size)
     if pad_values is not None and (
         not isinstance(pad_values, dict) or not all(isinstance(v, (bool, int, float)) for v in pad_values.values())
@@ -191,8 +237,10 @@ def shard_batch(
     # a tensor of the batch's own (not the caller's, which may serve other ranks' batches too), carrying
     # what it was sharded for: attention checks it (check_sharded_for)
     cu_seqlens = cu_seqlens.clone() if requested.capacity is None else cu_seqlens
-    attach(cu_seqlens, ShardedFor(cp_size, rank, spec, requested))
     sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
+    made = _sharded_for(sharded, requested)
+    attach(cu_seqlens, made)
+    note_batch(made)  # inside a strategy block: its attention takes this batch's rows
     return sharded if device is None else _to_device(sharded, torch.device(device))
 
 

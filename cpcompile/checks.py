@@ -50,6 +50,15 @@ def group_agrees(group) -> bool:
     return backend != "fake" and (backend == "gloo" or VALIDATE)
 
 
+def rows_are_real(group) -> bool:
+    """Whether attention over ``group`` runs on real rows, so that it must know whose they are
+    (``batch.check_rows``): a group of more than one rank, not the fake process group (tracing and
+    per-rank timing, whose collectives return garbage)."""
+    import torch.distributed as dist
+
+    return group.size() > 1 and dist.get_backend(group) != "fake"
+
+
 def check_device(q: torch.Tensor, **metadata: torch.Tensor | None) -> None:
     """Metadata tensors (``cu_seqlens`` and the like) must live on ``q``'s device: kernels read
     them there, and one on another device would be read as garbage, not copied."""

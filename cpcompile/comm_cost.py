@@ -262,7 +262,7 @@ def choose_spec(
 
     A pure function of its arguments: every rank gets the same answer. Resolve it in the data
     loader and pass the spec on: ``shard_batch(..., strategy=spec)``, then
-    ``with cpcompile.strategy(batch.spec)`` around the model.
+    ``with cpcompile.strategy(batch)`` around the model.
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).

@@ -116,7 +116,7 @@ def _host(name: str, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"{name} values are needed to predict costs or resolve strategy 'auto', and they are not "
             "available while tracing: resolve 'auto' in the data loader (shard_batch records the choice in "
-            "ShardedBatch.spec) and run the model under `with cpcompile.strategy(batch.spec)`"
+            "ShardedBatch.spec) and run the model under `with cpcompile.strategy(batch)`"
         )
     return t.detach().cpu()  # a host sync on CUDA
 

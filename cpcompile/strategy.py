@@ -3,6 +3,13 @@
 The strategy decides which physical tokens each CP rank holds. Data loaders
 (``shard_batch``) and attention (``cp_attention``, the compiler pass) must agree on
 it, so both read the same active value from :func:`strategy` unless one is passed.
+
+Under CP there is no default layout for attention: on a group of more than one rank it raises
+unless the layout is given (an argument, or a ``with strategy(...)`` block); ``shard_batch``'s
+default (``dual_chunk_swap`` outside every block) reaches attention through the batch itself.
+Attention also needs to know which rank of which CP size the rows were laid out for
+(:class:`ShardedFor`): ``with strategy(batch)`` gives it as a value, which the call sees however
+the batch's tensors were copied since (a block in which ``shard_batch`` ran knows its last batch).
 """
 
 from __future__ import annotations
@@ -167,8 +174,41 @@ def check_head_parallel(head_parallel: int, cp_size: int, q_heads: int | None = 
 
 StrategyLike = Strategy | str | StrategySpec | None
 
-_active: list[StrategySpec] = [StrategySpec()]
-guard_key = repr(_active[-1])  # see _sync_guard_key
+#: The layout of pure layout functions (``partition_indices``, ``pad_for_cp``) given none, as in
+#: TransformerEngine; attention and ``shard_batch`` under CP take no default (:func:`layout_in_force`).
+DEFAULT_SPEC = StrategySpec()
+
+
+class ShardedFor(NamedTuple):
+    """What :func:`cpcompile.shard_batch` laid a batch's rows out for: the CP size, the rank, the
+    layout (``auto`` resolved), the strategy as it was asked for (``auto`` kept), and the pack
+    (``[B + 1]`` int32 ``cu_seqlens`` on the host, the batch's documents). Attention checks it
+    against its group, its layout and its ``cu_seqlens`` (``batch.check_rows``)."""
+
+    cp_size: int
+    rank: int
+    spec: StrategySpec
+    requested: StrategySpec
+    pack: object  # torch.Tensor, [B + 1] int32 on the host
+    local_rows: int | None = None  # the rank's rows (T_padded / cp_size)
+
+
+class _Active(NamedTuple):
+    spec: StrategySpec | None  # None: no strategy given (outside every block)
+    rows: ShardedFor | None  # the block's batch: the one it was entered with, or the last sharded in it
+    given: bool = False  # rows is the batch the block was entered with
+
+
+_active: list[_Active] = [_Active(None, None)]
+guard_key = repr(None)  # see _sync_guard_key
+
+
+def _sharded_for(value: object) -> ShardedFor | None:
+    """``value``'s :class:`ShardedFor` where it is a sharded batch (``ShardedBatch.sharded_for``) or one."""
+    if isinstance(value, ShardedFor):
+        return value
+    made = getattr(type(value), "sharded_for", None)
+    return value.sharded_for if isinstance(made, property) else None
 
 
 def layout_name(spec: StrategySpec) -> str:
@@ -191,11 +231,16 @@ def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None =
         if stripe_size is not None and stripe_size != strategy.stripe_size:
             raise ValueError(f"stripe_size={stripe_size} conflicts with the spec's stripe_size={strategy.stripe_size}")
         return strategy
+    rows = _sharded_for(strategy)
+    if rows is not None:
+        return resolve_strategy(rows.requested, stripe_size=stripe_size)
+    active = current_spec()
     if strategy is None:
-        spec = _active[-1]
+        spec = active
     else:
-        kind = _to_enum(strategy, "a Strategy, a str or None", "or a StrategySpec; None: the active strategy; ")
-        active = _active[-1]
+        kind = _to_enum(
+            strategy, "a Strategy, a str or None", "or a StrategySpec or a ShardedBatch; None: the active strategy; "
+        )
         spec = active if active.strategy is kind else StrategySpec(kind)
     if stripe_size is not None and stripe_size != spec.stripe_size:
         spec = StrategySpec(spec.strategy, stripe_size)
@@ -203,24 +248,71 @@ def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None =
 
 
 def current_strategy() -> Strategy:
-    """The strategy in force (``dual_chunk_swap`` outside any :func:`strategy` block)."""
-    return _active[-1].strategy
+    """The strategy in force (``dual_chunk_swap``, :data:`DEFAULT_SPEC`, outside any :func:`strategy` block)."""
+    return current_spec().strategy
 
 
 def current_spec() -> StrategySpec:
-    """The strategy in force with its parameters."""
-    return _active[-1]
+    """The strategy in force with its parameters (:data:`DEFAULT_SPEC` outside any :func:`strategy` block)."""
+    return _active[-1].spec or DEFAULT_SPEC
+
+
+def current_rows() -> tuple[ShardedFor | None, bool]:
+    """What the rows of the innermost :func:`strategy` block's batch were laid out for, and whether the
+    block was given it (entered with the batch, or inside a block that was) rather than having learned it
+    (the last batch :func:`cpcompile.shard_batch` made inside the block, :func:`note_batch`);
+    ``(None, False)``: neither, or no block."""
+    return _active[-1].rows, _active[-1].given
+
+
+def note_batch(rows: ShardedFor) -> None:
+    """``shard_batch`` made a batch inside the innermost block: the block's attention takes its rows
+    (:func:`current_rows`), so ``with strategy("balanced"): batch = shard_batch(...); model(...)``
+    is checked like ``strategy(batch)``. A block entered with a batch keeps that one; outside every
+    block nothing is kept (no state outlives a block)."""
+    if len(_active) > 1 and not _active[-1].given:
+        _active[-1] = _active[-1]._replace(rows=rows)
+
+
+def no_layout_error(what: str) -> ValueError:
+    """The error of a CP call given no layout: ``what`` names the call."""
+    return ValueError(
+        f"{what} has no layout: under context parallelism there is no default, since the loader's rows and "
+        "attention must use the same one. Give it by argument (strategy=batch, or strategy='balanced', ...) or "
+        "run inside `with cpcompile.strategy(batch):` (batch: the rank's cpcompile.shard_batch result; "
+        "cpcompile.strategy('balanced') names a layout alone)"
+    )
+
+
+def layout_in_force(strategy: object, *, cp_size: int, what: str) -> tuple[StrategySpec, ShardedFor | None, bool]:
+    """``(spec, rows)`` of a call over a CP group of ``cp_size``: the layout given by argument (a
+    strategy, a spec or a sharded batch) or else by the innermost :func:`strategy` block, and what
+    the rows were laid out for where known (:class:`ShardedFor`: the argument's batch, or the block's,
+    given or learned: :func:`current_rows`), and whether it was learned.
+    Raises :func:`no_layout_error` where ``cp_size > 1`` and neither gives a layout."""
+    rows = _sharded_for(strategy)
+    if rows is not None:
+        return resolve_strategy(rows.requested), rows, False
+    if strategy is None and _active[-1].spec is None and cp_size > 1:
+        raise no_layout_error(what)
+    rows, given = current_rows()
+    return resolve_strategy(strategy), rows, rows is not None and not given
 
 
 @contextlib.contextmanager
 def strategy(
-    value: Strategy | str | StrategySpec,
+    value: object,
     *,
     stripe_size: int | None = None,
     comm: str | None = None,
     head_parallel: int | None = None,
 ) -> Iterator[StrategySpec]:
     """Make ``value`` the active strategy inside the ``with`` block.
+
+    ``value``: a :class:`Strategy`, its string value, a :class:`StrategySpec`, or a sharded batch
+    (:class:`cpcompile.ShardedBatch`): its strategy as it was asked for, and what its rows were laid
+    out for (CP size, rank, layout, pack), which attention inside the block checks against its group
+    and ``cu_seqlens`` (a batch of another rank or pack raises on every rank).
 
     ``comm`` (one of :data:`COMMS`, default ``"all_gather"`` or the spec's) is how the
     compiled attention communicates; the layout does not depend on it. ``head_parallel``
@@ -230,18 +322,30 @@ def strategy(
 
         with cpcompile.strategy("striped", stripe_size=128, comm="ring"):
             batch = cpcompile.shard_batch(...)   # striped layout
-            loss = compiled_model(batch)         # striped ring attention
+        with cpcompile.strategy(batch):
+            loss = compiled_model(batch)         # striped ring attention, rows checked
     """
+    rows = _sharded_for(value)
+    if rows is not None:
+        if stripe_size is not None or head_parallel is not None:
+            raise ValueError(
+                "stripe_size and head_parallel decide a batch's layout: with strategy(batch) they are the batch's "
+                f"({layout_name(rows.requested)}, head_parallel={rows.requested.head_parallel}); pass only comm"
+            )
+        value = rows.requested
     if isinstance(value, StrategySpec):
         spec = resolve_strategy(value, stripe_size=stripe_size)
     else:
-        kind = _to_enum(value, "a Strategy, a str or a StrategySpec")
+        kind = _to_enum(value, "a Strategy, a str, a StrategySpec or a ShardedBatch")
         spec = StrategySpec(kind, 1 if stripe_size is None else stripe_size)
     if comm is not None:
         spec = dataclasses.replace(spec, comm=check_comm(comm))
     if head_parallel is not None:
         spec = dataclasses.replace(spec, head_parallel=head_parallel)
-    _active.append(spec)
+    if rows is None:  # a block nested in one that knows its batch (to change comm, say) keeps knowing it
+        _active.append(_Active(spec, _active[-1].rows, _active[-1].given))
+    else:
+        _active.append(_Active(spec, rows, True))
     _sync_guard_key()
     try:
         yield spec
@@ -252,6 +356,7 @@ def strategy(
 
 def _sync_guard_key() -> None:
     # The compiler guards compiled graphs on this string (cpcompile.backend), so a
-    # graph compiled under one spec is never reused under another.
+    # graph compiled under one spec is never reused under another; a block's batch is not part
+    # of it (every batch of one strategy runs one graph; the plan op checks the batch's rows).
     global guard_key
-    guard_key = repr(_active[-1])
+    guard_key = repr(_active[-1].spec)

@@ -54,7 +54,7 @@ def run(rank: int, cp: int, init_file: str, tokens: int) -> None:
     for spec in STRATEGIES:
         shard = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=cp, rank=rank, strategy=spec)
         local = [shard.tensors[n].clone().requires_grad_() for n in "qkv"]
-        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=shard.cu_seqlens_padded, strategy=shard.spec)
+        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=shard.cu_seqlens_padded, strategy=shard)
         grads = torch.autograd.grad(out, local, shard.tensors["dout"])
         # back to the unpadded global order, to compare with the single-device run
         real = cpcompile.batch.physical_positions(cu, shard.cu_seqlens_padded)

@@ -119,7 +119,7 @@ def main() -> None:
         batch = {k: pack[k][None] for k in ("input_ids", "position_ids")} | {"cu_seq_lens_q": cu}
         batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
         inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=spec, device=device)
-        with cpcompile.strategy(sharded.spec):
+        with cpcompile.strategy(sharded):
             # this rank's share of the pack's mean loss
             loss = causal_lm_loss(compiled, model, inputs) if fused else compiled(**inputs).loss
         loss.backward()

@@ -130,7 +130,9 @@ def main() -> None:
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         labelled = int((pack["labels"] != -100).sum())
         max_len = int((cu[1:] - cu[:-1]).max())
-        loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu.to(device), max_len), t["labels"]) / labelled
+        with cpcompile.strategy(batch):  # the batch's layout, and whose rows these are
+            logits = compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens.to(device), max_len)
+        loss = summed_loss(logits, t["labels"]) / labelled
         loss.backward()
         for p in m.parameters():  # the loss is a sum over ranks: so are its gradients
             dist.all_reduce(p.grad)

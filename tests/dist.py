@@ -103,7 +103,8 @@ def compare_training_step(reference, model, compiled, pack, max_seqlen, world, r
     )
     t = batch.tensors
     model.zero_grad()
-    loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
+    with cpcompile.strategy(batch):  # the caller's strategy, and whose rows these are
+        loss = summed_loss(compiled(t["input_ids"], t["position_ids"], cu, max_seqlen), t["labels"])
     loss.backward()
     assert_matches_summed_over_ranks(loss, want, model, reference, label, tolerance)
 

@@ -54,6 +54,15 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def rows_of(cu: torch.Tensor, *, cp_size: int, rank: int, strategy=None):
+    """What a rank's rows of pack ``cu`` under ``strategy`` are laid out for (``ShardedBatch.sharded_for``), for
+    ``cp_attention(..., strategy=rows_of(...))`` on rows a test lays out itself: under CP attention must be told."""
+    import cpcompile
+
+    tokens = torch.zeros(int(cu[-1]))
+    return cpcompile.shard_batch({"rows": tokens}, cu, cp_size=cp_size, rank=rank, strategy=strategy).sharded_for
+
+
 def doc_lengths(cp: int, seed: int) -> list[int]:
     """6 document lengths: 1-token documents, documents shorter than cp, and one long enough to span every rank."""
     g = torch.Generator().manual_seed(seed)

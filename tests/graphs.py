@@ -52,7 +52,8 @@ def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
 
 
 class FakeGroupTestCase(expecttest.TestCase):
-    """Rank 1 of a fake two-rank default group (``self.group``) for the class's tests."""
+    """Rank 1 of a fake two-rank default group (``self.group``) for the class's tests, each inside
+    ``cpcompile.strategy("dual_chunk_swap")``."""
 
     @classmethod
     def setUpClass(cls):
@@ -62,3 +63,10 @@ class FakeGroupTestCase(expecttest.TestCase):
     @classmethod
     def tearDownClass(cls):
         dist.destroy_process_group()
+
+    def setUp(self):
+        # under CP attention takes no default layout: the tests' own blocks nest inside this one
+        block = cpcompile.strategy("dual_chunk_swap")
+        block.__enter__()
+        self.addCleanup(block.__exit__, None, None, None)
+        super().setUp()

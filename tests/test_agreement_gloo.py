@@ -16,10 +16,20 @@ import torch.distributed as dist
 
 import cpcompile
 from tests.dist import run_ranks
+from tests.fixtures import rows_of
 
 CU = torch.tensor([0, 4, 8, 12, 16], dtype=torch.int32)
 # Same token count, same linear checksum sum(cu[i] * (i + 1)) as CU: only a digest of the values tells them apart.
 CU_COLLIDING = torch.tensor([0, 1, 6, 15, 16], dtype=torch.int32)
+
+
+def _declared(strategy, cu: torch.Tensor, rank: int, world: int):
+    """``strategy`` as this rank's rows of it (``ShardedBatch.sharded_for``), as attention under CP must be
+    told; a strategy that cannot lay the pack out (a bad name, a meta ``cu``) as it is, for its own error."""
+    try:
+        return rows_of(cu, cp_size=world, rank=rank, strategy=strategy)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):
+        return strategy
 
 
 def _expect(rank: int, bad_rank: int | None, own: str, others: str, **call) -> None:
@@ -27,6 +37,7 @@ def _expect(rank: int, bad_rank: int | None, own: str, others: str, **call) -> N
     q = call.pop("q", torch.randn(8, 2, 4))
     kv = call.pop("kv", torch.randn(8, 2, 4))
     cu = call.pop("cu", CU)
+    call["strategy"] = _declared(call.get("strategy"), cu, rank, 2)  # whose rows q holds (a plan does not say)
     message = own if rank == bad_rank else others
     with pytest.raises((ValueError, TypeError), match=message):
         cpcompile.cp_attention(q, kv, kv, cu, **call)
@@ -43,7 +54,7 @@ def _one_rank_is_wrong(rank: int, world: int) -> None:
         (
             "tokens",
             dict(q=torch.randn(10 if bad else 8, 2, 4), kv=torch.randn(10 if bad else 8, 2, 4)),
-            "does not match the token count 20",
+            "but the 2 ranks hold 20 rows",
         ),
         ("device", dict(cu=CU.to("meta") if bad else CU), r"cu_seqlens must be on the device of q \(cpu\), got meta"),
     ]
@@ -125,11 +136,12 @@ def _ranks_disagree(rank: int, world: int) -> None:
         if "grad" in mine:  # rank 1's output needs no gradient: its backward would leave rank 0 waiting
             q = torch.randn(8, 2, 4, requires_grad=mine.pop("grad"))
             with pytest.raises(ValueError, match=disagree(argument, shown)):
-                cpcompile.cp_attention(q, q, q, CU, strategy="no_load_balance")
+                cpcompile.cp_attention(q, q, q, CU, strategy=_declared("no_load_balance", CU, rank, world))
             continue
         with pytest.raises(ValueError, match=disagree(argument, shown)):
             q = torch.randn(8, 2, 4)
-            cpcompile.cp_attention(q, q, q, mine.pop("cu", CU), **mine)
+            cu = mine.pop("cu", CU)
+            cpcompile.cp_attention(q, q, q, cu, **mine | {"strategy": _declared(mine.get("strategy"), cu, rank, world)})
 
 
 def _compiled_ranks_disagree(rank: int, world: int) -> None:
@@ -145,6 +157,8 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
         torch._dynamo.reset()  # a graph per case: no recompilation limit across the cases
         compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
         with cpcompile.strategy(**spec), pytest.raises(errors, match=message) as error:
+            with contextlib.suppress(ValueError):  # the block's batch: these are this rank's rows
+                cpcompile.shard_batch({"x": torch.zeros(int(cu[-1]))}, cu, cp_size=world, rank=rank)
             compiled(q, q, q, cu)
         return error
 
@@ -251,7 +265,7 @@ def _configs_differ(rank: int, world: int) -> None:
     for mine, other in (("never", "always"), ("auto", "always")):
         config = cpcompile.Config(kv_exchange=other if rank else mine)
         with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
-            cpcompile.cp_attention(q, q, q, cu, strategy="no_load_balance", config=config)
+            cpcompile.cp_attention(q, q, q, cu, strategy=_declared("no_load_balance", cu, rank, world), config=config)
 
         def model(q, k, v, cu):
             return cpcompile.packed_attention(q, k, v, cu)
@@ -259,6 +273,7 @@ def _configs_differ(rank: int, world: int) -> None:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=True)
         with cpcompile.strategy("no_load_balance"):
+            cpcompile.shard_batch({"x": torch.zeros(16)}, cu, cp_size=world, rank=rank)  # the block's batch
             with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
                 compiled(q, q, q, cu)
 
@@ -275,7 +290,8 @@ def _errors_release_the_group(rank: int, world: int) -> None:
     gc.disable()  # only plain reference counting may free it
     try:
         with pytest.raises(ValueError, match="rejected its arguments|must be a multiple"):
-            cpcompile.cp_attention(q, torch.randn(8, 2, 4), torch.randn(8, 2, 4), CU, group=group)
+            rows = _declared("no_load_balance", CU, rank, world)
+            cpcompile.cp_attention(q, torch.randn(8, 2, 4), torch.randn(8, 2, 4), CU, group=group, strategy=rows)
         dist.destroy_process_group(group)
         del group
         assert alive() is None, "the process group outlived destroy_process_group"

@@ -105,9 +105,9 @@ def test_bad_plans(kwargs, message):
 
 def test_attention_checks_what_the_batch_was_sharded_for():
     """A batch's ``cu_seqlens`` remembers the CP size, rank and layout ``shard_batch`` laid it out for, and
-    attention (``batch.check_sharded_for``, called by ``cp_attention`` and the plan ops) refuses another:
+    attention (``batch.check_rows``, called by ``cp_attention`` and the plan ops) refuses another:
     rows of another rank or layout with the same token count would attend wrongly without an error."""
-    from cpcompile.batch import check_sharded_for
+    from cpcompile.batch import check_rows
     from cpcompile.cost import resolve_auto
     from cpcompile.strategy import resolve_strategy
 
@@ -118,8 +118,8 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     # each batch has a cu_seqlens of its own: sharding another rank's from the same tensor changes nothing
     assert batches[0].cu_seqlens is not cu and batches[0].cu_seqlens is not batches[1].cu_seqlens
     for r, batch in enumerate(batches):
-        check_sharded_for(batch.cu_seqlens, 2, r, striped)
-        check_sharded_for(batch.cu_seqlens, 2, None, striped)  # a plan op without a rank
+        check_rows(batch.cu_seqlens, 2, r, striped, None)
+        check_rows(batch.cu_seqlens, 2, None, striped, None)  # a plan op without a rank
     cases = [
         ((4, 0, striped), r"laid out for cp_size=2, but the CP group has 4 ranks"),
         ((2, 1, striped), r"laid out for rank 0, but this is rank 1 of the CP group"),
@@ -128,24 +128,27 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     ]
     for (cp, rank, spec), message in cases:
         with pytest.raises(ValueError, match=message + r".*cp_group.rank\(\)"):
-            check_sharded_for(batches[0].cu_seqlens, cp, rank, spec)
-    check_sharded_for(cu, 4, 3, resolve_strategy("balanced"))  # the caller's own tensor: not a batch's
-    check_sharded_for(batches[0].cu_seqlens.clone(), 4, 3, striped)  # a copy: not checked
+            check_rows(batches[0].cu_seqlens, cp, rank, spec, None)
+    # the caller's own tensor, or a copy of the batch's: no record of whose rows they are, refused under CP
+    for unknown in (cu, batches[0].cu_seqlens.clone()):
+        with pytest.raises(ValueError, match="cannot tell which rank's rows it got.*cpcompile.strategy\\(batch\\)"):
+            check_rows(unknown, 2, 0, striped, None)
+        check_rows(unknown, 1, 0, striped, None)  # one rank holds every row
 
     # auto: the batch keeps the layout auto picked; attention under auto, or under that layout, fits it
     auto = resolve_strategy("auto")
     batch = cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=auto)
     picked = resolve_auto(auto, cu, cp_size=2)
     assert batch.spec == picked
-    check_sharded_for(batch.cu_seqlens, 2, 0, auto)
-    check_sharded_for(batch.cu_seqlens, 2, 0, picked)
+    check_rows(batch.cu_seqlens, 2, 0, auto, None)
+    check_rows(batch.cu_seqlens, 2, 0, picked, None)
     other = "no_load_balance" if picked.strategy.value != "no_load_balance" else "dual_chunk_swap"
     with pytest.raises(ValueError, match=f"but attention runs '{other}'"):
-        check_sharded_for(batch.cu_seqlens, 2, 0, resolve_strategy(other))
+        check_rows(batch.cu_seqlens, 2, 0, resolve_strategy(other), None)
     # a batch sharded under the layout auto picks fits attention under auto; another does not
-    check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked).cu_seqlens, 2, 0, auto)
+    check_rows(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked).cu_seqlens, 2, 0, auto, None)
     with pytest.raises(ValueError, match=f"the layout '{other}'.*, but attention runs 'auto'"):
-        check_sharded_for(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other).cu_seqlens, 2, 0, auto)
+        check_rows(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other).cu_seqlens, 2, 0, auto, None)
 
 
 def test_a_copied_batch_is_checked_and_layouts_spelled_otherwise_pass():
@@ -155,17 +158,98 @@ def test_a_copied_batch_is_checked_and_layouts_spelled_otherwise_pass():
     import copy
     import pickle
 
-    from cpcompile.batch import check_sharded_for
+    from cpcompile.batch import check_rows
 
     cu = torch.tensor([0, 3, 10, 11, 24], dtype=torch.int32)
     batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=1, strategy="dual_chunk_swap")
     spec = batch.spec
     for copied in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
         assert copied.cu_seqlens is not batch.cu_seqlens
-        check_sharded_for(copied.cu_seqlens, 2, 1, spec)
+        check_rows(copied.cu_seqlens, 2, 1, spec, None)
         with pytest.raises(ValueError, match="laid out for rank 1, but this is rank 0"):
-            check_sharded_for(copied.cu_seqlens, 2, 0, spec)
+            check_rows(copied.cu_seqlens, 2, 0, spec, None)
     for loader, model in [((3, -1), (-1, 3)), ((3, -1), (3, -1, 3, -1)), ((), (-1,))]:
         balanced = cpcompile.StrategySpec("balanced", windows=loader)
         batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=0, strategy=balanced)
-        check_sharded_for(batch.cu_seqlens, 2, 0, cpcompile.StrategySpec("balanced", windows=model))
+        check_rows(batch.cu_seqlens, 2, 0, cpcompile.StrategySpec("balanced", windows=model), None)
+
+
+def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
+    """``with cpcompile.strategy(batch)`` (or ``strategy=batch``) tells attention what the rows were laid out for,
+    however ``cu_seqlens`` was copied since (clone, a numpy round trip, a list): another rank's batch, another
+    CP size, layout or pack is refused; the batch's own layout passes."""
+    import numpy as np
+
+    from cpcompile.batch import check_rows
+    from cpcompile.strategy import current_rows, layout_in_force
+
+    cu = torch.tensor([0, 5, 7, 8], dtype=torch.int32)
+    batches = [
+        cpcompile.shard_batch({"x": torch.arange(8.0)}, cu, cp_size=2, rank=r, strategy="balanced") for r in (0, 1)
+    ]
+    copies = [
+        lambda t: t.clone(),
+        lambda t: torch.from_numpy(np.array(t.numpy())),
+        lambda t: torch.tensor(t.tolist(), dtype=torch.int32),
+    ]
+    for copy in copies:
+        for rank, batch in enumerate(batches):
+            with cpcompile.strategy(batch):
+                spec, rows, learned = layout_in_force(None, cp_size=2, what="test")
+                assert (rows, True) == current_rows() and spec == batch.spec and not learned
+                check_rows(copy(batch.cu_seqlens), 2, rank, spec, rows)
+                with pytest.raises(ValueError, match=f"laid out for rank {rank}, but this is rank {1 - rank}"):
+                    check_rows(copy(batch.cu_seqlens), 2, 1 - rank, spec, rows)  # one rank's batch on another
+            spec, rows, _ = layout_in_force(batch, cp_size=2, what="test")  # strategy=batch: the same
+            with pytest.raises(ValueError, match="another pack"):
+                check_rows(torch.tensor([0, 4, 7, 8], dtype=torch.int32), 2, rank, spec, rows)
+            with pytest.raises(ValueError, match="but attention runs 'dual_chunk_swap'"):
+                check_rows(copy(batch.cu_seqlens), 2, rank, cpcompile.StrategySpec("dual_chunk_swap"), rows)
+
+
+def test_no_default_layout_under_cp():
+    """Attention on a CP group of more than one rank takes no default layout: given none, by argument or by a
+    strategy block, it raises naming both ways; one rank takes the default."""
+    from cpcompile.strategy import layout_in_force
+
+    with pytest.raises(
+        ValueError, match=r"cp_attention has no layout.*strategy=batch.*with cpcompile.strategy\(batch\)"
+    ):
+        layout_in_force(None, cp_size=2, what="cp_attention")
+    assert layout_in_force(None, cp_size=1, what="cp_attention") == (cpcompile.StrategySpec(), None, False)
+    assert layout_in_force("striped", cp_size=2, what="cp_attention")[0].strategy.value == "striped"
+    with cpcompile.strategy("balanced"):
+        assert layout_in_force(None, cp_size=2, what="cp_attention") == (
+            cpcompile.StrategySpec("balanced"),
+            None,
+            False,
+        )
+        batch = cpcompile.shard_batch(
+            {"x": torch.arange(8.0)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=1
+        )
+        _, rows, learned = layout_in_force(None, cp_size=2, what="cp_attention")  # the block learned its batch
+        assert rows == batch.sharded_for and learned
+        with cpcompile.strategy("balanced", comm="ring"):  # a nested block knows it too
+            assert layout_in_force(None, cp_size=2, what="cp_attention")[1] == batch.sharded_for
+    batch = cpcompile.shard_batch({"x": torch.arange(8.0)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0)
+    with pytest.raises(ValueError, match="stripe_size and head_parallel decide a batch's layout"):
+        with cpcompile.strategy(batch, head_parallel=2):
+            pass
+    with cpcompile.strategy(batch, comm="ring") as spec:
+        assert spec.comm == "ring" and spec.strategy.value == "dual_chunk_swap"
+
+
+def test_a_batchs_own_offsets_win_over_what_a_block_learned():
+    """A block given a strategy learns the last batch ``shard_batch`` made in it; a batch's own ``cu_seqlens``
+    still says whose rows it has (prefetching the next batch in the block, or sharding every rank's)."""
+    from cpcompile.batch import check_rows
+    from cpcompile.strategy import layout_in_force
+
+    cu = torch.tensor([0, 5, 7, 8], dtype=torch.int32)
+    with cpcompile.strategy("balanced"):
+        mine = cpcompile.shard_batch({"x": torch.arange(8.0)}, cu, cp_size=2, rank=0)
+        cpcompile.shard_batch({"x": torch.arange(8.0)}, cu, cp_size=2, rank=1)  # another rank's, made last
+        spec, rows, learned = layout_in_force(None, cp_size=2, what="test")
+        check_rows(mine.cu_seqlens, 2, 0, spec, rows, learned=learned)  # its own offsets: rank 0's
+        with pytest.raises(ValueError, match="laid out for rank 1, but this is rank 0"):
+            check_rows(mine.cu_seqlens.clone(), 2, 0, spec, rows, learned=learned)  # a copy: the block's last

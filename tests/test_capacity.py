@@ -202,12 +202,12 @@ class OneGraphPerBucket(FakeGroupTestCase):
                 batch = cpcompile.shard_batch(
                     {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1, strategy=spec
                 )
-                with cpcompile.strategy(batch.spec):
+                with cpcompile.strategy(batch):
                     out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, capacity.tokens)
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)
             self.assertTrue(shapes and not any(shapes), shapes)
-            with cpcompile.strategy(batch.spec), self.assertRaisesRegex(BackendCompilerFailed, OWN_CU):
+            with cpcompile.strategy(batch), self.assertRaisesRegex(BackendCompilerFailed, OWN_CU):
                 compiled(*(batch.tensors[n] for n in names), pack["cu_seqlens"], capacity.tokens)  # the pack's own
 
 
@@ -236,7 +236,7 @@ def _train_on_capacity(rank: int, world: int) -> None:
         )
         t = batch.tensors
         model.zero_grad()
-        with cpcompile.strategy(batch.spec):
+        with cpcompile.strategy(batch):
             logits = compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens, spec.capacity.tokens)
         loss = summed_loss(logits, t["labels"])
         loss.backward()
@@ -260,7 +260,7 @@ class OneGraphPerBucketHF(FakeGroupTestCase):
         for step, lengths in enumerate(([7, 5], [20, 1, 3], [9, 9, 9, 2], [30])):
             batch = flattened_batch(lengths, seed=step)
             inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy=spec, max_length=64)
-            with cpcompile.strategy(sharded.spec):
+            with cpcompile.strategy(sharded):
                 compiled(**inputs).loss.backward()
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
 
@@ -286,8 +286,8 @@ def _eager_on_capacity(rank: int, world: int) -> None:
                     assert relative_error(got, want) < 1e-4, f"d{name} {label}"
                 # the pack's own cu_seqlens (4 documents): same token count, another layout of the
                 # padding (dual_chunk_swap and balanced: every output wrong before), refused
-                with pytest.raises(ValueError, match=OWN_CU):
-                    cpcompile.cp_attention(*local, cu, strategy=spec, causal=causal)
+                with pytest.raises(ValueError, match=r"another pack .*pass batch.cu_seqlens"):
+                    cpcompile.cp_attention(*local, cu, strategy=batch, causal=causal)
 
 
 def _on_capacity(rank: int, world: int) -> None:
@@ -380,7 +380,7 @@ class TorchCompileMode(FakeGroupTestCase):
             # made here, under the stand-in: a backend made before it would keep inductor's own compile_fx
             backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
             compiled = torch.compile(model, backend=backend, dynamic=dynamic, **kwargs)
-            with cpcompile.strategy(batch.spec):
+            with cpcompile.strategy(batch):
                 compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
 
         bucket = StrategySpec("balanced", capacity=Capacity(tokens=32, documents=4))

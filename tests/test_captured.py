@@ -149,7 +149,7 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
         graphs: list = []
         torch._dynamo.reset()
         backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
-        with _inductor_as_aot_eager(graphs), cpcompile.strategy(batch.spec):
+        with _inductor_as_aot_eager(graphs), cpcompile.strategy(batch):
             compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False, mode="reduce-overhead")
             compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
         return graphs[0][0]
@@ -226,7 +226,7 @@ def _train_captured(rank: int, world: int) -> None:
                 t = batch.tensors
                 model.zero_grad()
                 calls.clear()
-                with cpcompile.strategy(batch.spec):
+                with cpcompile.strategy(batch):
                     loss = summed_loss(compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens, 40), t["labels"])
                 loss.backward()
                 chunks = 2 if strategy == "dual_chunk_swap" else 1
@@ -352,7 +352,7 @@ class CapturedStepBackend(FakeGroupTestCase):
             torch._dynamo.reset()
             backend = cpcompile.backend(inner=inner, captured_step=True, config=cpcompile.Config(kv_exchange="never"))
             compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False)
-            with cpcompile.strategy(batch.spec), contextlib.ExitStack() as stack:
+            with cpcompile.strategy(batch), contextlib.ExitStack() as stack:
                 if spec.capacity is None:
                     stack.enter_context(pytest.raises(BackendCompilerFailed, match="capacity bucket"))
                 compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9)

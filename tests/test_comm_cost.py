@@ -80,7 +80,7 @@ def _count_rank(rank: int, world: int) -> None:
             batch = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
             local = [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
             received.take()
-            out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=batch.cu_seqlens_padded, strategy=spec)
+            out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=batch.cu_seqlens_padded, strategy=batch)
             forward = received.take()
             torch.autograd.grad(out, local, batch.tensors["dout"])
             backward = received.take()

@@ -90,7 +90,7 @@ def llama_rank_loss(compiled, batch, rank: int, world: int) -> torch.Tensor:
     inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank)
     labels, labelled = inputs.pop("shift_labels")[0], inputs.pop("num_items_in_batch")
     del inputs["labels"]
-    with cpcompile.strategy(sharded.spec):
+    with cpcompile.strategy(sharded):
         logits = compiled(**inputs).logits[0]  # [T_local, VOCAB]
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / labelled
 
@@ -208,7 +208,7 @@ def _fsdp_training(rank: int, world: int, checkpointing: bool, fused_loss: bool 
         want.backward()
         if fused_loss:
             inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank)
-            with cpcompile.strategy(sharded.spec):
+            with cpcompile.strategy(sharded):
                 loss = causal_lm_loss(compiled, model, inputs)
         else:
             loss = llama_rank_loss(compiled, batch, rank, world)

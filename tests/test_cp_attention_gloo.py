@@ -40,7 +40,7 @@ def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
             local["v"],
             cu,
             cu_seqlens_padded=sharded.cu_seqlens_padded,
-            strategy=spec,
+            strategy=sharded,
             causal=causal,
             config=config,
         )
@@ -80,7 +80,7 @@ def _masks_share_a_plan(rank: int, world: int, config: cpcompile.Config | None) 
     plan = cpcompile.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
     for causal_first in (True, False):
         local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
-        kw = {"strategy": spec, "plan": plan, "config": config}
+        kw = {"strategy": sharded, "plan": plan, "config": config}
         x = cpcompile.cp_attention(*local, cu, causal=causal_first, **kw)
         out = cpcompile.cp_attention(x, *local[1:], cu, causal=not causal_first, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
@@ -104,7 +104,7 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
             sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
             local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
             out = cpcompile.cp_attention(
-                *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=spec, causal=causal
+                *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, causal=causal
             )
             grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
             want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
@@ -158,7 +158,7 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         local = [sharded.tensors[n].double().requires_grad_() for n in "qkv"]
-        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": spec, "causal": causal, "config": config}
+        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": sharded, "causal": causal, "config": config}
         out = cpcompile.cp_attention(*local, cu, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"].double())
         want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)

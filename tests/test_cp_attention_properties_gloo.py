@@ -54,7 +54,7 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
             *local,
             cu,
             cu_seqlens_padded=sharded.cu_seqlens_padded,
-            strategy=sharded.spec,
+            strategy=sharded,
             comm=comm,
             causal=causal,
             config=cpcompile.Config(kv_exchange=exchange),

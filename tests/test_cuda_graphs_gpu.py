@@ -103,7 +103,7 @@ def test_each_call_of_a_captured_step_is_one_training_step_on_its_own_pack():
             for calls, pack in enumerate(packs, 1):
                 batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
                                               strategy=spec, device="cuda")  # fmt: skip
-                with cpcompile.strategy(batch.spec):
+                with cpcompile.strategy(batch):
                     captured(*(batch.tensors[n] for n in names), batch.cu_seqlens)
                 if inside:
                     assert {int(opt.state[p]["step"]) for p in model.parameters()} == {calls}, (inside, calls)

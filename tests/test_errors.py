@@ -93,11 +93,12 @@ def test_cp_attention_names_offsets_on_meta(single_rank_group, padded):
         (lambda: cpcompile.StrategySpec(3), r"^strategy must be a Strategy or a str, got int"),
         (
             lambda: cpcompile.strategy(None).__enter__(),
-            r"^strategy must be a Strategy, a str or a StrategySpec, got NoneType",
+            r"^strategy must be a Strategy, a str, a StrategySpec or a ShardedBatch, got NoneType",
         ),
         (
             lambda: resolve_strategy(3),
-            r"^strategy must be a Strategy, a str or None, got int \(or a StrategySpec; None: the active strategy",
+            r"^strategy must be a Strategy, a str or None, got int "
+            r"\(or a StrategySpec or a ShardedBatch; None: the active strategy",
         ),
     ],
 )

@@ -442,7 +442,7 @@ def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv_ex
             batch = cpcompile.shard_batch(qkv, cu, cp_size=cp, rank=rank, strategy=strategy, device="cuda")
             q, k, v = (batch.tensors[n].to(torch.bfloat16).requires_grad_() for n in "qkv")
             torch.cuda.synchronize()
-            with _no_sync() if i == len(packs) - 1 else contextlib.nullcontext(), cpcompile.strategy(batch.spec):
+            with _no_sync() if i == len(packs) - 1 else contextlib.nullcontext(), cpcompile.strategy(batch):
                 compiled(q, k, v, batch.cu_seqlens).sum().backward()
             assert all(t.grad is not None for t in (q, k, v))  # the fake group's garbage: no values to compare
     finally:

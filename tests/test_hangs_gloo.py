@@ -127,7 +127,7 @@ def _compiled_skips_backward(rank: int, world: int) -> None:
     def step(seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
         batch = cpcompile.shard_batch({"x": torch.randn(16, 8, generator=g)}, CU, cp_size=world, rank=rank)
-        with cpcompile.strategy(batch.spec):  # the layout the batch was sharded in
+        with cpcompile.strategy(batch):  # the layout the batch was sharded in
             return compiled(batch.tensors["x"], batch.cu_seqlens)
 
     step(0).sum().backward()  # compiled, forward and backward, alike on both ranks

@@ -53,7 +53,7 @@ def _hybrid_lse(rank: int, world: int) -> None:
     for name in ("dual_chunk_swap", "balanced"):
         spec = cpcompile.StrategySpec(name, head_parallel=2)
         batch = cpcompile.shard_batch({"q": q, "k": k, "v": v}, cu, cp_size=world, rank=rank, strategy=spec)
-        with cpcompile.strategy(batch.spec):
+        with cpcompile.strategy(batch):
             out, lse = compiled(*(batch.tensors[n] for n in "qkv"), cu)
         padded = batch.cu_seqlens_padded
         phys = physical_positions(cu, padded)

@@ -16,7 +16,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strategy_specs
+from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, rows_of, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 #: query and K/V heads per u: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
@@ -57,9 +57,7 @@ def _check_u(rank: int, world: int, seed: int, u: int) -> None:
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
         # causal attention also as its window, (-1, 0) with causal=False (every path must read the window)
         mask = {"causal": False, "window_size": (-1, 0)} if causal and case_seed % 2 else {"causal": causal}
-        out = cpcompile.cp_attention(
-            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded.spec, **mask
-        )
+        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, **mask)
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
         label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
@@ -89,11 +87,11 @@ def _errors(rank: int, world: int) -> None:
         qkv = call.pop("qkv", (q, q, q))
         expected = message if rank == 1 else rf"rank 1 rejected its arguments \(ValueError: .*{message}"
         with pytest.raises(ValueError, match=expected):
-            cpcompile.cp_attention(*qkv, cu, **{"strategy": good, **call})
+            cpcompile.cp_attention(*qkv, cu, **{"strategy": rows_of(cu, cp_size=2, rank=rank, strategy=good), **call})
     # ranks that disagree on head_parallel
     mine = cpcompile.StrategySpec("no_load_balance", head_parallel=2 if rank else 1)
     with pytest.raises(ValueError, match=r"disagree on head_parallel \(rank 0: 1; rank 1: 2\)"):
-        cpcompile.cp_attention(q, q, q, cu, strategy=mine)
+        cpcompile.cp_attention(q, q, q, cu, strategy=rows_of(cu, cp_size=2, rank=rank, strategy=mine))
 
 
 def _compiled_ranks_disagree(rank: int, world: int) -> None:
@@ -107,6 +105,7 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     q = torch.randn(8, 2, 4)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     with cpcompile.strategy("no_load_balance", head_parallel=2 if rank else 1):
+        cpcompile.shard_batch({"x": torch.zeros(16)}, cu, cp_size=2, rank=rank)  # the block's batch: these rows
         with pytest.raises(ValueError, match=r"disagree on plan op \(rank 0: 'cp_plan'; rank 1: 'cp_head_plan'\);"):
             compiled(q, q, q, cu)
 

@@ -116,7 +116,7 @@ def _check_cp_training(rank: int, world: int, archs: list[str], regional: bool =
             inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=world, rank=rank, strategy=spec, device=device)
             assert int(inputs["num_items_in_batch"]) == labelled, label
             model.zero_grad()
-            with cpcompile.strategy(sharded.spec):
+            with cpcompile.strategy(sharded):
                 out = compiled(**inputs)
             loss = loss_sum(out.logits, inputs["shift_labels"])
             # transformers' own loss, this rank's share of the pack's mean, takes the logits in float32
@@ -162,7 +162,7 @@ def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
     compiled = compile_llama(model, cpcompile.backend(inner="aot_eager"), regional=True)
     for step, docs in enumerate(lengths):
         inputs, sharded = cphf.shard_flattened_batch(flattened_batch(docs, seed=step), cp_size=world, rank=rank)
-        with cpcompile.strategy(sharded.spec):
+        with cpcompile.strategy(sharded):
             compiled(**inputs).loss.backward()
     assert compiled_graphs() == 1, compiled_graphs()
 

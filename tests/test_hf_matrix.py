@@ -263,7 +263,7 @@ def _check_arch(rank: int, world: int, arch: str, inner: str, whole: bool = Fals
     else:
         compiled = model
         compile_attention(model, backend, dynamic=False)
-    with cpcompile.strategy(sharded.spec):
+    with cpcompile.strategy(sharded):
         logits = compiled(**inputs).logits[0]  # [T_local, vocab]
     label = f"{arch} ({inner}) rank {rank}/{world}"
     real = where >= 0
@@ -319,7 +319,7 @@ def _llama4_whole_and_refusals(rank: int, world: int) -> None:
     with pytest.raises(
         ValueError, match=r"Lfm2Config has layers that mix tokens outside attention .*'conv'.*cp_size=2"
     ):
-        with cpcompile.strategy(sharded.spec):
+        with cpcompile.strategy(sharded):
             model(**inputs)
 
 

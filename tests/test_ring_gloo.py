@@ -26,7 +26,7 @@ SPECS = strategy_specs(stripe_size=4)
 def _run(sharded, cu, spec, causal, comm):
     local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
     out = cpcompile.cp_attention(
-        *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=spec, causal=causal, comm=comm
+        *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, causal=causal, comm=comm
     )
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 

@@ -451,7 +451,7 @@ class ManyPacks(FakeGroupTestCase):
                 batch = cpcompile.shard_batch(
                     {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1, strategy=strategy
                 )
-                with cpcompile.strategy(batch.spec):
+                with cpcompile.strategy(batch):
                     out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, max(lengths))
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)

@@ -42,7 +42,7 @@ def _run(sharded, cu, spec, window, comm, kv_exchange):
         *local,
         cu,
         cu_seqlens_padded=sharded.cu_seqlens_padded,
-        strategy=spec,
+        strategy=sharded,
         causal=False,
         window_size=window,
         comm=comm,

@@ -22,7 +22,7 @@ implementations get ``attention_mask=None`` from transformers), so nothing of si
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cphf.ATTN_IMPLEMENTATION)
     compiled = torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True)
     inputs, sharded = cphf.shard_flattened_batch(collator(examples), cp_size=cp, rank=rank)
-    with cpcompile.strategy(sharded.spec):
+    with cpcompile.strategy(sharded):
         loss = compiled(**inputs).loss   # this rank's share of the mean loss: add it over the CP group
 """
 
@@ -398,7 +398,7 @@ def shard_flattened_batch(
         on the whole pack) and ``num_items_in_batch`` (labelled tokens of the whole pack, a 0-d
         int64 tensor), so each rank's loss is its share of the pack's mean and the shares add up
         over the CP group. ``sharded``: the :class:`cpcompile.ShardedBatch`; run the model under
-        ``cpcompile.strategy(sharded.spec)``.
+        ``cpcompile.strategy(sharded)``.
     """
     for name in ("input_ids", "position_ids"):
         if not isinstance(batch.get(name), torch.Tensor):

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from .. import kernels
-from ..batch import check_sharded_for
+from ..batch import check_rows
 from ..checks import (
     agreement_enabled,
     check_cu_seqlens,
@@ -30,11 +30,12 @@ from ..checks import (
     check_qkv,
     check_scale_and_bound,
     data_checks_enabled,
+    rows_are_real,
 )
 from ..comm.exchange import exchange_plan
 from ..comm.groups import agree_on, agreed, digest, resolve_group
 from ..config import Config, resolve_config
-from ..per_plan import on_host, per_plan, twin
+from ..per_plan import attached, on_host, per_plan, twin
 from ..plan import (
     AttentionPlan,
     head_step_plan,
@@ -46,15 +47,24 @@ from ..plan import (
     step_plan,
 )
 from ..ring_plan import RingPlan, make_ring_plan, ring_window_plan
-from ..strategy import Strategy, StrategyLike, check_comm, check_head_parallel, layout_name, resolve_strategy
+from ..strategy import (
+    ShardedFor,
+    Strategy,
+    StrategyLike,
+    check_comm,
+    check_head_parallel,
+    current_rows,
+    layout_in_force,
+    layout_name,
+)
 from ..window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from . import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from .common import (
     NOT_CAPTURED,
-    communicates,
     agree_in_op,
     check_fake_gather,
     check_fake_qkv,
+    communicates,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,
@@ -130,6 +140,7 @@ def _packed_attention(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
+    _check_not_sharded(q, cu_seqlens)
     # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a CP
     # group of one, say, on a batch that shard_batch padded to a capacity); the backward op gets the same
     _check_rows(q, cu_seqlens, cu_seqlens_padded)
@@ -213,11 +224,35 @@ def packed_attention(
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     if cu_seqlens_padded is not None:
         check_padded(cu_seqlens, cu_seqlens_padded)
+    if not torch.compiler.is_compiling():  # compiled, the op checks it where it still runs (not made CP)
+        _check_not_sharded(q, cu_seqlens)
     _check_rows(q, cu_seqlens, cu_seqlens_padded)
     check_longest(cu_seqlens, max_seqlen)
     kernel = resolve_config(config).kernel
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
+
+
+def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Raise where ``q`` holds one rank's share of a CP batch: single-device attention over it would attend
+    within the rank's share alone. The batch: the strategy block's (entered with it, else the last
+    ``shard_batch`` made in it) or the one whose own ``cu_seqlens`` this is; a share is its rank's row count
+    (a block's batch may sit beside a single-device reference over the whole pack). This op runs only
+    where nothing made it context-parallel: a model whose attention is ``packed_attention`` (or
+    ``attn_implementation="cpcompile"``) not compiled with :func:`cpcompile.backend`."""
+    block, given = current_rows()
+    own = attached(cu_seqlens)
+    own = own if isinstance(own, ShardedFor) else None
+    for rows in (block, own) if given else (own, block):
+        if rows is not None and rows.cp_size > 1 and q.shape[0] == rows.local_rows:
+            whole = int(rows.pack[-1]) == q.shape[0]  # the share's rows are as many as the pack's tokens
+            raise ValueError(
+                f"packed_attention ran single-device on q of {q.shape[0]} rows, rank {rows.rank}'s share of a batch "
+                f"sharded for cp_size={rows.cp_size}: it would attend within this rank's rows alone. Compile the "
+                "model with torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True), which "
+                "makes its attention context-parallel, or call cpcompile.cp_attention"
+                + (" (if q is the whole pack, run it outside the strategy block)" if whole else "")
+            )
 
 
 def _check_rows(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
@@ -363,7 +398,11 @@ def cp_attention(
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
             :func:`cpcompile.pad_for_cp` of ``cu_seqlens``).
         group: the CP process group, its name, or ``None`` (default group).
-        strategy: layout of q/k/v (default: the active :func:`cpcompile.strategy`). Its
+        strategy: layout of q/k/v: a strategy, a spec, or this rank's :class:`cpcompile.ShardedBatch`
+            (its layout, and what its rows were laid out for, checked); default: the active
+            :func:`cpcompile.strategy` block's. Under CP one of them must give it, and attention
+            must know which rank the rows are for (a batch, or the batch's own ``cu_seqlens``:
+            ``batch.check_rows``). Its
             ``head_parallel`` equal to the group's size runs head-parallel (Ulysses) attention
             (``cpcompile.ops.heads``), ignoring ``comm``; a smaller one > 1 the hybrid
             (``cpcompile.ops.hybrid``, ``comm="all_gather"``). Either needs ``Hq`` divisible by
@@ -401,11 +440,12 @@ def cp_attention(
         check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_cu_seqlens("cu_seqlens", cu_seqlens)
         check_longest(cu_seqlens, max_seqlen)
-        spec = resolve_strategy(strategy)
-        path = check_comm(spec.comm if comm is None else comm)
         window = resolve_window(causal, window_size)
+        spec, rows, learned = layout_in_force(strategy, cp_size=cp, what="cp_attention")
+        path = check_comm(spec.comm if comm is None else comm)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
-        check_sharded_for(cu_seqlens, cp, rank, spec)  # q/k/v are this rank's rows of spec's layout
+        # q/k/v are this rank's rows of spec's layout (a plan says which rank it is for, not whose rows q holds)
+        check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg), learned=learned)
         made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
         if spec.head_parallel > 1 and window not in UNBANDED:
             raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")

@@ -14,15 +14,15 @@ import inspect
 
 import torch
 
-from ..batch import check_sharded_for
+from ..batch import check_rows
 from ..capture import note_plan, plan_in_capture
-from ..checks import agreement_enabled
+from ..checks import agreement_enabled, check_cu_seqlens, rows_are_real
 from ..comm.groups import agree_on, digest, resolve_group
 from ..kernels.metadata import scratch
 from ..partition import check_capacity_documents
 from ..per_plan import capturing, per_plan, readable
 from ..plan import max_pieces, step_plan
-from ..strategy import Strategy, StrategySpec
+from ..strategy import Strategy, StrategySpec, current_rows
 from ..window import narrow_keys
 from .common import NOT_CAPTURED, check_fake_tokens
 
@@ -68,10 +68,16 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
     bound = signature.bind(*args).arguments
 
     def plan() -> tuple[torch.Tensor, ...]:
-        # the batch's rows must be this rank's of the layout the plan is made for (batch.check_sharded_for)
+        # the batch's rows must be this rank's of the layout the plan is made for (batch.check_rows): the
+        # strategy block in force when the compiled step runs says whose they are (its batch); offsets
+        # that are no pack name that first. Not in a backward: a checkpointed layer's plan op runs again
+        # there, after the block, for the rows its forward checked.
         spec = _spec(bound["strategy"], bound["stripe_size"], bound.get("windows", ()), bound.get("capacity", ()))
-        cp, rank = (group.size(), group.rank()) if group is not None else (bound["cp_size"], bound.get("rank"))
-        check_sharded_for(bound["cu_seqlens"], cp, rank, spec)
+        if group is not None and torch._C._current_graph_task_id() == -1:
+            check_cu_seqlens("cu_seqlens", bound["cu_seqlens"])
+            rows, given = current_rows()
+            real = rows_are_real(group)
+            check_rows(bound["cu_seqlens"], group.size(), group.rank(), spec, rows, required=real, learned=not given)
         return tuple(make(*args))
 
     def record(_plan) -> dict[str, object]:

@@ -31,11 +31,11 @@ from ..reads import keys_read
 from ..strategy import Strategy, StrategySpec
 from .common import (
     NOT_CAPTURED,
-    communicates,
     agree_in_op,
     check_fake_gather,
     check_fake_qkv,
     check_fake_tokens,
+    communicates,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,

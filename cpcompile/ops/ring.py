@@ -31,10 +31,10 @@ from ..ring_plan import block_key_ranges, ring_window_plan
 from ..window import beyond_gpu
 from .common import (
     NOT_CAPTURED,
-    communicates,
     accumulation_dtype,
     agree_in_op,
     check_fake_qkv,
+    communicates,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,

@@ -52,16 +52,16 @@ def bamba() -> torch.nn.Module:
     )
 
 
-def _cp_inputs(cp_size: int = 2) -> dict:
-    inputs, _ = cphf.shard_flattened_batch(flattened_batch(PACK, seed=1), cp_size=cp_size, rank=0, strategy="balanced")
-    return inputs
+def _cp_inputs(cp_size: int = 2) -> tuple[dict, cpcompile.ShardedBatch]:
+    return cphf.shard_flattened_batch(flattened_batch(PACK, seed=1), cp_size=cp_size, rank=0, strategy="balanced")
 
 
-def _run(model, inputs, compiled: bool):
+def _run(model, cut: tuple[dict, cpcompile.ShardedBatch], compiled: bool):
     if compiled:  # the refusal comes while Dynamo traces the attention function, before any backend runs
         torch._dynamo.reset()
         compile_attention(model, "aot_eager")
-    with cpcompile.strategy("balanced"):
+    inputs, sharded = cut
+    with cpcompile.strategy(sharded):
         return model(**inputs)
 
 
@@ -128,11 +128,12 @@ def test_llama4_chunked_attention_compiled_on_one_process_is_exact():
 
 def _attention_under_cp(model, layer: int):
     """The attention function of ``layer`` on a batch cut for cp_size=2 (as each rank's compiled model calls it)."""
-    inputs = _cp_inputs()
+    inputs, sharded = _cp_inputs()
     q, kv = torch.randn(1, 4, 16, 8, dtype=torch.float64), torch.randn(1, 2, 16, 8, dtype=torch.float64)
     keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     module = model.model.layers[layer].self_attn
-    return cphf.cpcompile_attention_forward(module, q, kv, kv, None, **{k: inputs[k] for k in keys})
+    with cpcompile.strategy(sharded):
+        return cphf.cpcompile_attention_forward(module, q, kv, kv, None, **{k: inputs[k] for k in keys})
 
 
 def test_llama4_chunked_attention_under_cp_refuses_documents_longer_than_a_chunk():

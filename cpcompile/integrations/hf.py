@@ -33,7 +33,8 @@ import torch
 from ..batch import ShardedBatch, shard_batch
 from ..checks import check_cu_seqlens, data_checks_enabled
 from ..ops import packed_attention
-from ..strategy import StrategyLike
+from ..per_plan import attached
+from ..strategy import StrategyLike, current_rows
 
 try:
     from transformers import AttentionInterface
@@ -85,7 +86,7 @@ def cpcompile_attention_forward(
         ``([1, T, Hq, D], None)``: the output in transformers' layout, and no attention weights.
 
     A chunked-attention layer (Llama 4's ``config.attention_chunk_size``) attends within each chunk of each
-    document (:func:`_chunked`). Under CP (the batch cut by :func:`shard_flattened_batch` with ``cp_size > 1``)
+    document (:func:`_chunked`). Under CP (the strategy block's batch cut with ``cp_size > 1``)
     a model that reads more of the sequence than attention does is refused, eagerly or while Dynamo traces
     this function: token mixers outside attention (:func:`non_attention_layers`), Llama 4's temperature tuning.
     """
@@ -97,7 +98,10 @@ def cpcompile_attention_forward(
             "cpcompile.integrations.hf.shard_flattened_batch to the model" + _dropped_kwargs_hint(module)
         )
     config = getattr(module, "config", None)
-    cp_size = getattr(cu_seq_lens_q, CP_SIZE_ATTR, 1)
+    cp_size = _cp_size_in_force()
+    if not torch.compiler.is_compiling():  # eagerly, the batch's own offsets say it too
+        made = attached(cu_seq_lens_q)
+        cp_size = max(cp_size, getattr(made, "cp_size", 1))
     if cp_size > 1:
         _check_cp_computable(module, config, cp_size, layer)
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
@@ -182,10 +186,16 @@ def layer_windows(config: object) -> tuple[int, ...]:
     return tuple(left if kind == "sliding_attention" else -1 for kind in kinds)
 
 
-#: The attribute :func:`shard_flattened_batch` sets on the ``cu_seq_lens_q`` it returns: the CP size the batch
-#: was cut for. The attention function reads it (Dynamo guards on it, so compiled graphs read it too) to refuse,
-#: under CP, what a rank cannot compute from its own tokens (:func:`_check_cp_computable`).
-CP_SIZE_ATTR = "_cpcompile_cp_size"
+@torch._dynamo.assume_constant_result
+def _cp_size_in_force() -> int:
+    """The CP size of the strategy block's batch (``with cpcompile.strategy(sharded)``, or the last batch
+    sharded in the block), 1 without one: under CP the attention function refuses what a rank cannot compute
+    from its own tokens (:func:`_check_cp_computable`). While Dynamo traces, read once as a constant and not
+    guarded on: the block's batch changes every step, and a guard would recompile (inside a CUDA graph's
+    capture, too) for what is the same model and group."""
+    rows, _ = current_rows()
+    return 1 if rows is None else rows.cp_size
+
 
 #: ``config.layer_types`` entries whose layers mix tokens in the attention function alone (or not at all).
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -427,7 +437,6 @@ def shard_flattened_batch(
         raise ValueError(f"max_length must be an int of at least the longest document, {longest}; got {max_length!r}")
     sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy, device=device)
     cu = sharded.cu_seqlens
-    setattr(cu, CP_SIZE_ATTR, cp_size)  # what a rank cannot compute from its rows is refused by it (attention)
     inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}
     inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
     if "labels" in tensors:

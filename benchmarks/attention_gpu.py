@@ -3,7 +3,7 @@
 CP efficiency = single-GPU time / (cp x slowest rank), each rank's pieces timed with
 the real kernel on the keys ``cp_attention`` gives it: all of them (all-gather), or
 those it reads (sparse exchange, where it would be chosen; column K/V); communication
-excluded (DESIGN.md section 8).
+excluded (docs/measurement.md).
 Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]

@@ -1,4 +1,4 @@
-"""Load balance of every strategy, analytically on CPU (DESIGN.md section 8).
+"""Load balance of every strategy, analytically on CPU (docs/design.md, "Cost").
 
 For packs of 32K-512K tokens drawn from real document-length mixes (ProLong,
 MagiAttention's default, read at run time from ``--doclens``) and from synthetic

@@ -13,8 +13,8 @@ A rank's kernel work per u (each timed with the real kernel, as cpcompile runs i
   output gathered back) for ``Hq / cp`` query heads over all tokens. Every rank makes the same
   call; one is timed.
 
-Efficiency = best single-GPU time / (cp x slowest rank), communication excluded (DESIGN.md
-section 8). Beside it, what the busiest rank receives per layer (``cpcompile.comm_cost.layer_bytes``:
+Efficiency = best single-GPU time / (cp x slowest rank), communication excluded (docs/design.md
+"Cost"). Beside it, what the busiest rank receives per layer (``cpcompile.comm_cost.layer_bytes``:
 head all-to-alls, all-gather, exchange, counted from the plans), that time *modelled* at
 ``--bandwidth`` GB/s per GPU (not measured), and the efficiency with it added (nothing overlapped).
 

@@ -26,7 +26,7 @@ Model, in units of one query-key pair of attention (its forward and backward):
   32: the memory traffic of one copied row (bf16 copies, fp32 sums) against the
   arithmetic of one pair's forward and backward (docs/cost-model.md).
 - ``pairs_r`` (reported beside the cost): exact causal work, the sum over the
-  rank's query tokens of the keys they see (DESIGN.md section 8).
+  rank's query tokens of the keys they see (docs/design.md, "Cost").
 - ``keys_read_r`` (reported beside the cost): the distinct keys the rank's pieces
   read, the rows of dK/dV its backward writes (``ops/gathered.py``: the others stay
   zero) and the rows of K/V it needs from the all-gather.
@@ -96,7 +96,7 @@ class RankCosts(NamedTuple):
     """Per-rank predictions, each ``[cp]`` int64."""
 
     tokens: torch.Tensor  # rows held, padding included
-    pieces: torch.Tensor  # kernel sequences (DESIGN.md section 3), padding pieces included
+    pieces: torch.Tensor  # kernel sequences (docs/design.md, "Pieces and the plan"), padding pieces included
     short_cuts: torch.Tensor  # pieces shorter than block_q that are only part of their document
     pairs: torch.Tensor  # exact attention work
     tiles: torch.Tensor  # kernel tiles visited

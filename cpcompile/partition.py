@@ -286,7 +286,7 @@ def piece_marks(
     layout: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where a layout's pieces start: maximal runs of consecutive physical positions
-    inside one document, all real or all padding (DESIGN.md section 3).
+    inside one document, all real or all padding (docs/design.md, "Pieces and the plan").
 
     Args:
         layout: ``[..., n]`` int64 physical positions in storage order; each row is one rank.

@@ -1,6 +1,6 @@
 """Per-step metadata of ring attention: where each piece's keys lie in a visiting K/V block.
 
-Ring attention (DESIGN.md section 3) keeps queries in place and passes every rank's
+Ring attention (docs/design.md, "How K/V move") keeps queries in place and passes every rank's
 K/V block around the ring, in that rank's storage order. The pieces are those of the
 :class:`~cpcompile.plan.AttentionPlan`; per block, only where their keys sit changes.
 

@@ -15,7 +15,7 @@ from tests.reference import layout_brute_force
 
 
 def test_transformer_engine_example():
-    # DESIGN.md section 2: TransformerEngine's thd_get_partitioned_indices.
+    # docs/design.md, "Packs and layouts": TransformerEngine's thd_get_partitioned_indices.
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     assert cpcompile.partition_indices(cu, cp_size=2, rank=0).tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
     assert cpcompile.partition_indices(cu, cp_size=2, rank=1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]

@@ -100,6 +100,7 @@ def test_packed_attention_any_layout_under_inductor():
         grads = torch.autograd.grad(outs, flat, [dout] * len(outs))
     want_outs = run(*flat)
     want_grads = torch.autograd.grad(want_outs, flat, [dout] * len(want_outs))
+    assert len(outs) == len(CASES) and len(grads) == len(flat)  # every layout compared, none skipped
     _compare((outs, grads), (want_outs, want_grads), "packed_attention")
 
 

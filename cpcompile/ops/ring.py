@@ -1,7 +1,7 @@
 """Ring CP attention: K/V blocks pass around the ring, partial results merge by log-sum-exp.
 
 ``cp_ring_attention`` is the point-to-point alternative to the all-gather
-``cp_attention`` (DESIGN.md section 3; MaxText runs packed sequences this way). At
+``cp_attention`` (docs/design.md, "How K/V move"; MaxText runs packed sequences this way). At
 step ``i`` rank ``r`` holds rank ``(r - i) % cp``'s K/V block, in that rank's storage
 order, while the next block is already in flight (``batch_isend_irecv``, double
 buffered). Each step is one kernel call over all of the rank's pieces with the
@@ -81,7 +81,7 @@ def _(gather_index, k_start, k_len, cp_size):
 def merge(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attentions over disjoint keys (DESIGN.md section 3).
+    """Merge two partial attentions over disjoint keys (docs/design.md, "How K/V move").
 
     out ``[Tq, Hq, D]`` and lse ``[Hq, Tq]`` so far, in the accumulation dtype; block_out
     ``[Tq, Hq, D]`` and block_lse ``[Hq, Tq]`` from one kernel call. Rows no key has

@@ -63,16 +63,16 @@ class ShardedBatch:
     def sharded_for(self) -> ShardedFor:
         """What the rows were laid out for: ``with cpcompile.strategy(batch)`` hands it to attention."""
         made = attached(self.cu_seqlens)
-        return made if isinstance(made, ShardedFor) else _sharded_for(self, self.spec)
+        return made if isinstance(made, ShardedFor) else _record_of(self, self.spec)
 
     def __setstate__(self, state: dict) -> None:
         # a copy (copy.deepcopy, pickle, a DataLoader worker's batch) has a cu_seqlens of its own: it
-        # is told what its batch was sharded for too (check_sharded_for)
+        # is told what its batch was sharded for too (check_rows)
         self.__dict__.update(state)
-        attach(self.cu_seqlens, _sharded_for(self, self.spec))
+        attach(self.cu_seqlens, _record_of(self, self.spec))
 
 
-def _sharded_for(batch: ShardedBatch, requested: StrategySpec) -> ShardedFor:
+def _record_of(batch: ShardedBatch, requested: StrategySpec) -> ShardedFor:
     (cu,) = on_host(batch.cu_seqlens)
     return ShardedFor(batch.cp_size, batch.rank, batch.spec, requested, cu, batch.indices.shape[0])
 
@@ -235,10 +235,10 @@ def shard_batch(
         full[where] = t
         local[name] = full[indices]
     # a tensor of the batch's own (not the caller's, which may serve other ranks' batches too), carrying
-    # what it was sharded for: attention checks it (check_sharded_for)
+    # what it was sharded for: attention checks it (check_rows)
     cu_seqlens = cu_seqlens.clone() if requested.capacity is None else cu_seqlens
     sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
-    made = _sharded_for(sharded, requested)
+    made = _record_of(sharded, requested)
     attach(cu_seqlens, made)
     note_batch(made)  # inside a strategy block: its attention takes this batch's rows
     return sharded if device is None else _to_device(sharded, torch.device(device))

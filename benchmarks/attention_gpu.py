@@ -8,7 +8,7 @@ Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
 
-``--window W`` times sliding-window attention ``window_size=(W, 0)`` throughout (its own section):
+``--window W`` times sliding-window attention ``window_size=(W, 0)`` throughout:
 the pieces read only their windows' keys, and balanced is timed also told the window
 (``StrategySpec("balanced", windows=(W,))``).
 
@@ -376,12 +376,8 @@ def main() -> None:
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
-    options = [f"--window {args.window}"] if args.window >= 0 else []  # a section of its own per selection
-    options += [f"--strategies {' '.join(args.strategies)}"] if args.strategies else []
-    options += [f"--rounds {args.rounds}"] if args.rounds > 1 else []
-    options += [f"--capacity {' '.join(map(str, args.capacity))}"] if args.capacity else []
-    heading = f"{HEADING[:-1]} {' '.join(options)})" if options else HEADING
-    lines = [*header(heading), *intro(args.tokens, args.doclens.name, args.packs, args.rounds)]
+    # One section whatever the options (its command names them): a run replaces the script's last one.
+    lines = [*header(HEADING), *intro(args.tokens, args.doclens.name, args.packs, args.rounds)]
     for backward in (False, True):
         for hq, hkv in ((32, 8), (16, 16)):
             per_pack, samples = [], {}
@@ -411,7 +407,7 @@ def main() -> None:
             done = table(title, medians, fits, len(next(iter(samples.values()))), backward)
             lines += done
             print("\n".join(done), file=sys.stderr, flush=True)  # progress
-    publish(heading, lines, args.output)
+    publish(HEADING, lines, args.output)
 
 
 if __name__ == "__main__":

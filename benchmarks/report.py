@@ -2,7 +2,8 @@
 
 Every benchmark prints its section (heading, machine, date, command, tables, a few lines of
 reading) to stdout, and writes it into a file only when given ``--output FILE``: there it
-replaces the section with the same heading, or is appended, and every other section is kept.
+replaces the section of the same script (one per script: its latest run), or is appended, and every
+other section is kept.
 
 Shell scripts use it as a command, the section's body on stdin:
 
@@ -75,8 +76,8 @@ def add_output_argument(parser: argparse.ArgumentParser) -> None:
         "--output",
         metavar="FILE",
         default=None,
-        help="also write this script's section into FILE (e.g. BENCHMARKS.md), replacing the section with the "
-        "same heading; default (or '-'): print only",
+        help="also write this script's section into FILE (e.g. BENCHMARKS.md), replacing the script's section "
+        "there; default (or '-'): print only",
     )
 
 
@@ -90,15 +91,34 @@ def publish(heading: str, lines: list[str], output: str | None) -> None:
 
 
 def write_section(path: Path, heading: str, text: str) -> None:
-    """Replace the ``## heading`` section of ``path`` with ``text`` (or append it), keeping the others."""
+    """Put ``text`` in place of the section of ``path`` that the same script wrote (or append it), keeping the others.
+
+    A section belongs to the script its ``## heading`` names in parentheses, ``(benchmarks/x.py ...)``: the file
+    holds one section per script, its latest run, so every section of that script goes and ``text`` takes the
+    first one's place.
+    """
     old = path.read_text() if path.exists() else NEW_FILE
-    found = re.search(f"^{re.escape(heading)}$", old, flags=re.MULTILINE)
-    if found is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", found.end())
-        new = old[: found.start()] + text.rstrip("\n") + "\n" + ("" if end < 0 else old[end:])
-    path.write_text(new.rstrip("\n") + "\n")
+    script = _script(heading)
+    parts = re.split(r"(?m)^(?=## )", old)
+    kept, placed = [parts[0]], False
+    for part in parts[1:]:
+        first = part.split("\n", 1)[0]
+        if first == heading or (script is not None and _script(first) == script):
+            if not placed:
+                kept.append(text.rstrip("\n") + "\n\n")
+                placed = True
+            continue
+        kept.append(part)
+    if not placed:
+        kept[-1] = kept[-1].rstrip("\n") + "\n\n"
+        kept.append(text)
+    path.write_text("".join(kept).rstrip("\n") + "\n")
+
+
+def _script(heading: str) -> str | None:
+    """The benchmark script a section heading names, ``benchmarks/x.py`` in ``## Name (benchmarks/x.py ...)``."""
+    found = re.search(r"\((benchmarks/[\w./-]+)", heading)
+    return found.group(1) if found else None
 
 
 def main() -> None:

@@ -66,9 +66,19 @@ def header(heading: str, *, run_command: str | None = None) -> list[str]:
         "",
         f"- machine: {machine()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `{run_command or command()}`",
+        f"- command: `{' '.join(map(_portable, (run_command or command()).split(' ')))}`",
         "",
     ]
+
+
+def _portable(arg: str) -> str:
+    """A path into a ``doclens`` folder as ``$DOCLENS/...``: the length files live outside the repository, and
+    BENCHMARKS.md names only what it contains (its preamble says what ``$DOCLENS`` holds)."""
+    option, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    parts = Path(value).parts
+    if "doclens" not in parts:
+        return arg
+    return option + eq + "/".join(("$DOCLENS", *parts[parts.index("doclens") + 1 :]))
 
 
 def add_output_argument(parser: argparse.ArgumentParser) -> None:

@@ -33,18 +33,18 @@ from report import add_output_argument, header, publish
 
 import cpcompile
 from cpcompile import kernels
+from cpcompile.attention import exchange as exchange_op
+from cpcompile.attention import gathered
 from cpcompile.batch import _to_documents
-from cpcompile.comm import exchange
+from cpcompile.cache import upload
 from cpcompile.comm.kv_gather import grad_buffers
-from cpcompile.flops import causal_attention_flops
+from cpcompile.cost.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
-from cpcompile.ops import exchange as exchange_op
-from cpcompile.ops import gathered
-from cpcompile.partition import padding_multiple
-from cpcompile.per_plan import upload
-from cpcompile.plan import max_piece_len
+from cpcompile.layouts.partition import padding_multiple
+from cpcompile.plan import exchange
+from cpcompile.plan.pieces import max_piece_len
+from cpcompile.plan.window import window_keys
 from cpcompile.testing import VARLEN_GQA, sample_lengths
-from cpcompile.window import window_keys
 
 HEADING = "## Attention on one GPU (benchmarks/attention_gpu.py)"
 STRATEGIES = [
@@ -213,7 +213,7 @@ def measure(
     k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     flops = causal_attention_flops(lengths, hq, d, window) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
     band = (window, 0)
-    model = cpcompile.CostModel(window=window)
+    model = cpcompile.cost.CostModel(window=window)
     specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
     specs = [s for s in specs if strategies is None or s.strategy.value in strategies]
     specs = [(s, None) for s in specs] + [(s, f) for s in specs for f in capacities]
@@ -241,17 +241,19 @@ def measure(
     for cp, (spec, factor), name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
         layout_cu = cu
         if factor is not None:  # the capacity's padding after the pack, as shard_batch lays it out
-            least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+            least = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
             m, _ = padding_multiple(spec, cp)
             spec = dataclasses.replace(spec, capacity=(max(least, -(-int(t * factor) // m) * m), len(lengths) + 8))
             layout_cu = _to_documents(cu, spec.capacity)
         kernel = kernels.select(q, name)
-        padded = cpcompile.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
+        padded = cpcompile.layouts.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
         n = int(padded[-1])
-        plans = [cpcompile.make_plan(layout_cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)]
+        plans = [
+            cpcompile.plan.make_plan(layout_cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)
+        ]
         short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
         # uploaded with their host twins, as a training step's plans are (step_plan): metadata reads them
-        plans = [cpcompile.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
+        plans = [cpcompile.plan.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
         read = rank_reads(plans, cp, band)
         q_local = q[: n // cp]  # values do not matter, sizes and pieces do
         bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
@@ -261,12 +263,12 @@ def measure(
         ]
         # the reference among the ranks, in the GPU's power state of their timings
         reference, *per_rank = in_turn([best, *steps], rounds)
-        predicted = cpcompile.predict_rank_costs(
+        predicted = cpcompile.cost.predict_rank_costs(
             layout_cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model
         )
         # the forward is modelled by kernel tiles; forward+backward by the step cost without its
         # token term (projections and MLP, which this benchmark does not time): tiles and key copies
-        attention = predicted.cost - cpcompile.CostModel().token_cost * predicted.tokens
+        attention = predicted.cost - cpcompile.cost.CostModel().token_cost * predicted.tokens
         samples[name] += zip((attention if backward else predicted.tiles).tolist(), per_rank)
         slowest = max(per_rank)
         rows.append(

@@ -8,7 +8,7 @@ single long document), and cp in {2, 4, 8, 16, 32}, it reports per strategy:
 - max/mean per-rank attention work (the sum over a rank's query tokens of the
   keys they see, causal), the worst over ``--packs`` packs;
 - padding the strategy adds (tokens);
-- the cost model's view (:mod:`cpcompile.cost`): max/mean kernel tiles (128x128)
+- the cost model's view (:mod:`cpcompile.cost.model`): max/mean kernel tiles (128x128)
   per rank, pieces per rank that cut a document below 128 tokens, the predicted
   step, the keys the busiest rank reads;
 - the strategy ``auto`` picks;
@@ -35,8 +35,8 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.balanced import balanced_layout
-from cpcompile.cost import choose_strategy, predict_rank_costs
+from cpcompile.cost.model import choose_strategy, predict_rank_costs
+from cpcompile.layouts.balanced import balanced_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import REPO, add_output_argument, header, publish  # noqa: E402
@@ -186,7 +186,7 @@ def time_balanced(cp_sizes=(4, 8, 32), repeats: int = 50) -> list[tuple[int, flo
     out = []
     try:
         for cp in cp_sizes:
-            padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy="balanced")
+            padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy="balanced")
             layout_ms = _median_ms(lambda p=padded, c=cp: balanced_layout(p, c), repeats)
             auto_ms = _median_ms(lambda c=cp: choose_strategy(cu, cp_size=c), max(3, repeats // 10))
             out.append((cp, layout_ms, auto_ms))
@@ -272,7 +272,8 @@ def targets(results: list[dict]) -> list[str]:
 def timing_lines(timing: list[tuple[int, float, float]]) -> list[str]:
     return [
         "Host time, one thread, 100K tokens in 1,000 log-normal documents: the balanced layout",
-        "(`cpcompile.balanced.balanced_layout`) and `auto`'s pick (`choose_strategy`, four candidates' predictions):",
+        "(`cpcompile.layouts.balanced.balanced_layout`) and `auto`'s pick (`choose_strategy`, four candidates'",
+        "predictions):",
         "",
         "| cp | balanced layout ms (median) | auto ms (median) |",
         "|---|---|---|",
@@ -321,7 +322,8 @@ def report(results: list[dict], timing: list[tuple[int, float, float]], packs: i
         BALANCE_HEADER,
         *(_balance_row(r) for r in results if r["cp"] in BALANCE_TABLE_CPS),
         "",
-        "Kernel view, from the cost model (`cpcompile.cost`, 128x128 tiles; each cell the worst pack, for step X / BAL",
+        "Kernel view, from the cost model (`cpcompile.cost.model`, 128x128 tiles; each cell the worst pack, for step",
+        "X / BAL",
         "the one least favourable to balanced): short cuts = pieces under 128 tokens that cut a document, per rank;",
         "tile bound = one device's tiles / (cp x the slowest rank's), the forward efficiency a tiled kernel can reach;",
         "step X / BAL = predicted step of X over balanced's (< 1: X predicted faster); keys read = share of the pack's",

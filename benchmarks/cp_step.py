@@ -2,7 +2,7 @@
 
 Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
 and in backward the re-gather and dK/dV reduce-scatter; or the sparse exchange of
-only the rows each rank reads, ``cpcompile.ops.exchange``, forced each way with
+only the rows each rank reads, ``cpcompile.attention.exchange``, forced each way with
 ``Config.kv_exchange``) on its shard of one pack;
 CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
 (``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
@@ -32,8 +32,8 @@ from report import add_output_argument, command, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile import kernels  # noqa: E402
+from cpcompile.cache import upload  # noqa: E402
 from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
-from cpcompile.per_plan import upload  # noqa: E402
 from cpcompile.testing import sample_lengths  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
@@ -42,7 +42,7 @@ RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with comm="ring"
 
 def rank_plan(cu, padded, spec, comm: str, local_tokens: int, device):
     """This rank's plan, built once per step on the host and shared by the layers."""
-    build = cpcompile.ring_plan.make_ring_plan if comm == "ring" else cpcompile.make_plan
+    build = cpcompile.plan.ring.make_ring_plan if comm == "ring" else cpcompile.plan.make_plan
     cp, rank = dist.get_world_size(), dist.get_rank()
     plan = build(cu.cpu(), padded.cpu(), cp_size=cp, rank=rank, strategy=spec, num_tokens=local_tokens * cp)
     # uploaded with host twins: the sparse exchange finds the pack the plan was made from through them

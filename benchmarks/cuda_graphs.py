@@ -2,14 +2,14 @@
 
 For each size of ``--tokens-per-rank``: ``--packs`` packs of ``cp x size`` tokens, less up to a
 sixteenth so their lengths vary too, documents drawn from ``--doclens``; all padded to the bucket
-that holds them (``cpcompile.capacity_for``). A ``LlamaForCausalLM`` of ``--layers`` layers (Llama-8B's
+that holds them (``cpcompile.layouts.capacity_for``). A ``LlamaForCausalLM`` of ``--layers`` layers (Llama-8B's
 shapes unless ``--hidden`` and the rest say otherwise; bf16, random weights,
 ``attn_implementation="cpcompile"``) runs rank ``--rank``'s share on the fake process group (its
 collectives cost nothing: **no communication in these times**; the K/V all-gather path, as the sparse
 exchange's sizes would need real ranks). The decoder is compiled with ``dynamic=False`` (``--modes``):
 ``plain``, without CUDA graphs; ``trees``, with ``mode="reduce-overhead"``, where inductor captures the
 forward and the backward each as one CUDA graph, attention included where FA4 runs it
-(``cpcompile.ops.captured``; else the attention ops stay outside, between captured parts:
+(``cpcompile.attention.captured``; else the attention ops stay outside, between captured parts:
 docs/cuda-graphs.md); ``step``, with
 ``cpcompile.backend(..., captured_step=True)`` inside ``cpcompile.CapturedStep``, which captures the
 whole step (forward, loss, backward) as one CUDA graph (on CUDA, with FA4 installed: its attention
@@ -62,7 +62,7 @@ from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
-from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int  # noqa: E402
+from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int  # noqa: E402
 from cpcompile.kernels import fa4  # noqa: E402
 from cpcompile.testing import hf_llama, losses, synthetic_pack  # noqa: E402
 
@@ -157,7 +157,7 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     packs = make_packs(args, size, count, seed=size)
     base = cpcompile.StrategySpec(args.strategy)
-    spec = dataclasses.replace(base, capacity=cpcompile.capacity_for(packs, cp_size=args.cp, strategy=base))
+    spec = dataclasses.replace(base, capacity=cpcompile.layouts.capacity_for(packs, cp_size=args.cp, strategy=base))
     longest = max(int(cu.diff().max()) for cu in packs)  # the bucket's max_length: fixed, as dynamic=False needs
     shape = layer_shape(args)
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
@@ -344,7 +344,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
-    source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advise`"
+    source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advisor.advise`"
     shape = layer_shape(args)
     lines = [
         *header(HEADING),

@@ -69,10 +69,10 @@ from report import add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
-from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
+from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
 from cpcompile.comm import collectives  # noqa: E402
 from cpcompile.config import default_config  # noqa: E402
-from cpcompile.flops import training_flops  # noqa: E402
+from cpcompile.cost.flops import training_flops  # noqa: E402
 from cpcompile.testing import hf_llama, losses, synthetic_pack  # noqa: E402
 
 HEADING = "## End to end (benchmarks/e2e.py)"
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
     sizes = dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, tokens=131072, packs=8)
     for name, default in sizes.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=default)
-    p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths, as python -m cpcompile.advise "
+    p.add_argument("--doclens", type=Path, metavar="FILE", help="document lengths, as python -m cpcompile.advisor "
                    "reads them (default: its built-in mix)")  # fmt: skip
     p.add_argument("--strategy", default="balanced", choices=[s.value for s in cpcompile.Strategy])
     p.add_argument("--stripe-size", type=positive_int, default=128, help="with --strategy striped")
@@ -447,7 +447,7 @@ def attempt(args, cp: int, rank: int, packs, device) -> dict:
         print(f"  out of memory: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         row = {"cp": cp, "rank": rank, "oom": True}
     torch._dynamo.reset()
-    cpcompile.release_grad_buffers()
+    cpcompile.attention.release_grad_buffers()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -482,7 +482,7 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
     """The lines above the table: what ran, and whether communication is in the times."""
     done = [r for r in rows if not r.get("oom")]
     docs = statistics.mean(cu.shape[0] - 1 for cu in packs)
-    source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advise`"
+    source = f"`{args.doclens.name}`" if args.doclens else "the built-in mix of `cpcompile.advisor.advise`"
     params = f"{done[0]['params'] / 1e9:.2f}B matmul parameters, " if done else ""
     step = "forward, backward, " + ("FSDP2's reduce-scatter" if args.fsdp else "gradient all-reduce over CP")
     fused = "" if args.cpu_smoke else " (fused)"

@@ -8,13 +8,13 @@ A rank's kernel work per u (each timed with the real kernel, as cpcompile runs i
 - 1 < u < cp (the hybrid): its head group's pieces (``plan.make_hybrid_plan``) for ``Hq / u`` query
   heads over every key of ``Hkv f / u`` heads: the all-gather path the hybrid runs between groups.
   The ranks of a group make the same call, so one rank per group is timed;
-- u = cp (pure head parallelism): the op's own per-rank call (``cpcompile.ops.heads.LocalCall``:
+- u = cp (pure head parallelism): the op's own per-rank call (``cpcompile.attention.heads.LocalCall``:
   the documents' real tokens gathered back to back, one kernel call on disjoint key ranges, the
   output gathered back) for ``Hq / cp`` query heads over all tokens. Every rank makes the same
   call; one is timed.
 
 Efficiency = best single-GPU time / (cp x slowest rank), communication excluded (docs/design.md
-"Cost"). Beside it, what the busiest rank receives per layer (``cpcompile.comm_cost.layer_bytes``:
+"Cost"). Beside it, what the busiest rank receives per layer (``cpcompile.advisor.comm_model.layer_bytes``:
 head all-to-alls, all-gather, exchange, counted from the plans), that time *modelled* at
 ``--bandwidth`` GB/s per GPU (not measured), and the efficiency with it added (nothing overlapped).
 
@@ -43,13 +43,13 @@ from report import REPO, add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile import Strategy, StrategySpec, kernels  # noqa: E402
+from cpcompile.advisor.comm_model import Heads, Link, layer_bytes  # noqa: E402
+from cpcompile.attention import heads as head_ops  # noqa: E402
+from cpcompile.cache import upload  # noqa: E402
 from cpcompile.comm.heads import kv_replication  # noqa: E402
-from cpcompile.comm_cost import Heads, Link, layer_bytes  # noqa: E402
-from cpcompile.flops import causal_attention_flops  # noqa: E402
+from cpcompile.cost.flops import causal_attention_flops  # noqa: E402
 from cpcompile.kernels import fa4  # noqa: E402
-from cpcompile.ops import heads as head_ops  # noqa: E402
-from cpcompile.per_plan import upload  # noqa: E402
-from cpcompile.plan import AttentionPlan, make_head_plan, make_hybrid_plan, max_piece_len  # noqa: E402
+from cpcompile.plan.pieces import AttentionPlan, make_head_plan, make_hybrid_plan, max_piece_len  # noqa: E402
 from cpcompile.testing import sample_lengths  # noqa: E402
 
 CAUSAL = (-1, 0)  # attention_gpu's steps take a window; head parallelism runs causal calls
@@ -79,7 +79,7 @@ def rank_plans(cu: torch.Tensor, padded: torch.Tensor, cp: int, spec: StrategySp
     u = spec.head_parallel
     layout = StrategySpec(spec.strategy, spec.stripe_size)
     if u == 1:
-        return [cpcompile.make_plan(cu, padded, cp_size=cp, rank=r, strategy=layout) for r in range(cp)]
+        return [cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=r, strategy=layout) for r in range(cp)]
     if u == cp:
         return [make_head_plan(cu, padded, cp_size=cp, strategy=layout)]
     return [
@@ -91,7 +91,7 @@ def rank_plans(cu: torch.Tensor, padded: torch.Tensor, cp: int, spec: StrategySp
 def _plans(lengths: tuple[int, ...], cp: int, spec: StrategySpec) -> list[AttentionPlan]:
     """:func:`rank_plans` once per pack and spec (head shapes and passes share them)."""
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    return rank_plans(cu, cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec), cp, spec)
+    return rank_plans(cu, cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec), cp, spec)
 
 
 def rank_steps(spec, plans, cu, padded, heads: Heads, cp: int, backward: bool, kernel_name, tensors):
@@ -153,10 +153,12 @@ def measure(lengths, heads: Heads, cp: int, us: list[int], backward: bool, kerne
         rows += [{"what": f"single GPU {w}", "ms": ms, "tflops": flops / ms / 1e9} for w, ms in single_ms.items()]
         best = singles[min(single_ms, key=single_ms.get)]
     for spec in cases(cp, us, heads.q):
-        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
         nbytes = layer_bytes(cu, cp_size=cp, strategy=spec, heads=heads, cu_seqlens_padded=padded)
         moved = int((nbytes.total if backward else nbytes.forward).max())
-        pairs = cpcompile.predict_rank_costs(cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded).pairs.double()
+        pairs = cpcompile.cost.predict_rank_costs(
+            cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded
+        ).pairs.double()
         row = {
             "what": f"u={spec.head_parallel} {spec.strategy.value}",
             "u": spec.head_parallel,
@@ -218,7 +220,8 @@ def intro(args, source: str, link: Link, kernel: str) -> list[str]:
         f"cp={args.cp}, {args.tokens} tokens per pack from {source}, bf16, head dim {D}, causal; {timing}. "
         "u = head_parallel: 1 sequence CP, 1 < u < cp the hybrid (heads inside groups of u, the all-gather "
         "between them), u = cp pure head parallelism (the op's per-rank call on whole documents). MB: what the "
-        "busiest rank receives per layer in the pass timed (`cpcompile.comm_cost.layer_bytes`, counted from the "
+        "busiest rank receives per layer in the pass timed (`cpcompile.advisor.comm_model.layer_bytes`, counted from "
+        "the "
         f"plans); comm ms: that at an assumed {link.bandwidth_gbps} GB/s per GPU, modelled, not measured; "
         "efficiency with comm: the same reference / (cp x (slowest rank + comm ms)), nothing overlapped. "
         "Analyses: [docs/communication.md](docs/communication.md).",

@@ -4,12 +4,12 @@ Bytes are per rank and per attention layer, for K/V of ``--kv-heads`` x ``--head
 in bf16 and dK/dV sent in float32 (both paths sum gradients in float32):
 
 - all-gather: forward one all-gather of K/V; backward a re-gather of K/V and a
-  reduce-scatter of dK/dV (``cpcompile/ops/attention.py``);
+  reduce-scatter of dK/dV (``cpcompile/attention/api.py``);
 - ring: forward ``cp - 1`` K/V blocks; backward ``cp - 1`` K/V blocks and ``cp``
   dK/dV blocks (each block's gradient travels one step behind it and a last step
-  hands it to its owner; ``cpcompile/ops/ring.py``).
+  hands it to its owner; ``cpcompile/attention/ring.py``).
 
-Compute per ring step comes from the ring plans (``cpcompile.ring_plan``): the attention
+Compute per ring step comes from the ring plans (``cpcompile.plan.ring``): the attention
 pairs (query, visible key) rank ``r`` computes at step ``i``, causal. The all-gather
 step costs the slowest rank's total, ``max_r sum_i``; a ring step waits for its
 slowest rank, so the ring costs ``sum_i max_r``. Both are reported over the mean rank
@@ -29,7 +29,7 @@ import torch
 
 import cpcompile
 from cpcompile import StrategySpec
-from cpcompile.ring_plan import make_ring_plan
+from cpcompile.plan.ring import make_ring_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from balance import SHORT, STRATEGIES, cu_of, make_packs  # noqa: E402
@@ -42,7 +42,7 @@ CP_SIZES = (2, 4, 8, 16)
 def step_pairs(lengths: list[int], spec: StrategySpec, cp: int) -> torch.Tensor:
     """``[cp, cp]`` int64: causal attention pairs rank ``r`` computes at ring step ``i``."""
     cu = cu_of(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     pairs = torch.zeros(cp, cp, dtype=torch.long)
     for rank in range(cp):
         plan = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)

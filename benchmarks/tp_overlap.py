@@ -1,4 +1,4 @@
-"""TP overlap: all-gather + matmul run sequentially, as cpcompile.ag_gemm, and as torch's fused op.
+"""TP overlap: all-gather + matmul run sequentially, as cpcompile.tp.ag_gemm, and as torch's fused op.
 
 Each of ``--gpus`` ranks holds ``x [t, K]`` and ``w [N_local, K]`` and computes
 ``all_gather(x) @ w.T`` -> ``[tp * t, N_local]`` (bf16). Per (t, N_local), timed with CUDA
@@ -8,7 +8,7 @@ events (mean of ``--iters`` back-to-back calls after ``--warmup``; the slowest r
     gemm        the [tp * t, K] x [K, N_local] matmul alone
     bound       max(comm, gemm): what perfect overlap reaches
     sequential  all_gather, then mm
-    ag_gemm     cpcompile.ag_gemm on buffers of capacity max(t) (allocated once): copy engine
+    ag_gemm     cpcompile.tp.ag_gemm on buffers of capacity max(t) (allocated once): copy engine
                 over symmetric memory, and ``ag_gemm p2p`` (``Config(tp_comm="p2p")``, NCCL p2p)
     torch fused torch.ops.symm_mem.fused_all_gather_matmul (micro-pipeline TP's op)
 
@@ -42,7 +42,7 @@ def _ag_gemm(x, w, group, capacity: int, comm: str):
     config = cpcompile.Config(tp_comm=comm)
 
     def fn():
-        return cpcompile.ag_gemm(x, w, group=group, capacity_tokens=capacity, config=config)
+        return cpcompile.tp.ag_gemm(x, w, group=group, capacity_tokens=capacity, config=config)
 
     return fn
 

@@ -7,7 +7,7 @@ it reports per strategy:
 
 - exchange: K/V bytes the sparse exchange brings the busiest rank per layer (``Hkv`` heads of
   ``D`` in bf16, K and V), and what an all-gather brings it, from every rank's reads
-  (``cpcompile.reads.read_ranges``, which the exchange's plan is made from);
+  (``cpcompile.layouts.reads.read_ranges``, which the exchange's plan is made from);
 - ring: the K/V blocks each rank's pieces read, of ``cp`` (the ring skips the others' kernel calls);
 - work: max/mean per-rank attention pairs under the window (``CostModel(window=w)``), and the
   strategy ``choose_strategy`` picks under it; ``balanced_w`` is balanced told the window
@@ -29,9 +29,9 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost import CostModel, choose_strategy, predict_rank_costs
-from cpcompile.ring_plan import ring_window_plan
-from cpcompile.window import window_keys
+from cpcompile.cost.model import CostModel, choose_strategy, predict_rank_costs
+from cpcompile.plan.ring import ring_window_plan
+from cpcompile.plan.window import window_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from balance import STRATEGIES as LAYOUTS  # noqa: E402
@@ -49,7 +49,7 @@ def ring_blocks(cu: torch.Tensor, cp: int, spec: StrategySpec, window: tuple[int
     """Per rank, the K/V blocks (of ``cp``) that its pieces read under ``window``."""
     live = []
     for rank in range(cp):
-        plan = cpcompile.make_plan(cu, cp_size=cp, rank=rank, strategy=spec)
+        plan = cpcompile.plan.make_plan(cu, cp_size=cp, rank=rank, strategy=spec)
         k_start, k_len, _ = window_keys(*plan[1:], window)
         _, lengths, _ = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         live.append(int(lengths.gt(0).any(1).sum()))

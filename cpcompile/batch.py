@@ -4,7 +4,7 @@ The loader and the model must agree on the layout; ``shard_batch`` reads the sam
 active strategy as the compiled attention unless one is passed (under CP there is no
 default). Attention reads only the batch's rows and ``cu_seqlens``, and rows laid out for
 another rank or layout of the same token count would attend wrongly without an error, so
-attention checks what the rows were laid out for (:class:`~cpcompile.strategy.ShardedFor`,
+attention checks what the rows were laid out for (:class:`~cpcompile.spec.ShardedFor`,
 :func:`check_rows`): given as a value, ``with cpcompile.strategy(batch)`` (or
 ``strategy=batch``), or remembered with the batch's own ``cu_seqlens`` tensor.
 """
@@ -16,14 +16,14 @@ import functools
 
 import torch
 
-from .checks import agreement_enabled, check_cp, check_cu_seqlens, data_checks_enabled
-from .comm.collectives import all_gather_rows
-from .comm.groups import agree_on, digest, resolve_group
-from .cost import resolve_auto
-from .partition import all_partition_indices, pad_for_cp, partition_indices
-from .per_plan import attach, attached, on_host, twin, upload
-from .plan import head_step_plan, plan_extras, step_plan
-from .strategy import (
+from cpcompile.cache import attach, attached, on_host, twin, upload
+from cpcompile.checks import agreement_enabled, check_cp, check_cu_seqlens, data_checks_enabled
+from cpcompile.comm.collectives import all_gather_rows
+from cpcompile.comm.groups import agree_on, digest, resolve_group
+from cpcompile.cost.model import resolve_auto
+from cpcompile.layouts.partition import all_partition_indices, pad_for_cp, partition_indices
+from cpcompile.plan.pieces import head_step_plan, plan_extras, step_plan
+from cpcompile.spec import (
     ShardedFor,
     Strategy,
     StrategyLike,
@@ -178,9 +178,9 @@ def shard_batch(
 
     With ``device``, the batch comes back on it, made ready for a step that reads
     nothing from the GPU: the inputs (on the host) are copied without waiting for the
-    stream, ``cu_seqlens`` keeps its host copy (:func:`cpcompile.per_plan.upload`), and
+    stream, ``cu_seqlens`` keeps its host copy (:func:`cpcompile.cache.upload`), and
     the attention plan of compiled calls (``cpcompile::cp_plan``) is made here, ahead
-    of the step, on the host (:func:`cpcompile.plan.step_plan`).
+    of the step, on the host (:func:`cpcompile.plan.pieces.step_plan`).
 
     Args:
         tensors: name -> ``[T, ...]`` with ``T = cu_seqlens[-1]`` (input_ids, labels, ...).
@@ -190,7 +190,7 @@ def shard_batch(
         strategy: the layout (a strategy or spec; default the active one, ``dual_chunk_swap`` outside every
             :func:`cpcompile.strategy` block). Attention takes no default: run it inside
             ``with cpcompile.strategy(batch)``, which gives it this batch's layout, so the two sides never
-            differ. ``auto`` is resolved here (:func:`cpcompile.cost.resolve_auto`:
+            differ. ``auto`` is resolved here (:func:`cpcompile.cost.model.resolve_auto`:
             under the spec's ``windows``) and ``ShardedBatch.spec`` holds the strategy it picked.
     """
     check_cp(cp_size, rank, rank_given=True)

@@ -15,7 +15,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .config import VALIDATE
+from cpcompile.config import VALIDATE
 
 
 def data_checks_enabled(t: torch.Tensor) -> bool:
@@ -151,7 +151,7 @@ def check_pack_tokens(
     total = int(cu_seqlens_padded[-1])
     if total == num_tokens:
         return
-    from .strategy import layout_name
+    from cpcompile.spec import layout_name
 
     local = num_tokens // cp_size
     held = f"the {cp_size} ranks hold {num_tokens} rows ({local} local tokens in q x cp_size {cp_size})"

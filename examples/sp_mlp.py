@@ -4,7 +4,7 @@
 their shards of a column-parallel ``fc1`` and a row-parallel ``fc2``, written as Megatron
 writes them with torch's functional collectives. ``torch.compile`` with
 ``cpcompile.backend`` (its TP overlap pass) turns all-gather -> fc1 into
-``cpcompile.ag_gemm`` and fc2 -> reduce-scatter into ``cpcompile.gemm_rs``; output and
+``cpcompile.tp.ag_gemm`` and fc2 -> reduce-scatter into ``cpcompile.tp.gemm_rs``; output and
 gradients match the eager block for every ``t``, with one compilation.
 
     python examples/sp_mlp.py [--tp 2] [--hidden 64] [--steps 6] [--capacity 512]
@@ -56,7 +56,7 @@ class CountingInner:
         self.rewrites: list[int] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        names = ("cpcompile.ag_gemm", "cpcompile.gemm_rs")
+        names = ("cpcompile.tp.ag_gemm", "cpcompile.tp.gemm_rs")
         self.rewrites.append(sum(str(n.target).startswith(names) for n in gm.graph.nodes))
         return lookup_backend("aot_eager")(gm, example_inputs)
 

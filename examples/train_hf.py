@@ -31,8 +31,8 @@ from torch._dynamo.utils import counters
 
 import cpcompile
 import cpcompile.integrations.hf as cphf  # registers attn_implementation="cpcompile"; needs transformers
-from cpcompile.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
-from cpcompile.flops import training_flops
+from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int
+from cpcompile.cost.flops import training_flops
 from cpcompile.testing import synthetic_pack
 from cpcompile.testing.hf_llama import (
     LLAMA_8B_LAYERS,

@@ -30,8 +30,8 @@ from launch import require_torchrun
 from torch._dynamo.utils import counters
 
 import cpcompile
-from cpcompile.advise import cut_pack, length_sampler, positive_int
-from cpcompile.strategy import COMMS
+from cpcompile.advisor.advise import cut_pack, length_sampler, positive_int
+from cpcompile.spec import COMMS
 from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 
 
@@ -140,7 +140,7 @@ def main() -> None:
         return loss.item()
 
     with cpcompile.strategy(args.spec):
-        label = f"cp={world} {cpcompile.current_spec().strategy.value} {args.comm}"
+        label = f"cp={world} {cpcompile.spec.current_spec().strategy.value} {args.comm}"
         cp_losses = train(model, cp_step, data, torch.optim.AdamW(model.parameters(), lr=args.lr), label, rank == 0)
     graphs = counters["stats"]["unique_graphs"]
 

@@ -17,7 +17,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.testing import normalize_gm
 
 from cpcompile import Strategy, StrategySpec
-from cpcompile.passes.overlap_matmul import overlap_matmul_pass
+from cpcompile.tp.rewrite import overlap_matmul_pass
 
 # --- strategies and packs ---------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def two_layers(q, k, v, cu_seqlens, max_seqlen):
 def fake_rank_inputs(strategy=None):
     """One rank's q, k, v for two documents (5 and 15 tokens) over cp=2, laid out for ``strategy``."""
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
-    tokens = int(cpcompile.pad_for_cp(cu, cp_size=2, strategy=strategy)[-1]) // 2
+    tokens = int(cpcompile.layouts.pad_for_cp(cu, cp_size=2, strategy=strategy)[-1]) // 2
     q = torch.randn(tokens, 4, 8, requires_grad=True)
     k, v = (torch.randn(tokens, 2, 8, requires_grad=True) for _ in range(2))
     return q, k, v, cu, 15

@@ -107,7 +107,7 @@ def balanced_brute_force(
     tries: int = 32,
     free: list[bool] | None = None,
 ):
-    """Every rank's positions under BALANCED, from the steps in ``cpcompile/balanced.py``, one token at a time.
+    """Every rank's positions under BALANCED, from the steps in ``cpcompile/layouts/balanced.py``, one token at a time.
 
     ``free``: per document, whether it is padding (``balanced.free_padding``, a capacity's): dealt first, in
     order, each rank taking what leaves it its share of the real tokens; the steps lay out the rest."""

@@ -1,4 +1,4 @@
-"""Tier 1: the strategy advisor (``cpcompile.advise``) against hand-computed work and the ``auto`` rule."""
+"""Tier 1: the strategy advisor (``cpcompile.advisor.advise``) against hand-computed work and the ``auto`` rule."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile import advise
-from cpcompile.comm_cost import Heads, choose_spec
+from cpcompile.advisor import advise
+from cpcompile.advisor.comm_model import Heads, choose_spec
 from tests.fixtures import cu_seqlens
 
 
@@ -39,7 +39,7 @@ def test_recommendation_follows_the_cost_model():
     packs = [cu_seqlens([4096]), cu_seqlens([100, 3000, 996]), cu_seqlens([64] * 64)]
     advice = advise.advise(packs, cp_size=4)
     # per pack, the pick is what auto itself would choose
-    assert advice.auto_picks == [advise.spec_name(cpcompile.choose_strategy(p, cp_size=4)) for p in packs]
+    assert advice.auto_picks == [advise.spec_name(cpcompile.cost.choose_strategy(p, cp_size=4)) for p in packs]
     totals = {r.name: sum(r.steps()) for r in advice.reports}
     per_pack_best = sum(min(steps) for steps in zip(*(r.steps() for r in advice.reports)))
     best_fixed = min(totals, key=totals.__getitem__)
@@ -106,7 +106,7 @@ def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expe
     out, err = capsys.readouterr()
     assert out == ""  # nothing sampled or printed before the error
     message = err.strip().splitlines()[-1]
-    assert message.startswith(f"python -m cpcompile.advise: error: --doclens {path}: ") and expected in message
+    assert message.startswith(f"python -m cpcompile.advisor: error: --doclens {path}: ") and expected in message
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
         advise.main(argv)
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advise: error: {expected}"
+    assert out == "" and err.strip().splitlines()[-1] == f"python -m cpcompile.advisor: error: {expected}"
 
 
 def test_head_parallel_options_stand_beside_the_strategies(capsys):
@@ -178,7 +178,7 @@ def test_runs_from_a_fresh_checkout(tmp_path):
     shutil.copytree(Path(advise.__file__).parent, checkout / "cpcompile", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run(
-        [sys.executable, "-m", "cpcompile.advise", "--pack", "8192", "--cp", "4", "--packs", "2"],
+        [sys.executable, "-m", "cpcompile.advisor", "--pack", "8192", "--cp", "4", "--packs", "2"],
         cwd=checkout,
         env=env,
         capture_output=True,

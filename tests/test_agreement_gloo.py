@@ -87,7 +87,7 @@ def _plans_of_another_call(rank: int, world: int) -> None:
     ``AttentionPlan``: a ``RingPlan`` holds no windows."""
     bad = rank == 1
     rejected = r"rank 1 rejected its arguments \((Value|Type)Error: .*{}"
-    kinds = {"ring": cpcompile.ring_plan.make_ring_plan, "all_gather": cpcompile.make_plan}
+    kinds = {"ring": cpcompile.plan.ring.make_ring_plan, "all_gather": cpcompile.plan.make_plan}
     other_cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     for comm, make in kinds.items():
         plans = [make(CU, cp_size=world, rank=r, strategy="no_load_balance") for r in range(world)]
@@ -107,7 +107,7 @@ def _plans_of_another_call(rank: int, world: int) -> None:
         for _argument, plan, own in cases:
             call = dict(strategy="no_load_balance", comm=comm, plan=plan if bad else plans[rank])
             _expect(rank, 1, own, rejected.format(own), **call)
-    ring = cpcompile.ring_plan.make_ring_plan(CU, cp_size=world, rank=rank, strategy="striped")
+    ring = cpcompile.plan.ring.make_ring_plan(CU, cp_size=world, rank=rank, strategy="striped")
     own = r"plan must be a AttentionPlan for comm='ring' with window_size=\(2, 0\), got RingPlan"
     _expect(rank, rank, own, own, strategy="striped", comm="ring", window_size=(2, 0), plan=ring)
 

@@ -42,7 +42,7 @@ def test_opcheck_packed_attention():
 
 def test_opcheck_cp_attention(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
-    plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     for causal in (True, False):
         args = (
             q.requires_grad_(),

@@ -1,4 +1,4 @@
-"""Tier 1: the balanced layout (``cpcompile.balanced``) against brute force: every token once, work and
+"""Tier 1: the balanced layout (``cpcompile.layouts.balanced``) against brute force: every token once, work and
 kernel tiles even over ranks, the piece bound, and its op (the gloo tier runs balanced in test_cp_attention_gloo)."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 import cpcompile
-from cpcompile import Strategy, StrategySpec, balanced
+from cpcompile import Strategy, StrategySpec
 from cpcompile.batch import _to_documents
-from cpcompile.partition import piece_marks
-from cpcompile.plan import max_pieces
+from cpcompile.layouts import balanced
+from cpcompile.layouts.partition import piece_marks
+from cpcompile.plan.pieces import max_pieces
 from tests.fixtures import cu_seqlens
 from tests.reference import balanced_brute_force
 
@@ -44,9 +45,9 @@ lengths_st = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(lengths=lengths_st, cp=st.sampled_from([2, 3, 4, 8]))
 def test_balanced_matches_brute_force(lengths, cp):
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
     assert padded.diff().tolist() == lengths[:-1] + [lengths[-1] + (-sum(lengths)) % cp]  # < cp tokens, at the end
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
     assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), cp)
     assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))  # every token once
 
@@ -69,8 +70,8 @@ def test_balanced_work_is_even(mix, cp):
     # it falls in: 1.5 x the longest document, however long the pack.
     lengths = _mixes()[mix]
     assert sum(lengths) // cp < balanced.SNAP_MIN_TOKENS
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
-    work = _work(padded, cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED))
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
+    work = _work(padded, cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED))
     total = int(work.sum())
     held = work.cumsum(0)[:-1]  # ranks 0..r-1
     share = torch.arange(1, cp) * total / cp
@@ -98,9 +99,9 @@ TILE_PACKS = [(1, 8, 400), (5, 8, 400), (0, 4, 400), (28, 8, 400), (168, 8, 200)
 def test_balanced_counts_kernel_tiles(seed, cp, docs):
     g = torch.Generator().manual_seed(seed)
     lengths = (torch.empty(docs).log_normal_(5.5, 1.2, generator=g).long() + 1).tolist()
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
     assert int(padded[-1]) // cp >= balanced.SNAP_MIN_TOKENS
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
     assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
     assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), cp)
     # The busiest rank's tiles: 1.002-1.010 of the mean on these packs (at most 1.013 on 600 such
@@ -131,8 +132,8 @@ def test_balanced_front_cuts_move_to_tiles(seed, cp):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1000, 8000, (30,), generator=g).tolist()
     assert sum(lengths) // cp >= balanced.SNAP_MIN_TOKENS
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
     assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
     assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), cp)
 
@@ -152,8 +153,8 @@ def test_balanced_moved_cut_at_a_document_end():
     # pieces must not take the moved cut's split (a review found tokens lost, others held twice).
     lengths = [7097, 4221, 7936, 3267, 6465, 6839, 3530, 1095, 4911, 6688, 5171, 3867, 3090, 2955, 7272]
     lengths += [5696, 3780, 7304, 5358, 4090, 1211, 5262, 5700, 7450, 6543, 6705, 4225, 5032, 5141, 2905]
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=4, strategy=BALANCED)
-    layout = cpcompile.all_partition_indices(padded, cp_size=4, strategy=BALANCED)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=4, strategy=BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=4, strategy=BALANCED)
     assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
     assert layout.tolist() == balanced_brute_force(padded.diff().tolist(), 4)
 
@@ -169,8 +170,8 @@ def test_balanced_covers_every_token_once_on_large_packs(lengths, cp):
     # Packs with enough tokens per rank for step 4, one dominant document included: the layout
     # alone (no brute force, so many packs) holds every token once.
     lengths = [*lengths, max(0, balanced.SNAP_MIN_TOKENS * cp - sum(lengths))]
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
     assert torch.equal(layout.flatten().sort().values, torch.arange(int(padded[-1])))
 
 
@@ -179,9 +180,9 @@ def test_balanced_covers_every_token_once_on_large_packs(lengths, cp):
 def test_balanced_piece_bound(lengths, cp, per_document):
     # Padding inside every document (a dual_chunk_swap offset table) cuts pieces too.
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy="dual_chunk_swap" if per_document else BALANCED)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
-    pieces = cpcompile.partition.piece_marks(layout, cu, padded)[3].sum(1)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy="dual_chunk_swap" if per_document else BALANCED)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=BALANCED)
+    pieces = cpcompile.layouts.partition.piece_marks(layout, cu, padded)[3].sum(1)
     assert int(pieces.max()) <= max_pieces(BALANCED, len(lengths), layout.shape[1])
 
 
@@ -189,11 +190,11 @@ def _under_capacity(lengths: list[int], cp: int, spare: int, documents: int):
     """``(cu, padded, layout)`` of the pack padded to a capacity of ``spare`` more padding multiples (and
     ``documents`` more documents) than it needs, as ``shard_batch`` pads it."""
     cu = cu_seqlens(lengths)
-    least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=BALANCED)[-1])
+    least = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=BALANCED)[-1])
     spec = StrategySpec(Strategy.BALANCED, capacity=(least + spare * cp, len(lengths) + documents))
     cu = _to_documents(cu, spec.capacity)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    return cu, padded, cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec, cu_seqlens=cu)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    return cu, padded, cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec, cu_seqlens=cu)
 
 
 @settings(max_examples=40, deadline=None)
@@ -234,7 +235,7 @@ def test_balanced_real_work_is_even_under_a_capacity(mix, cp, spare):
 @given(lengths=lengths_st, cp=st.sampled_from([2, 3, 4, 8]), spare=st.sampled_from([0, 1, 50, 400]))
 def test_balanced_piece_bound_under_a_capacity(lengths, cp, spare):
     cu, padded, layout = _under_capacity(lengths, cp, spare, 0)
-    pieces = cpcompile.partition.piece_marks(layout, cu, padded)[3].sum(1)
+    pieces = cpcompile.layouts.partition.piece_marks(layout, cu, padded)[3].sum(1)
     assert int(pieces.max()) <= max_pieces(BALANCED, len(lengths), layout.shape[1])
 
 
@@ -242,7 +243,7 @@ def test_balanced_under_a_capacity_needs_the_real_offsets():
     cu, padded, _ = _under_capacity([300, 5], 2, 100, 0)
     spec = StrategySpec(Strategy.BALANCED, capacity=(int(padded[-1]), 2))
     with pytest.raises(ValueError, match=r"balanced under capacity=\(506, 2\) lays the capacity's padding out .*"):
-        cpcompile.all_partition_indices(padded, cp_size=2, strategy=spec)
+        cpcompile.layouts.all_partition_indices(padded, cp_size=2, strategy=spec)
 
 
 def test_balanced_layout_op():

@@ -38,7 +38,7 @@ def test_shard_batch_pads_then_selects(strategy):
         assert torch.equal(b.tensors["labels"], _brute_force(ids, lengths, padded, -100, held))
         assert torch.equal(b.tensors["emb"], _brute_force(emb, lengths, padded, 0.0, held))
         assert torch.equal(
-            b.indices, cpcompile.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank, strategy=strategy)
+            b.indices, cpcompile.layouts.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank, strategy=strategy)
         )
 
 
@@ -100,7 +100,7 @@ def test_bad_plans(kwargs, message):
     """make_plan names the argument it cannot take, before it lays anything out."""
     cu = torch.tensor([0, 4, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
-        cpcompile.make_plan(cu, **{"cp_size": 2, "rank": 0, **kwargs})
+        cpcompile.plan.make_plan(cu, **{"cp_size": 2, "rank": 0, **kwargs})
 
 
 def test_attention_checks_what_the_batch_was_sharded_for():
@@ -108,8 +108,8 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     attention (``batch.check_rows``, called by ``cp_attention`` and the plan ops) refuses another:
     rows of another rank or layout with the same token count would attend wrongly without an error."""
     from cpcompile.batch import check_rows
-    from cpcompile.cost import resolve_auto
-    from cpcompile.strategy import resolve_strategy
+    from cpcompile.cost.model import resolve_auto
+    from cpcompile.spec import resolve_strategy
 
     cu = torch.tensor([0, 3, 10, 11, 24], dtype=torch.int32)
     x = {"x": torch.arange(24.0)}
@@ -181,7 +181,7 @@ def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
     import numpy as np
 
     from cpcompile.batch import check_rows
-    from cpcompile.strategy import current_rows, layout_in_force
+    from cpcompile.spec import current_rows, layout_in_force
 
     cu = torch.tensor([0, 5, 7, 8], dtype=torch.int32)
     batches = [
@@ -210,7 +210,7 @@ def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
 def test_no_default_layout_under_cp():
     """Attention on a CP group of more than one rank takes no default layout: given none, by argument or by a
     strategy block, it raises naming both ways; one rank takes the default."""
-    from cpcompile.strategy import layout_in_force
+    from cpcompile.spec import layout_in_force
 
     with pytest.raises(
         ValueError, match=r"cp_attention has no layout.*strategy=batch.*with cpcompile.strategy\(batch\)"
@@ -243,7 +243,7 @@ def test_a_batchs_own_offsets_win_over_what_a_block_learned():
     """A block given a strategy learns the last batch ``shard_batch`` made in it; a batch's own ``cu_seqlens``
     still says whose rows it has (prefetching the next batch in the block, or sharding every rank's)."""
     from cpcompile.batch import check_rows
-    from cpcompile.strategy import layout_in_force
+    from cpcompile.spec import layout_in_force
 
     cu = torch.tensor([0, 5, 7, 8], dtype=torch.int32)
     with cpcompile.strategy("balanced"):

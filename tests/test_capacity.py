@@ -19,9 +19,9 @@ from torch._dynamo.utils import counters
 import cpcompile
 from cpcompile import Capacity, StrategySpec
 from cpcompile.batch import physical_positions
-from cpcompile.cost import resolve_auto
-from cpcompile.partition import padding_multiple
-from cpcompile.plan import plan_extras, step_plan
+from cpcompile.cost.model import resolve_auto
+from cpcompile.layouts.partition import padding_multiple
+from cpcompile.plan.pieces import plan_extras, step_plan
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
 from tests.graphs import FakeGroupTestCase
 
@@ -50,17 +50,17 @@ def _with(spec: StrategySpec, capacity) -> StrategySpec:
 @pytest.mark.parametrize("lengths", [[5, 17, 1], [40], [3, 0, 9], [3, 0]])
 def test_the_last_documents_padding_runs_on_to_the_capacity(spec, lengths):
     cu, cp = _cu(lengths), 4
-    least = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    got = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=_with(spec, (128, 4)))
+    least = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    got = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=_with(spec, (128, 4)))
     assert torch.equal(got[:-1], least[:-1]) and int(got[-1]) == 128 and got.dtype == torch.int32
 
 
 def test_a_pack_that_does_not_fit_is_refused_naming_the_capacity():
     cu = _cu([50, 60])
     with pytest.raises(ValueError, match=r"needs 120 tokens .* more than capacity.tokens=104: use a larger capacity"):
-        cpcompile.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("dual_chunk_swap", capacity=(104, 4)))
+        cpcompile.layouts.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("dual_chunk_swap", capacity=(104, 4)))
     with pytest.raises(ValueError, match="capacity.tokens=126 must be a multiple of 4 for balanced with cp_size=4"):
-        cpcompile.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("balanced", capacity=(126, 4)))
+        cpcompile.layouts.pad_for_cp(cu, cp_size=4, strategy=StrategySpec("balanced", capacity=(126, 4)))
     tensors = {"input_ids": torch.zeros(110, dtype=torch.long)}
     with pytest.raises(ValueError, match="the pack has 2 documents, more than capacity.documents=1"):
         cpcompile.shard_batch(tensors, cu, cp_size=2, rank=0, strategy=StrategySpec("balanced", capacity=(128, 1)))
@@ -71,9 +71,9 @@ def test_attention_takes_the_batchs_cu_seqlens():
     last): the pack's own, of the same token count, would lay out the capacity's padding otherwise."""
     cu, spec = _cu([5, 17, 1, 9]), StrategySpec("dual_chunk_swap", capacity=(64, 6))
     batch = cpcompile.shard_batch({"x": torch.zeros(32)}, cu, cp_size=2, rank=0, strategy=spec)
-    cpcompile.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec)
+    cpcompile.plan.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec)
     with pytest.raises(ValueError, match=OWN_CU):
-        cpcompile.make_plan(cu, cp_size=2, rank=0, strategy=spec)
+        cpcompile.plan.make_plan(cu, cp_size=2, rank=0, strategy=spec)
 
 
 def test_a_batch_of_another_capacity_is_refused_naming_the_capacity():
@@ -82,7 +82,7 @@ def test_a_batch_of_another_capacity_is_refused_naming_the_capacity():
     cu, spec = _cu([5, 17, 1, 9]), StrategySpec("balanced", capacity=(96, 6))
     batch = cpcompile.shard_batch({"x": torch.zeros(32)}, cu, cp_size=2, rank=0, strategy=_with(spec, (64, 6)))
     with pytest.raises(ValueError, match=r"under capacity=\(96, 6\) a batch holds 96 tokens \(48 per rank at "):
-        cpcompile.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec, num_tokens=64)
+        cpcompile.plan.make_plan(batch.cu_seqlens, cp_size=2, rank=0, strategy=spec, num_tokens=64)
 
 
 @pytest.mark.parametrize("value", [(0, 4), (128,), (128, 4, 1), ("128", 4), (128.0, 4), 128, (True, 4)], ids=repr)
@@ -134,7 +134,7 @@ def test_auto_picks_from_the_documents_the_plan_ops_see(lengths, cp, spec):
     assert resolve_auto(spec, sharded.cu_seqlens, cp_size=cp) == sharded.spec
     assert resolve_auto(spec, cu, cp_size=cp).strategy is not sharded.spec.strategy  # the case in point
     plan = step_plan(sharded.cu_seqlens, None, int(sharded.cu_seqlens_padded[-1]), cp, 0, "auto", 1, *plan_extras(spec))
-    direct = cpcompile.make_plan(
+    direct = cpcompile.plan.make_plan(
         sharded.cu_seqlens, sharded.cu_seqlens_padded, cp_size=cp, rank=0, strategy=sharded.spec
     )
     assert torch.equal(plan.gather_index, direct.gather_index)
@@ -312,7 +312,7 @@ def test_every_op_but_the_captured_pair_is_kept_out_of_cuda_graphs():
     ``cudagraph_unsafe`` tag: the plan and attention ops read their tensors' values on the host (a
     captured call would replay the pack it was captured on), so inductor's graph partitions leave
     them out of any CUDA graph (docs/cuda-graphs.md); the captured pair reads nothing on the host."""
-    import cpcompile.ops.layout  # noqa: F401  (registered where balanced first lays out a pack)
+    import cpcompile.layouts.balanced_op  # noqa: F401  (registered where balanced first lays out a pack)
 
     tag = torch.Tag.cudagraph_unsafe
     packets = {n: getattr(torch.ops.cpcompile, n) for n in dir(torch.ops.cpcompile)}
@@ -427,8 +427,8 @@ def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
     smaller refuses a pack; auto, head parallelism and no packs are refused."""
     cp = 4
     packs = [_cu(lengths) for lengths in ([5, 17, 1], [40], [3, 0, 9, 1, 1], [1])]
-    capacity = cpcompile.capacity_for(packs, cp_size=cp, strategy=spec)
-    needed = [int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1]) for cu in packs]
+    capacity = cpcompile.layouts.capacity_for(packs, cp_size=cp, strategy=spec)
+    needed = [int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1]) for cu in packs]
     assert capacity == (max(needed), 5)
     for cu in packs:
         sharded = cpcompile.shard_batch(
@@ -439,12 +439,12 @@ def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
     for smaller in (Capacity(capacity.tokens - m, 5), Capacity(capacity.tokens, 4)):
         assert not all(_fits(cu, _with(spec, smaller), cp) for cu in packs), smaller
     with pytest.raises(ValueError, match="packs must hold at least one pack, got none"):
-        cpcompile.capacity_for([], cp_size=cp, strategy=spec)
+        cpcompile.layouts.capacity_for([], cp_size=cp, strategy=spec)
     with pytest.raises(
         ValueError, match="capacity_for needs the layout the bucket's packs will use, got strategy 'auto'"
     ):
-        cpcompile.capacity_for(packs, cp_size=cp, strategy="auto")
+        cpcompile.layouts.capacity_for(packs, cp_size=cp, strategy="auto")
     with pytest.raises(ValueError, match="capacity buckets are not supported with head_parallel=2 yet"):
-        cpcompile.capacity_for(
+        cpcompile.layouts.capacity_for(
             packs, cp_size=cp, strategy=StrategySpec(spec.strategy, spec.stripe_size, head_parallel=2)
         )

@@ -19,11 +19,11 @@ import torch
 
 import cpcompile
 from cpcompile import Capacity, StrategySpec
+from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.kernels import KeyGrads, Pieces, reference
 from cpcompile.kernels.contract import KeyPartials
 from cpcompile.kernels.metadata import scratch
-from cpcompile.ops.captured import LAYERS, capturable
-from cpcompile.plan import make_plan
+from cpcompile.plan.pieces import make_plan
 from cpcompile.testing import GPTConfig, PackedGPT, synthetic_pack
 from tests import emulated
 from tests.fixtures import KINDS, cu_seqlens, random_pack
@@ -92,7 +92,7 @@ def test_a_pack_beyond_the_layers_fails_on_the_host_and_on_the_device_not_silent
     whose key ranges fall within a layer, fail the plan op's host check (``check_layers``, before the
     step) and, were it skipped, the backward's device-side assertion (on the CPU, at once): summed
     without some piece's dK/dV, the gradient would be wrong without a word."""
-    from cpcompile.ops.cp_plan import check_layers
+    from cpcompile.attention.plan_op import check_layers
 
     q = torch.randn(6, 2, 4, dtype=torch.float64)
     k, v = torch.randn(8, 1, 4, dtype=torch.float64), torch.randn(8, 1, 4, dtype=torch.float64)
@@ -194,7 +194,7 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
 def _train_captured(rank: int, world: int) -> None:
     import torch._dynamo
 
-    from cpcompile.ops import captured
+    from cpcompile.attention import captured
     from cpcompile.testing import summed_loss
     from tests.dist import assert_matches_summed_over_ranks
 
@@ -251,8 +251,8 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
     slot's shapes, the same call in the capture (on the step's input buffers) gets buffers of them,
     and before each replay the buffers take the next pack's plan, as ``step_plan`` makes it; a plan
     of a tensor that is no input of the step, or a pack of another shape, raises."""
-    from cpcompile.capture import PlanSlots
-    from cpcompile.plan import plan_extras, step_plan
+    from cpcompile.plan.pieces import plan_extras, step_plan
+    from cpcompile.plan.slots import PlanSlots
 
     spec = StrategySpec("balanced", capacity=Capacity(tokens=64, documents=5))
     packs = []
@@ -285,20 +285,21 @@ def test_a_captured_step_knows_inputs_by_memory_and_plans_from_any_thread():
     checkpointed layer's plan in the backward) reaches the step's plan slots."""
     import threading
 
-    from cpcompile import capture
+    from cpcompile.compiler import captured_step
+    from cpcompile.plan import slots as plan_slots
 
     cu, other = torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8])
     same = cu.view(3)
-    assert capture._shapes([cu, same, other, 7]) == [((3,), torch.int64, cu.device, i) for i in (0, 0, 2)] + [7]
-    slots = capture.PlanSlots()
+    assert captured_step._shapes([cu, same, other, 7]) == [((3,), torch.int64, cu.device, i) for i in (0, 0, 2)] + [7]
+    slots = plan_slots.PlanSlots()
     slots.warming([cu])
-    capture._capturing.slots = slots
+    plan_slots.ACTIVE.slots = slots
     try:
-        thread = threading.Thread(target=capture.note_plan, args=(len, (same,), (torch.zeros(4),)))
+        thread = threading.Thread(target=plan_slots.note_plan, args=(len, (same,), (torch.zeros(4),)))
         thread.start()
         thread.join()
     finally:
-        capture._capturing.slots = None
+        plan_slots.ACTIVE.slots = None
     assert slots._seen == {(len, (("input", 0),)): [((4,), torch.float32, torch.device("cpu"))]}
 
 
@@ -307,8 +308,8 @@ class InACapture(FakeGroupTestCase):
         """While a CUDA graph is captured (simulated: the CPU has none), the plan op outside a
         ``CapturedStep``, every op that selects an attention kernel and the TP overlap ops raise
         ``RuntimeError`` naming the ways that work, rather than record one pack's sizes for all."""
-        from cpcompile import per_plan
-        from cpcompile.ops import cp_plan as plan_ops
+        from cpcompile import cache as per_plan
+        from cpcompile.attention import plan_op as plan_ops
 
         cu = cu_seqlens([5, 3])
         q = torch.randn(8, 2, 4)
@@ -321,7 +322,7 @@ class InACapture(FakeGroupTestCase):
             with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
                 cpcompile.packed_attention(q, q, q, cu)
             with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
-                cpcompile.ag_gemm(torch.randn(4, 8), torch.randn(8, 8), group=self.group)
+                cpcompile.tp.ag_gemm(torch.randn(4, 8), torch.randn(8, 8), group=self.group)
 
 
 def test_captured_step_takes_cuda_tensors_and_a_positive_warmup():

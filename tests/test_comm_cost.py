@@ -1,4 +1,4 @@
-"""Tiers 1 and 4: the communication model (``cpcompile.comm_cost``) against the bytes that
+"""Tiers 1 and 4: the communication model (``cpcompile.advisor.comm_model``) against the bytes that
 ``cp_attention``'s collectives move on real gloo ranks, and the opt-in choice that weighs them."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.comm import collectives
-from cpcompile.comm_cost import (
+from cpcompile.advisor.comm_model import (
     Heads,
     Link,
     candidates_with_heads,
@@ -21,7 +20,8 @@ from cpcompile.comm_cost import (
     layer_bytes,
     predict_step,
 )
-from cpcompile.cost import auto_candidates
+from cpcompile.comm import collectives
+from cpcompile.cost.model import auto_candidates
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, cu_seqlens
 

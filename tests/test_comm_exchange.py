@@ -1,4 +1,4 @@
-"""Tier 1-2: the sparse exchange's plan, rule and layout of returned sums (``cpcompile.comm.exchange``)."""
+"""Tier 1-2: the sparse exchange's plan, rule and layout of returned sums (``cpcompile.plan.exchange``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cpcompile
-from cpcompile.comm import collectives, exchange
-from cpcompile.comm.exchange import EXCHANGE_AT, Exchange, _sum_layers, exchange_plan, reads, use_exchange
-from cpcompile.plan import step_plan
+from cpcompile.comm import collectives
+from cpcompile.comm import exchange as transport
+from cpcompile.plan import exchange
+from cpcompile.plan.exchange import EXCHANGE_AT, Exchange, _sum_layers, exchange_plan, reads, use_exchange
+from cpcompile.plan.pieces import step_plan
 from tests.fixtures import LAYOUT_CASE, LAYOUT_SPECS, cu_seqlens
 
 
@@ -110,7 +112,7 @@ def _rank_that_cannot_communicate(cp: int, rank: int):
     names += ("barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter")
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(exchange, "resolve_group", lambda name: group))
-        stack.enter_context(mock.patch.object(exchange, "all_to_all_rows", forbidden))
+        stack.enter_context(mock.patch.object(transport, "all_to_all_rows", forbidden))
         for module, name in [(collectives, "_all_gather"), (collectives, "_reduce_scatter")] + [
             (dist, n) for n in names
         ]:
@@ -128,7 +130,7 @@ def test_the_plan_is_the_one_ranks_agreed_by_collectives(lengths, cp, spec, caus
     rows to send (in the same order), destinations and sums as when each rank told the others
     what it read. Packs of 1-token, empty and single documents; ranks that read nothing."""
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     tokens = int(padded[-1])
     plans = [step_plan(cu, padded, tokens, cp, r, spec.strategy.value, spec.stripe_size) for r in range(cp)]
     want = _as_ranks_told_each_other(plans, causal, choice)
@@ -142,12 +144,12 @@ def test_a_plan_of_unknown_origin_gathers_or_is_refused():
     """A plan copied by hand no longer knows the pack it was made from, which the exchange needs:
     ``auto`` uses the all-gather, ``always`` says what to do."""
     cu = cu_seqlens([5, 11])
-    plan = cpcompile.make_plan(cu, cp_size=2, rank=1, strategy="no_load_balance")
+    plan = cpcompile.plan.make_plan(cu, cp_size=2, rank=1, strategy="no_load_balance")
     copied = [t.clone() for t in (plan.gather_index, plan.k_start, plan.k_len_causal)]
     with _rank_that_cannot_communicate(2, 1):
         assert exchange_plan(plan.gather_index, plan.k_start, plan.k_len_causal, "group", "always") is not None
         assert exchange_plan(*copied, "group", "auto") is None
-        with pytest.raises(ValueError, match="kv_exchange='always' needs the plan as cpcompile.make_plan made it"):
+        with pytest.raises(ValueError, match="kv_exchange='always' needs the plan as cpcompile.plan.make_plan made it"):
             exchange_plan(*copied, "group", "always")
         with pytest.raises(ValueError, match=r"the plan is rank 1's of cp_size 2, this is rank 0 of 2"):
             with _rank_that_cannot_communicate(2, 0):

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile import Strategy, StrategySpec, make_plan
+from cpcompile import Strategy, StrategySpec
 from cpcompile.comm.heads import kv_replication, replicate, sum_replicas
-from cpcompile.cost import resolve_auto
-from cpcompile.partition import pad_for_cp
-from cpcompile.plan import head_step_plan, make_head_plan
+from cpcompile.cost.model import resolve_auto
+from cpcompile.layouts.partition import pad_for_cp
+from cpcompile.plan import make_plan
+from cpcompile.plan.pieces import head_step_plan, make_head_plan
 from tests.fixtures import LAYOUT_SPECS, cu_seqlens
 
 
@@ -64,7 +65,7 @@ def test_documents_take_the_real_tokens_back_to_back_and_put_the_output_back(spe
     """The kernel's rows are the real tokens in physical order, taken where they are when the layout
     pads only after them (no_load_balance), and the output goes back to the all-gather's order,
     ``fill`` at the padding: against indexing by the plan, row by row."""
-    from cpcompile.ops.heads import _to_documents, _to_gathered, documents
+    from cpcompile.attention.heads import _to_documents, _to_gathered, documents
 
     cp, cu = 4, cu_seqlens(lengths)
     plan = make_head_plan(cu, cp_size=cp, strategy=spec)
@@ -103,7 +104,7 @@ def test_shard_batch_makes_the_head_plan_ahead():
 def test_hybrid_plan_of_contiguous_slices_is_the_group_as_one_rank(cp, u):
     """Under no_load_balance a head group's ranks hold one contiguous slice: the group's plan is
     the plan of one rank of ``cp / u`` holding it (live pieces alike), over the ``cp`` layout's order."""
-    from cpcompile.plan import make_hybrid_plan
+    from cpcompile.plan.pieces import make_hybrid_plan
 
     cu = cu_seqlens([1, 7, 0, 12, 3, 9])
     padded = pad_for_cp(cu, cp_size=cp, strategy="no_load_balance")

@@ -46,5 +46,5 @@ def test_grad_buffers_are_zeroed_once_per_plan():
     dk, _ = grad_buffers(changed, (cu_q, k_start, full), k, 2)
     assert not dk.any()
     dk.fill_(1)
-    cpcompile.release_grad_buffers()
+    cpcompile.attention.release_grad_buffers()
     assert not grad_buffers(changed, (cu_q, k_start, full), k, 2)[0].any()

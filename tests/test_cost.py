@@ -1,4 +1,4 @@
-"""Tier 1: the cost model (``cpcompile.cost``) against brute force, auto's rule and how its pick reaches
+"""Tier 1: the cost model (``cpcompile.cost.model``) against brute force, auto's rule and how its pick reaches
 plans and batches, and argument errors (the gloo tier runs auto in test_cp_attention_gloo)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs
-from cpcompile.plan import max_pieces
+from cpcompile.cost.model import CostModel, auto_candidates, choose_strategy, predict_rank_costs
+from cpcompile.plan.pieces import max_pieces
 from tests.fixtures import cu_seqlens
 
 BALANCED = StrategySpec(Strategy.BALANCED)
@@ -80,9 +80,9 @@ def test_predicted_costs_match_brute_force(lengths, cp, spec, causal, blocks, wi
     window = window if causal else -1  # a window counts causal sliding windows
     model = CostModel(block_q=blocks[0], block_k=blocks[1], token_cost=5, key_cost=3, causal=causal, window=window)
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     costs = predict_rank_costs(cu, cp_size=cp, strategy=spec, model=model)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec)
     want = _costs_brute_force(cu, padded, layout, model)
     assert costs.pairs.tolist() == [w[0] for w in want]
     assert costs.tiles.tolist() == [w[1] for w in want]
@@ -111,9 +111,9 @@ def test_head_parallel_costs_are_their_groups_split_over_heads(lengths, cp_u, sp
     spec = dataclasses.replace(spec, head_parallel=u)
     model = CostModel(block_q=4, block_k=2, token_cost=5, key_cost=3, causal=causal)
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     costs = predict_rank_costs(cu, cp_size=cp, strategy=spec, model=model)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec)
     groups = torch.arange(int(padded[-1]))[None] if u == cp else layout.reshape(cp // u, -1)
     want = _costs_brute_force(cu, padded, groups, model)
     for r in range(cp):
@@ -171,8 +171,8 @@ def test_auto_through_make_plan_and_shard_batch():
         assert torch.equal(
             batch.indices, cpcompile.shard_batch({"ids": ids}, cu, cp_size=3, rank=rank, strategy=chosen).indices
         )
-        auto = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy="auto")
-        plan = cpcompile.make_plan(cu, cp_size=3, rank=rank, strategy=chosen)
+        auto = cpcompile.plan.make_plan(cu, cp_size=3, rank=rank, strategy="auto")
+        plan = cpcompile.plan.make_plan(cu, cp_size=3, rank=rank, strategy=chosen)
         # auto's piece slots cover any strategy it may pick; the live pieces are the chosen one's
         assert auto.cu_q.shape[0] == max_pieces(StrategySpec(Strategy.AUTO), 5, batch.indices.shape[0]) + 1
         live = plan.cu_q.shape[0] - 1
@@ -187,11 +187,11 @@ def test_auto_through_make_plan_and_shard_batch():
 def test_compiled_plan_sizes_match_the_traced_ones(strategy):
     # The compiler traces cpcompile::cp_plan with its fake and runs the real one per batch:
     # their sizes must agree whatever auto picks.
-    from cpcompile.ops import cp_plan  # noqa: F401  (registers the op)
+    from cpcompile.attention import plan_op  # noqa: F401  (registers the op)
 
     cu, cp = cu_seqlens([5000, 3, 300, 70, 1200]), 3
     spec = choose_strategy(cu, cp_size=cp) if strategy == "auto" else BALANCED
-    tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+    tokens = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
     real = torch.ops.cpcompile.cp_plan(cu, None, tokens, cp, 1, strategy, 1)
     with FakeTensorMode():
         fake = torch.ops.cpcompile.cp_plan(torch.empty(6, dtype=torch.int32), None, tokens, cp, 1, strategy, 1)

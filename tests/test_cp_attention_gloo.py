@@ -61,7 +61,7 @@ def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
     dist.all_gather(parts, local)
     out = torch.empty((local.shape[0] * sharded.cp_size, *local.shape[1:]), dtype=local.dtype)
     for r, part in enumerate(parts):
-        idx = cpcompile.partition_indices(
+        idx = cpcompile.layouts.partition_indices(
             sharded.cu_seqlens_padded, cp_size=sharded.cp_size, rank=r, strategy=sharded.spec
         )
         out[idx] = part
@@ -77,7 +77,7 @@ def _masks_share_a_plan(rank: int, world: int, config: cpcompile.Config | None) 
     q, k, v, dout = (torch.randn(32, 2, 8, generator=g) for _ in range(4))
     spec = cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE)  # no padding: physical = global rows
     sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec)
-    plan = cpcompile.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
+    plan = cpcompile.plan.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
     for causal_first in (True, False):
         local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
         kw = {"strategy": sharded, "plan": plan, "config": config}

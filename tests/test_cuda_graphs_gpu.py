@@ -81,7 +81,7 @@ def test_each_call_of_a_captured_step_is_one_training_step_on_its_own_pack():
     mixes = ([100, 3, 200], [7, 7, 7, 250], [1, 300], [150, 150], [64, 9])
     packs = [synthetic_pack(m, cfg.vocab, torch.Generator().manual_seed(i)) for i, m in enumerate(mixes)]
     base = cpcompile.StrategySpec("balanced")
-    capacity = cpcompile.capacity_for([p["cu_seqlens"] for p in packs], cp_size=2, strategy=base)
+    capacity = cpcompile.layouts.capacity_for([p["cu_seqlens"] for p in packs], cp_size=2, strategy=base)
     spec, names = dataclasses.replace(base, capacity=capacity), ("input_ids", "position_ids", "labels")
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:

@@ -176,11 +176,6 @@ def _measurements_in_code() -> list[str]:
     return hits
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="comments in cpcompile/ still quote figures: advisor/comm_model.py ('330 TFLOP/s'), attention/exchange.py "
-    "('40-65 %'), kernels/metadata/order.py ('8 %')",
-)
 def test_no_measurements_in_code_comments():
     hits = _measurements_in_code()
     assert not hits, "code comments quote measurements (they belong in BENCHMARKS.md or docs/):\n" + "\n".join(hits)

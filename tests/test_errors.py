@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.plan import make_head_plan
-from cpcompile.ring_plan import make_ring_plan
-from cpcompile.strategy import resolve_strategy
+from cpcompile.plan.pieces import make_head_plan
+from cpcompile.plan.ring import make_ring_plan
+from cpcompile.spec import resolve_strategy
 from tests.dist import run_ranks
 from tests.fixtures import attention_case
 from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
@@ -78,7 +78,7 @@ def test_cp_attention_under_cpu_autocast():
 def test_cp_attention_names_offsets_on_meta(single_rank_group, padded):
     """Was ``NotImplementedError: Cannot copy out of meta tensor; no data!`` from inside the plan."""
     cu, _, q, k, v, _ = attention_case(LENGTHS)
-    given = cpcompile.pad_for_cp(cu, cp_size=1).to("meta") if padded else None
+    given = cpcompile.layouts.pad_for_cp(cu, cp_size=1).to("meta") if padded else None
     q, k, v, cu = (t.to("meta") for t in (q, k, v, cu))
     named = "cu_seqlens and cu_seqlens_padded are" if padded else "cu_seqlens is"
     with pytest.raises(ValueError, match=f"^{named} on the meta device, which holds no values: cp_attention"):
@@ -129,16 +129,18 @@ def test_local_offsets_are_named_as_cu_seqlens(strategy):
     whole = r"must describe the whole \(global\) pack, which this rank's tokens are a share of"
     held = rf"the {world} ranks hold {rows * world} rows \({rows} local tokens in q x cp_size {world}\)"
     for make in (
-        lambda: cpcompile.make_plan(cu_local, cp_size=world, rank=rank, strategy=strategy, num_tokens=rows * world),
+        lambda: cpcompile.plan.make_plan(
+            cu_local, cp_size=world, rank=rank, strategy=strategy, num_tokens=rows * world
+        ),
         lambda: make_ring_plan(cu_local, cp_size=world, rank=rank, strategy=strategy, num_tokens=rows * world),
         lambda: make_head_plan(cu_local, cp_size=world, strategy=strategy, num_tokens=rows * world),
     ):
         with pytest.raises(ValueError, match=rf"^cu_seqlens describes {rows} tokens.*{held}: cu_seqlens {whole}") as e:
             make()
         assert "cu_seqlens_padded" not in str(e.value)
-    padded = cpcompile.pad_for_cp(cu_local, cp_size=world, strategy=strategy)
+    padded = cpcompile.layouts.pad_for_cp(cu_local, cp_size=world, strategy=strategy)
     with pytest.raises(ValueError, match=rf"^cu_seqlens_padded\[-1\] = {int(padded[-1])}, but {held}: .* {whole}"):
-        cpcompile.make_plan(cu_local, padded, cp_size=world, rank=rank, strategy=strategy, num_tokens=rows * world)
+        cpcompile.plan.make_plan(cu_local, padded, cp_size=world, rank=rank, strategy=strategy, num_tokens=rows * world)
 
 
 def test_offsets_not_starting_at_zero_say_whose_offsets():
@@ -146,4 +148,4 @@ def test_offsets_not_starting_at_zero_say_whose_offsets():
     rows, cu_local = _local_offsets(2, 1, "dual_chunk_swap")
     assert int(cu_local[0]) > 0
     with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, got \d+ \(under CP: the whole pack's offsets"):
-        cpcompile.make_plan(cu_local, cp_size=2, rank=1, strategy="dual_chunk_swap", num_tokens=rows * 2)
+        cpcompile.plan.make_plan(cu_local, cp_size=2, rank=1, strategy="dual_chunk_swap", num_tokens=rows * 2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpcompile.flops import causal_attention_flops, training_flops
+from cpcompile.cost.flops import causal_attention_flops, training_flops
 
 
 def test_causal_attention_counts_each_visible_pair_per_document():

@@ -16,11 +16,11 @@ import torch
 
 import cpcompile
 from cpcompile import kernels
-from cpcompile.comm import exchange
+from cpcompile.attention.captured import LAYERS
 from cpcompile.kernels import KeyGrads, Pieces, cudnn, fa4, flash
-from cpcompile.ops.captured import LAYERS
-from cpcompile.plan import max_piece_len
-from cpcompile.strategy import resolve_strategy
+from cpcompile.plan import exchange
+from cpcompile.plan.pieces import max_piece_len
+from cpcompile.spec import resolve_strategy
 from cpcompile.testing import VARLEN_GQA
 from tests.reference import attention_fp64
 
@@ -117,7 +117,7 @@ def _check_simulated_ranks(strategy, causal, kernel, kv_heads):
     cp = 4
     lengths = [1, 700, 129, 2048, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=strategy)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=strategy)
     n = int(padded[-1])
     g = torch.Generator(device="cuda").manual_seed(1)
     q, dout = (torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -134,9 +134,9 @@ def _check_simulated_ranks(strategy, causal, kernel, kv_heads):
     bounds = {"max_q": max_piece_len(resolve_strategy(strategy), cp, max(lengths)), "max_k": max(lengths)}
     kw = {"causal": causal, "scale": 128**-0.5}
     for rank in range(cp):
-        plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy)
-        plan = cpcompile.AttentionPlan(*(t.cuda() for t in plan))
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
+        plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy)
+        plan = cpcompile.plan.AttentionPlan(*(t.cuda() for t in plan))
+        idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
         pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal), **bounds)
         _poison_allocator()
         o, lse = kernel.forward(q[idx], k, v, pieces, **kw)
@@ -298,7 +298,7 @@ def test_head_parallel_rank_call_is_packed_attention(kernel, padded_lengths, lay
     nothing. Padded per document (the real tokens gathered) and after them (read in place)."""
     import torch.distributed as dist
 
-    from cpcompile.ops import heads  # registers the ops
+    from cpcompile.attention import heads  # registers the ops
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:

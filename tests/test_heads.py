@@ -11,7 +11,7 @@ from torch.library import opcheck
 
 import cpcompile
 from cpcompile import kernels
-from cpcompile.ops import heads  # noqa: F401  (registers the ops)
+from cpcompile.attention import heads  # noqa: F401  (registers the ops)
 from tests.fixtures import attention_case
 
 

@@ -75,7 +75,7 @@ def _errors(rank: int, world: int) -> None:
     cu = torch.tensor([0, 5, 8], dtype=torch.int32)
     q = torch.randn(4, 2, 4)
     good = cpcompile.StrategySpec("no_load_balance", head_parallel=2)
-    plan = cpcompile.make_plan(cu, cp_size=2, rank=rank, strategy="no_load_balance")
+    plan = cpcompile.plan.make_plan(cu, cp_size=2, rank=rank, strategy="no_load_balance")
     odd_heads = torch.randn(4, 3, 4), torch.randn(4, 1, 4), torch.randn(4, 1, 4)
     cases = [
         (dict(strategy=cpcompile.StrategySpec(head_parallel=3)), "head_parallel=3 must divide the CP size 2"),

@@ -15,7 +15,7 @@ import torch
 import cpcompile
 from cpcompile import kernels
 from cpcompile.kernels import contract, reference
-from cpcompile.ring_plan import make_ring_plan
+from cpcompile.plan.ring import make_ring_plan
 
 
 def _parameters(function, skip: int = 0):
@@ -79,9 +79,9 @@ def test_every_plan_reads_disjoint_or_same_start_key_ranges():
         cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, stripe_size=16),
     ]
     for spec, cp, causal in ((s, cp, c) for s in specs for cp in (2, 4) for c in (True, False)):
-        padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
         for rank in range(cp):
-            plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+            plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
             ring = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
             blocks = [(plan.k_start, plan.k_len(causal)), *zip(ring.k_start, ring.k_len(causal))]
             for k_start, k_len in blocks:

@@ -1,4 +1,4 @@
-"""Tiers 1-2 and 4: ag_gemm and gemm_rs (``cpcompile.ops.overlap``, on ``cpcompile.comm.ring``'s buffers).
+"""Tiers 1-2 and 4: ag_gemm and gemm_rs (``cpcompile.tp.ops``, on ``cpcompile.comm.ring``'s buffers).
 
 Opcheck and argument errors on one rank (tiers 1-2); real gloo ranks (tier 4, tp = 2 and 3)
 against float64 references built from every rank's inputs with plain matmuls, for the ops
@@ -74,15 +74,17 @@ def _check_ops(tp, rank, group, *, capacity, seed):
         for shape, bias in (((t,), True), ((t,), False), ((t, 2), False)):
             inputs, dout, ref, ref_grads = _ag_gemm_case(tp, rank, shape, bias, seed + 100 * i)
             fn = (
-                (lambda x, w, b: cpcompile.ag_gemm(x, w, bias=b, group=group, capacity_tokens=capacity))
+                (lambda x, w, b: cpcompile.tp.ag_gemm(x, w, bias=b, group=group, capacity_tokens=capacity))
                 if bias
-                else (lambda x, w: cpcompile.ag_gemm(x, w, group=group, capacity_tokens=capacity))
+                else (lambda x, w: cpcompile.tp.ag_gemm(x, w, group=group, capacity_tokens=capacity))
             )
             out, grads = _run(fn, inputs, dout)
             _assert_close([out, *grads], [ref, *ref_grads], f"ag_gemm tp={tp} rank={rank} x={shape} bias={bias}")
         for shape in ((t,), (t, 2)):
             inputs, dout, ref, ref_grads = _gemm_rs_case(tp, rank, shape, seed + 100 * i)
-            out, grads = _run(lambda x, w: cpcompile.gemm_rs(x, w, group=group, capacity_tokens=capacity), inputs, dout)
+            out, grads = _run(
+                lambda x, w: cpcompile.tp.gemm_rs(x, w, group=group, capacity_tokens=capacity), inputs, dout
+            )
             _assert_close([out, *grads], [ref, *ref_grads], f"gemm_rs tp={tp} rank={rank} x={shape}")
 
 
@@ -155,7 +157,7 @@ def _check_compiled_variants(tp, rank, group, *, seed):
     torch._dynamo.reset()
     inputs, dout, ref, ref_grads = _gemm_rs_case(tp, rank, (3,), seed)
     step = torch.compile(
-        lambda x, w: cpcompile.gemm_rs(x, w, group=group.group_name), backend="aot_eager", fullgraph=True
+        lambda x, w: cpcompile.tp.gemm_rs(x, w, group=group.group_name), backend="aot_eager", fullgraph=True
     )
     out, grads = _run(step, inputs, dout)
     _assert_close([out, *grads], [ref, *ref_grads], f"compiled gemm_rs(group=name) tp={tp} rank={rank}")
@@ -166,37 +168,37 @@ def _check_errors(tp, rank, group):
     x, w = torch.randn(2 + rank, K), torch.randn(N, K)
     listed = "; ".join(f"rank {r}: {2 + r}" for r in range(tp))
     with pytest.raises(ValueError, match=f"disagree on token count \\(rows per TP rank\\) \\({listed}\\)"):
-        cpcompile.ag_gemm(x, w, group=group)
+        cpcompile.tp.ag_gemm(x, w, group=group)
     with pytest.raises(ValueError, match=f"disagree on token count \\(rows per TP rank\\) \\({listed}\\)"):
-        cpcompile.gemm_rs(torch.randn(tp * (2 + rank), K), w, group=group)
+        cpcompile.tp.gemm_rs(torch.randn(tp * (2 + rank), K), w, group=group)
     # Rows of other widths or dtypes: garbage with the same bytes per row, else an aborted transport.
     x = torch.randn(2, K + rank)
     widths = "; ".join(f"rank {r}: {K + r}" for r in range(tp))
     with pytest.raises(ValueError, match=f"disagree on row width \\({widths}\\)"):
-        cpcompile.ag_gemm(x, torch.randn(N, K + rank), group=group)
+        cpcompile.tp.ag_gemm(x, torch.randn(N, K + rank), group=group)
     dtype = torch.float64 if rank else torch.float32
     with pytest.raises(ValueError, match="disagree on dtype \\(rank 0: 'torch.float32'; rank"):
-        cpcompile.gemm_rs(torch.randn(tp * 2, K, dtype=dtype), torch.randn(N, K, dtype=dtype), group=group)
+        cpcompile.tp.gemm_rs(torch.randn(tp * 2, K, dtype=dtype), torch.randn(N, K, dtype=dtype), group=group)
     # Only the last rank is over capacity: it says so, the others are told, none hangs.
     x = torch.randn(8 + (rank == tp - 1), K)
     over = "9 tokens per rank exceed capacity_tokens=8"
     message = over if rank == tp - 1 else f"rank {tp - 1} rejected its arguments .*{over}"
     with pytest.raises(ValueError, match=message):
-        cpcompile.ag_gemm(x, w, group=group, capacity_tokens=8)
+        cpcompile.tp.ag_gemm(x, w, group=group, capacity_tokens=8)
     with pytest.raises(ValueError, match=f"x.shape\\[0\\] = {tp + 1} must be a multiple of the group size {tp}"):
-        cpcompile.gemm_rs(torch.randn(tp + 1, K), w, group=group)
+        cpcompile.tp.gemm_rs(torch.randn(tp + 1, K), w, group=group)
     # The same rows in other shapes come back in other shapes; ranks in different ops exchange rows that
     # fit (K = N here) yet mean something else.
     shape = (2, 3, K) if rank % 2 == 0 else (3, 2, K)
     listed = rf"ranks? 0(, 2)?: \(2, 3, {K}\); rank 1: \(3, 2, {K}\)"
     with pytest.raises(ValueError, match=rf"disagree on input shape \({listed}\); this is rank {rank}"):
-        cpcompile.ag_gemm(torch.randn(*shape), w, group=group)
+        cpcompile.tp.ag_gemm(torch.randn(*shape), w, group=group)
     square = torch.randn(K, K)
     with pytest.raises(ValueError, match="disagree on op \\(rank 0: 'ag_gemm'; rank"):
         if rank == 0:
-            cpcompile.ag_gemm(torch.randn(2, K), square, group=group)
+            cpcompile.tp.ag_gemm(torch.randn(2, K), square, group=group)
         else:
-            cpcompile.gemm_rs(torch.randn(2 * tp, K), square, group=group)
+            cpcompile.tp.gemm_rs(torch.randn(2 * tp, K), square, group=group)
 
 
 def _check_rank(rank: int, tp: int) -> None:
@@ -210,7 +212,7 @@ def _check_rank(rank: int, tp: int) -> None:
     ring_comm.BUFFERS.clear()
     counts = []
     for t in (3, 4, 5, 8, 2):
-        cpcompile.ag_gemm(torch.randn(t, K), torch.randn(N, K), group=group)
+        cpcompile.tp.ag_gemm(torch.randn(t, K), torch.randn(N, K), group=group)
         counts.append(ring_comm.BUFFERS.allocations - allocations)
     assert counts == [1, 1, 2, 2, 2], counts
     _check_ops(tp, rank, group, capacity=None, seed=3)
@@ -256,10 +258,10 @@ def test_opcheck(single_rank_group):
 
 def test_one_rank_is_a_plain_matmul(single_rank_group):
     inputs, dout, ref, ref_grads = _ag_gemm_case(1, 0, (4, 3), True, seed=0)
-    out, grads = _run(lambda x, w, b: cpcompile.ag_gemm(x, w, bias=b, capacity_tokens=12), inputs, dout)
+    out, grads = _run(lambda x, w, b: cpcompile.tp.ag_gemm(x, w, bias=b, capacity_tokens=12), inputs, dout)
     _assert_close([out, *grads], [ref, *ref_grads], "ag_gemm tp=1")
     inputs, dout, ref, ref_grads = _gemm_rs_case(1, 0, (4, 3), seed=0)
-    out, grads = _run(lambda x, w: cpcompile.gemm_rs(x, w, capacity_tokens=12), inputs, dout)
+    out, grads = _run(lambda x, w: cpcompile.tp.gemm_rs(x, w, capacity_tokens=12), inputs, dout)
     _assert_close([out, *grads], [ref, *ref_grads], "gemm_rs tp=1")
 
 
@@ -287,9 +289,9 @@ def test_one_rank_is_a_plain_matmul(single_rank_group):
 def test_rejects_bad_arguments(single_rank_group, args, error, message):
     args = {"x": torch.ones(4, K), "w": torch.ones(N, K), "bias": None, "capacity_tokens": None, "group": None, **args}
     with pytest.raises(error, match=message):
-        cpcompile.ag_gemm(
+        cpcompile.tp.ag_gemm(
             args["x"], args["w"], bias=args["bias"], capacity_tokens=args["capacity_tokens"], group=args["group"]
         )
     if args["bias"] is None:
         with pytest.raises(error, match=message):
-            cpcompile.gemm_rs(args["x"], args["w"], capacity_tokens=args["capacity_tokens"], group=args["group"])
+            cpcompile.tp.gemm_rs(args["x"], args["w"], capacity_tokens=args["capacity_tokens"], group=args["group"])

@@ -156,7 +156,7 @@ class GraphModule(torch.nn.Module):
             return q, k, s, u, v
 
         args = [torch.randn(*s) for s in ((4, 8), (6, 8), (6, 8), (8, 5), (3, 5), (3,), (4, 8))]
-        logger = logging.getLogger("cpcompile.passes.overlap_matmul")
+        logger = logging.getLogger("cpcompile.tp.rewrite")
         with self.assertLogs(logger, level="DEBUG") as logs:
             torch.compile(unmatched, backend=backend, fullgraph=True)(*args)
         self.assertEqual(backend.rewrites, [0])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
 
 import cpcompile
-from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
+from cpcompile.compiler.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, doc_lengths
 from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.ops.attention import _single_device_pieces
-from cpcompile.per_plan import (
+from cpcompile.attention.api import _single_device_pieces
+from cpcompile.cache import (
     ENTRIES,
     attach,
     attached,
@@ -26,7 +26,7 @@ from cpcompile.per_plan import (
     twinned,
     upload,
 )
-from cpcompile.plan import step_plan
+from cpcompile.plan.pieces import step_plan
 
 
 def test_per_plan_builds_once_for_the_same_plan_tensors():
@@ -289,8 +289,8 @@ def test_a_refilled_buffers_plan_is_the_new_packs(docs):
     buffer, packs = _refilled_packs(docs)
     cu = torch.from_numpy(buffer)
     balanced, plain = (cpcompile.StrategySpec(s) for s in ("balanced", "no_load_balance"))
-    tokens = int(cpcompile.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=balanced)[-1])
-    assert tokens == int(cpcompile.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=plain)[-1])
+    tokens = int(cpcompile.layouts.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=balanced)[-1])
+    assert tokens == int(cpcompile.layouts.pad_for_cp(torch.from_numpy(packs[0]), cp_size=2, strategy=plain)[-1])
     windowed = (tokens, 2, 1, balanced.strategy.value, balanced.stripe_size, (3,))
     layout = (plain.strategy.value, plain.stripe_size)  # the op's: a cheaper layout for 5,000 documents
     q = torch.empty(int(packs[0][-1]), 1, 4)

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import cpcompile
 from cpcompile.batch import _to_documents
 from cpcompile.kernels import Pieces, reference
-from cpcompile.partition import padding_multiple
-from cpcompile.plan import origin, step_plan
-from cpcompile.reads import keys_read, read_lengths, read_ranges
-from cpcompile.window import window_keys
+from cpcompile.layouts.partition import padding_multiple
+from cpcompile.layouts.reads import keys_read, read_lengths, read_ranges
+from cpcompile.plan.pieces import origin, step_plan
+from cpcompile.plan.window import window_keys
 from tests.fixtures import LAYOUT_CASE, cu_seqlens, pack_lengths_st
 from tests.fixtures import LAYOUT_SPECS as SPECS
 from tests.reference import attention_fp64, relative_error
@@ -49,10 +49,10 @@ def _pieces_brute_force(idx: list[int], real_lengths: list[int], padded: list[in
 @given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), spec=st.sampled_from(SPECS))
 def test_plan_pieces_match_brute_force(lengths, cp, spec):
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec)
     for rank in range(cp):
-        plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+        plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
         cu_q = plan.cu_q.tolist()
         got = [
             (cu_q[p], cu_q[p + 1] - cu_q[p], int(plan.k_start[p]), int(plan.k_len_causal[p]), int(plan.k_len_full[p]))
@@ -69,7 +69,7 @@ def test_plan_pieces_match_brute_force(lengths, cp, spec):
 def test_dual_chunk_swap_piece_slots_are_static():
     # Piece slots depend on shapes only (3 per document for dual_chunk_swap), never on values.
     cu = cu_seqlens([100, 3, 17])
-    plan = cpcompile.make_plan(cu, cp_size=4, rank=1, strategy="dual_chunk_swap")
+    plan = cpcompile.plan.make_plan(cu, cp_size=4, rank=1, strategy="dual_chunk_swap")
     assert plan.cu_q.shape == (3 * 3 + 1,)
 
 
@@ -81,12 +81,12 @@ def test_simulated_ranks_match_single_device(lengths, cp, spec, causal, spare):
     of that many more padding multiples and documents than it needs, as ``shard_batch`` pads it."""
     cu = cu_seqlens(lengths)
     if spare is not None:
-        least = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+        least = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
         multiple, _ = padding_multiple(spec, cp)
         capacity = (least + spare[0] * multiple, len(lengths) + spare[1])
         spec = dataclasses.replace(spec, capacity=capacity)
         cu = _to_documents(cu, spec.capacity)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     n = int(padded[-1])
     g = torch.Generator().manual_seed(sum(lengths) + cp)
     q, dout = torch.randn(n, 4, 8, generator=g), torch.randn(n, 4, 8, generator=g)
@@ -97,8 +97,8 @@ def test_simulated_ranks_match_single_device(lengths, cp, spec, causal, spare):
 
     dk_sum, dv_sum = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
-        plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec, cu_seqlens=cu)
+        plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+        idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec, cu_seqlens=cu)
         pieces = Pieces(plan.cu_q, plan.k_start, plan.k_len(causal))
         out, lse = reference.forward(q[idx], k, v, pieces, causal=causal, scale=8**-0.5)
         assert relative_error(out, want[idx]) < 1e-5
@@ -117,11 +117,11 @@ def test_opcheck_cp_plan():
     cu = cu_seqlens([5, 1, 30, 7])
     for spec in SPECS:
         for cp in (2, 3):
-            tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+            tokens = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
             args = (cu, None, tokens, cp, cp - 1, spec.strategy.value, spec.stripe_size)
             opcheck(torch.ops.cpcompile.cp_plan.default, args)
             plan = torch.ops.cpcompile.cp_plan.default(*args)
-            want = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
+            want = cpcompile.plan.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=spec)
             assert all(torch.equal(a, b) for a, b in zip(plan, want))
 
 
@@ -131,8 +131,8 @@ def test_every_ranks_reads_follow_from_the_pack(lengths, cp, spec):
     """The keys each rank's pieces read, from the pack alone (``read_lengths``), are those its own
     plan's pieces read; every plan knows the pack it was made from."""
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    plans = [cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     total = plans[0].gather_index.shape[0]
     for causal in (True, False):
         made = [origin(p.k_len(causal)) for p in plans]
@@ -158,8 +158,8 @@ def test_every_ranks_windowed_reads_follow_from_the_pack(lengths, cp, spec, wind
     """Under a window, the runs of keys each rank reads, from the pack alone (``read_ranges``), are
     ascending and disjoint and cover exactly the keys its windowed pieces read."""
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    plans = [cpcompile.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    plans = [cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     total = plans[0].gather_index.shape[0]
     reader, lo, hi = read_ranges(origin(plans[0].k_len_causal).pack, window)
     for rank, plan in enumerate(plans):

@@ -7,13 +7,13 @@ import torch
 from torch.library import opcheck
 
 import cpcompile
-from cpcompile.ring_plan import make_ring_plan
+from cpcompile.plan.ring import make_ring_plan
 from tests.fixtures import attention_case
 
 
 def test_opcheck_ring_ops(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
-    plan = cpcompile.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     for causal in (True, False):
         opcheck(torch.ops.cpcompile.ring_key_ranges.default, (plan.gather_index, plan.k_start, plan.k_len(causal), 1))
         ring = make_ring_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
@@ -42,7 +42,7 @@ def test_comm_comes_from_the_strategy_unless_given(single_rank_group):
         with pytest.raises(TypeError, match="plan must be a AttentionPlan for comm='all_gather', got RingPlan"):
             cpcompile.cp_attention(q, k, v, cu, plan=ring, comm="all_gather")
     with pytest.raises(TypeError, match="plan must be a RingPlan for comm='ring', got AttentionPlan"):
-        cpcompile.cp_attention(q, k, v, cu, plan=cpcompile.make_plan(cu, cp_size=1, rank=0), comm="ring")
+        cpcompile.cp_attention(q, k, v, cu, plan=cpcompile.plan.make_plan(cu, cp_size=1, rank=0), comm="ring")
     two_ranks = make_ring_plan(cu, cp_size=2, rank=0, strategy="no_load_balance")
     with pytest.raises(ValueError, match="plan has key ranges for 2 ranks, the group has cp_size 1"):
         cpcompile.cp_attention(q, k, v, cu, plan=two_ranks, comm="ring")

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpcompile
+from cpcompile.attention.ring import merge
 from cpcompile.kernels import Pieces, reference
-from cpcompile.ops.ring import merge
-from cpcompile.ring_plan import make_ring_plan
+from cpcompile.plan.ring import make_ring_plan
 from tests.fixtures import LAYOUT_SPECS as SPECS
 from tests.fixtures import cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error
@@ -53,8 +53,8 @@ def _visible_from_plan(plan, src: int, rank: int, causal: bool):
 @given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
 def test_ring_plan_key_ranges_match_brute_force(lengths, cp, spec, causal):
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec).tolist()
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec).tolist()
     starts = padded.tolist()
     for rank in range(cp):
         plan = make_ring_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
@@ -66,7 +66,7 @@ def test_ring_plan_key_ranges_match_brute_force(lengths, cp, spec, causal):
 
 def _simulate_ring(q, k, v, dout, cu, padded, spec, cp, causal):
     """Every rank's ring forward and backward in one process: outputs and q/k/v gradients in physical order."""
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec)
     out, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
     scale = q.shape[-1] ** -0.5
     for rank in range(cp):
@@ -95,7 +95,7 @@ def _simulate_ring(q, k, v, dout, cu, padded, spec, cp, causal):
 @given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4]), spec=st.sampled_from(SPECS), causal=st.booleans())
 def test_simulated_ring_matches_fp64(lengths, cp, spec, causal):
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     g = torch.Generator().manual_seed(sum(lengths))
     t = int(padded[-1])
     q, k, v, dout = (torch.randn(t, h, 8, generator=g) for h in (4, 2, 2, 4))

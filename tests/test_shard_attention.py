@@ -17,7 +17,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.nn.attention.varlen import varlen_attn
 
 import cpcompile
-from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
+from cpcompile.compiler.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
 from cpcompile.testing import VARLEN_GQA, GPTConfig, PackedGPT, synthetic_pack
 from tests.fixtures import readable
 from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, packed_model, two_layers, varlen_model
@@ -461,6 +461,6 @@ def test_backend_is_registered_by_name():
     """``torch.compile(backend="cpcompile")`` finds it through the package's entry point."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    from cpcompile.backend import default_backend
+    from cpcompile.compiler.backend import default_backend
 
     assert lookup_backend("cpcompile") is default_backend

@@ -16,7 +16,7 @@ import operator
 import torch
 
 import cpcompile
-from cpcompile.passes.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
+from cpcompile.compiler.shard_attention import UnsupportedAttentionError, find_packed_attention, shard_attention_pass
 from tests import graphs as base
 from tests.fixtures import readable
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.passes.shard_attention import shard_attention_pass
+from cpcompile.compiler.shard_attention import shard_attention_pass
 from tests.fixtures import readable
 from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, two_layers
 

@@ -8,7 +8,7 @@ import pytest
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.strategy import check_head_parallel, resolve_strategy
+from cpcompile.spec import check_head_parallel, resolve_strategy
 
 
 def test_strings_and_default():
@@ -17,26 +17,26 @@ def test_strings_and_default():
     assert StrategySpec("striped", 4).strategy is Strategy.STRIPED
     assert StrategySpec("striped", 4) == StrategySpec(Strategy.STRIPED, 4)
     assert resolve_strategy("STRIPED") == StrategySpec(Strategy.STRIPED)
-    assert cpcompile.current_strategy() is Strategy.DUAL_CHUNK_SWAP
+    assert cpcompile.spec.current_strategy() is Strategy.DUAL_CHUNK_SWAP
 
 
 def test_context_nests_and_restores():
     with cpcompile.strategy("striped", stripe_size=4) as spec:
         assert spec == StrategySpec(Strategy.STRIPED, 4)
-        assert cpcompile.current_strategy() is Strategy.STRIPED
+        assert cpcompile.spec.current_strategy() is Strategy.STRIPED
         # naming the active strategy keeps its stripe size, so loader and attention agree
         assert resolve_strategy("striped") == spec
         assert resolve_strategy(None) == spec
         with cpcompile.strategy(Strategy.NO_LOAD_BALANCE):
-            assert cpcompile.current_spec() == StrategySpec(Strategy.NO_LOAD_BALANCE)
-        assert cpcompile.current_spec() == spec
-    assert cpcompile.current_spec() == StrategySpec()
+            assert cpcompile.spec.current_spec() == StrategySpec(Strategy.NO_LOAD_BALANCE)
+        assert cpcompile.spec.current_spec() == spec
+    assert cpcompile.spec.current_spec() == StrategySpec()
 
 
 def test_context_restores_after_error():
     with pytest.raises(RuntimeError), cpcompile.strategy("no_load_balance"):
         raise RuntimeError
-    assert cpcompile.current_strategy() is Strategy.DUAL_CHUNK_SWAP
+    assert cpcompile.spec.current_strategy() is Strategy.DUAL_CHUNK_SWAP
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_head_parallel_is_part_of_the_spec():
     with cpcompile.strategy("balanced", head_parallel=4) as spec:
         assert spec == StrategySpec(Strategy.BALANCED, head_parallel=4)
         assert resolve_strategy("balanced") == spec  # the loader and attention read the same u
-        assert "head_parallel=4" in sys.modules["cpcompile.strategy"].guard_key  # the compiler's guard
+        assert "head_parallel=4" in sys.modules["cpcompile.spec"].guard_key  # the compiler's guard
     with cpcompile.strategy(StrategySpec("striped", 2, head_parallel=2), comm="ring") as spec:
         assert (spec.stripe_size, spec.comm, spec.head_parallel) == (2, "ring", 2)
     check_head_parallel(1, 3, 5)  # no head parallelism: any cp and heads

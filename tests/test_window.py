@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost import CostModel, auto_candidates, choose_strategy, predict_rank_costs, resolve_auto
-from cpcompile.plan import plan_extras, step_plan
-from cpcompile.window import check_window, resolve_window, window_keys
+from cpcompile.cost.model import CostModel, auto_candidates, choose_strategy, predict_rank_costs, resolve_auto
+from cpcompile.plan.pieces import plan_extras, step_plan
+from cpcompile.plan.window import check_window, resolve_window, window_keys
 from tests.fixtures import LAYOUT_SPECS, attention_case, cu_seqlens, pack_lengths_st
 from tests.reference import attention_fp64, relative_error, window_mask
 
@@ -51,11 +51,11 @@ def test_window_keys_are_the_union_of_the_rows_windows(lengths, cp, spec, left, 
     """A piece's windowed keys are exactly the keys its rows' windows reach (physical positions), and
     ``q_pos`` is its first row's position."""
     cu = cu_seqlens(lengths)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     starts, real = padded[:-1].tolist(), cu.diff().tolist()
     for rank in range(cp):
-        plan = cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec).tolist()
+        plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
+        idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec).tolist()
         k_start, k_len, q_pos = window_keys(*plan[1:], (left, right))
         for p, (a, b) in enumerate(zip(plan.cu_q[:-1].tolist(), plan.cu_q[1:].tolist())):
             if a == b:
@@ -88,8 +88,8 @@ def test_windows_go_with_balanced_and_auto_alone():
 @given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4]), windows=st.lists(SIDES, min_size=1, max_size=3))
 def test_windowed_balanced_layout_holds_every_position_once(lengths, cp, windows):
     spec = StrategySpec(Strategy.BALANCED, windows=tuple(windows))
-    padded = cpcompile.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=spec)
-    layout = cpcompile.all_partition_indices(padded, cp_size=cp, strategy=spec)
+    padded = cpcompile.layouts.pad_for_cp(cu_seqlens(lengths), cp_size=cp, strategy=spec)
+    layout = cpcompile.layouts.all_partition_indices(padded, cp_size=cp, strategy=spec)
     assert sorted(layout.reshape(-1).tolist()) == list(range(int(padded[-1])))
     assert bool((layout.diff(dim=1) > 0).all())  # each rank's positions ascending
 
@@ -121,9 +121,9 @@ def test_auto_weighs_the_layers_windows(lengths, cp, windows):
         assert want.strategy is Strategy.BALANCED and choose_strategy(cu, cp_size=cp).strategy is not Strategy.BALANCED
     # the plan ops resolve it alike (as the cp_plan op calls them): the same pieces, then the empty
     # slots auto's piece count leaves
-    tokens = int(cpcompile.pad_for_cp(cu, cp_size=cp, strategy=want)[-1])
+    tokens = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=want)[-1])
     resolved = step_plan(cu, None, tokens, cp, cp - 1, "auto", 1, *plan_extras(spec))
-    direct = cpcompile.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=want)
+    direct = cpcompile.plan.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=want)
     p = direct.k_start.shape[0]
     assert torch.equal(resolved.gather_index, direct.gather_index) and torch.equal(resolved.cu_q[: p + 1], direct.cu_q)
     for a, b in zip(resolved[2:], direct[2:], strict=True):

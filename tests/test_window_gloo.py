@@ -6,7 +6,7 @@ documents, documents shorter than the window and one spanning every rank, then s
 cases (:func:`random_cases`: every pack kind of ``tests.fixtures.KINDS``, windows of 0, 1, a
 few tokens and longer than the documents); forward and every gradient are checked against
 ``tests.reference.attention_fp64`` with the window's dense mask (built independently of
-``cpcompile.window``). The same spawn checks that the exchange moves fewer rows under a
+``cpcompile.plan.window``). The same spawn checks that the exchange moves fewer rows under a
 window, that bad windows fail before any communication, and that a compiled model calling
 ``varlen_attn`` with windows equals one device.
 """
@@ -23,10 +23,10 @@ from torch.nn.attention.varlen import varlen_attn
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.batch import physical_positions
-from cpcompile.comm.exchange import exchange_plan
-from cpcompile.plan import step_plan
+from cpcompile.plan.exchange import exchange_plan
+from cpcompile.plan.pieces import step_plan
+from cpcompile.plan.window import window_keys
 from cpcompile.testing import VARLEN_GQA
-from cpcompile.window import window_keys
 from tests.dist import run_ranks
 from tests.fixtures import KINDS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64, attention_fp64_on_rank

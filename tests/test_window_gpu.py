@@ -16,8 +16,8 @@ import torch
 import cpcompile
 from cpcompile import kernels
 from cpcompile.kernels import Pieces, cudnn, fa4
+from cpcompile.plan.window import window_keys
 from cpcompile.testing import VARLEN_GQA
-from cpcompile.window import window_keys
 from tests.reference import attention_fp64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -79,16 +79,16 @@ def test_simulated_ranks_sliding_window_bf16(strategy, kernel):
     window, cp = (300, 0), 4
     kern = kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    padded = cpcompile.pad_for_cp(cu, cp_size=cp, strategy=strategy)
+    padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=strategy)
     q, k, v, dout = _inputs(int(padded[-1]), seed=1)
     got = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k, dtype=torch.float32)]
     got.append(torch.zeros_like(got[-1]))
     kw = {"causal": True, "scale": 128**-0.5, "window": window}
     for rank in range(cp):
-        plan = cpcompile.AttentionPlan(
-            *(t.cuda() for t in cpcompile.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy))
+        plan = cpcompile.plan.AttentionPlan(
+            *(t.cuda() for t in cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy))
         )
-        idx = cpcompile.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
+        idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
         k_start, k_len, _ = window_keys(*plan[1:], window)  # right = 0: bottom-right, no positions
         pieces = Pieces(plan.cu_q, k_start, k_len)
         o, lse = kern.forward(q[idx], k, v, pieces, **kw)

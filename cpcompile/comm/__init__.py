@@ -11,6 +11,6 @@
 - :mod:`~cpcompile.comm.ring`: point-to-point rings: the CP ring's K/V rotation and the
   TP overlap's gather and reduce-scatter rings on capacity buffers.
 
-``cpcompile.ops`` registers the ops and runs the kernels (``cpcompile.kernels``)
+``cpcompile.attention`` registers the ops and runs the kernels (``cpcompile.kernels``)
 between these transports.
 """

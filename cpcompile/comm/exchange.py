@@ -1,260 +1,24 @@
-"""Sparse K/V exchange: each rank receives only the K/V rows its pieces read.
+"""Sparse K/V exchange, the transport: each rank receives only the K/V rows its pieces read.
 
-A rank's pieces read document prefixes, which under balanced and no_load_balance
-lie mostly on the rank itself (docs/communication.md: a small fraction of what an
-all-gather brings; under dual_chunk_swap all of it). So, per plan, each rank works out
-which rows every rank reads, from the pack every plan is made from, which all ranks hold
-alike (:func:`exchange_plan`: no communication, and no host sync where the plan was made
-on the host, as ``plan.step_plan`` makes it), and each layer then:
+- forward (:func:`fetch_keys`): one all-to-all each of K and V carries the rows that are read
+  into a buffer behind a copy of the rank's own rows (made while they travel), and one gather
+  takes the *compact* keys ``[R, Hkv, D]`` from it (the read rows in physical order, so that
+  each piece's keys stay one range, at a new start ``k_start``);
+- backward (:func:`return_grads`): other ranks' rows of dK/dV, summed by the kernel's caller,
+  go back to their owners in one all-to-all each.
 
-- forward: one all-to-all each of K and V carries the rows that are read into a buffer
-  behind a copy of the rank's own rows (made while they travel), and one gather takes
-  the *compact* keys ``[R, Hkv, D]`` from it (the read rows in physical order, so that
-  each piece's keys stay one range, at a new start ``k_start``); the kernel runs over them;
-- backward: the same exchange; the kernel gives the compact keys' dK/dV as parts not yet
-  added (its layers' rows), other ranks' rows are summed (float32; float64 for float64
-  inputs) straight into what goes back to their owners in one all-to-all each, and one
-  ``sum_rows`` pass adds each local row's own parts and the returned sums, in sender
-  order (deterministic), rounding once to the input dtype.
-
-Nothing of size ``T`` is made: no gathered K/V, no reordering of them, no float32
-``[T, Hkv, D]`` reduce-scatter buffer. The all-gather path (``gathered``) stays
-for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the
-same way on every rank, from the count matrix they all hold. The exchange is one
-collective each of K and V: ``Config.kv_chunks`` pipelines the all-gather only.
-
-Why the exchange pays, and by how much against the all-gather, is measured in
-docs/communication.md; :data:`EXCHANGE_AT` keeps a margin for cp > 2, where the
-all-to-all spans more GPUs (not yet measured).
-
-This module plans which rows travel (:func:`exchange_plan`) and moves them
-(:func:`fetch_keys`, :func:`return_grads`); ``ops/exchange.py`` runs the kernel between them.
+Nothing of size ``T`` is made. Which rows travel is the plan's (:class:`cpcompile.plan.exchange.Exchange`,
+``ex`` below); :mod:`cpcompile.attention.exchange` runs the kernel between the moves.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ..per_plan import on_host, per_plan, twinned, upload
-from ..plan import origin
-from ..reads import Pack, keys_read, read_ranges
-from .collectives import all_to_all_rows
-from .groups import resolve_group
-
-#: Exchange when the busiest rank's rows sent or received are at most this fraction of an
-#: all-gather's ``(cp - 1) x T_local``; ``Config.kv_exchange`` overrides.
-EXCHANGE_AT = 0.75
-#: ``Config.kv_exchange``: exchange where it pays, always, or never (all-gather).
-SETTINGS = ("auto", "always", "never")
+from cpcompile.comm.collectives import all_to_all_rows
 
 
-class Exchange(NamedTuple):
-    """One rank's exchange for one plan (``R`` keys read, ``cp`` ranks, ``L`` layers of sums).
-
-    - ``k_start``: ``[P]`` int32, each piece's first key among the compact keys.
-    - ``gather``: ``[R]`` int64, the compact keys' rows in the rank's own rows followed by
-      the received ones.
-    - ``send_rows``: ``[n_send]`` int64, the local rows others read, in receiver order.
-    - ``recv_dst``: ``[n_recv]`` int64, the compact rows of the received keys, in sender order.
-    - ``sums``: ``[L, T_local]`` int64, per layer the row of ``[compact rows; returned
-      rows; spare]`` that holds a part of each local row's gradient: layer 0 its own
-      compact row, then one layer per sender, in rank order (``spare``: no part).
-    - ``recv_counts``, ``send_counts``: ``[cp]`` rows from and to each rank (0 for itself).
-
-    A rank whose pieces read no key still reads one (``R`` is 1: kernels need keys); no piece
-    reads it, so the kernel gives it no gradient parts and its owner gets 0 back.
-    """
-
-    k_start: torch.Tensor
-    gather: torch.Tensor
-    send_rows: torch.Tensor
-    recv_dst: torch.Tensor
-    sums: torch.Tensor
-    recv_counts: list[int]
-    send_counts: list[int]
-
-
-def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
-    """Whether to exchange, from ``counts[r][s]`` (rows rank r reads from rank s): the
-    same answer on every rank, since every rank holds the whole matrix."""
-    if choice != "auto":
-        return choice == "always"
-    cp = len(counts)
-    received = [sum(row) - row[r] for r, row in enumerate(counts)]
-    sent = [sum(counts[r][s] for r in range(cp)) - counts[s][s] for s in range(cp)]
-    return max(received + sent) <= EXCHANGE_AT * (cp - 1) * t_local
-
-
-class Reads(NamedTuple):
-    """The keys one rank's pieces read, ``R`` of the layout's ``T`` (over ``cp`` ranks).
-
-    - ``rows``: ``[R]`` int64, their physical rows, in order: the compact keys.
-    - ``k_start``: ``[P]`` int32, each piece's first key among them (0 for pieces without keys).
-    - ``owner``, ``local_row``: ``[R]`` int64, the rank holding each and its row there.
-    - ``counts``: ``[cp]`` int64, how many each rank holds.
-    - ``idle``: no piece reads a key; ``rows`` is then physical row 0 alone (kernels need keys).
-    """
-
-    rows: torch.Tensor
-    k_start: torch.Tensor
-    owner: torch.Tensor
-    local_row: torch.Tensor
-    counts: torch.Tensor
-    idle: bool
-
-
-@twinned  # on the host where the plan has twins: R and the counts are read there
-def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, cp: int) -> Reads:
-    """:class:`Reads` of pieces ``k_start``, ``k_len`` ``[P]`` (physical keys) over the layout
-    ``gather_index [T]`` of ``cp`` ranks; finding ``R`` is a host sync where the plan has no
-    host twins."""
-    t = gather_index.shape[0]
-    read = keys_read(k_start, k_len, t)
-    count = int(read.sum())  # the host sync
-    rows = torch.nonzero_static(read, size=max(count, 1), fill_value=0).squeeze(1)  # none read: row 0
-    compact = read.cumsum(0) - 1  # [T] each read key's compact row
-    gathered_row = gather_index[rows]  # all-gathered rows are rank-major: owner, then its row
-    owner, local_row = gathered_row // (t // cp), gathered_row % (t // cp)
-    return Reads(
-        rows=rows,
-        k_start=torch.where(k_len > 0, compact[k_start.long()], 0).to(torch.int32),
-        owner=owner,
-        local_row=local_row,
-        counts=torch.bincount(owner, minlength=cp),
-        idle=count == 0,
-    )
-
-
-@per_plan
-def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, group_name: str, choice: str):
-    """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical
-    keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used;
-    ``choice``: one of :data:`SETTINGS` (``Config.kv_exchange``).
-
-    No communication: the plan knows the pack it was made from (:func:`cpcompile.plan.origin`),
-    which every rank holds, so each rank derives every rank's reads itself
-    (:func:`make_exchange`), and all reach the same answer to :func:`use_exchange`. Made once
-    per plan (``per_plan``) on the host, from the plan's host twins where it has them
-    (:func:`cpcompile.plan.step_plan`), else from a copy (one host sync), and uploaded with
-    twins. Ranks must agree on ``choice``: ``Config`` is one of what ranks compare where they
-    check agreement (``checks.agreement_enabled``: always on gloo).
-
-    A plan whose origin is unknown (a copy, a plan changed or made by hand) uses the
-    all-gather for ``"auto"``, and is an error for ``"always"``.
-    """
-    if choice not in SETTINGS:
-        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {choice!r}")
-    if choice == "never":
-        return None
-    made = origin(k_len)
-    if made is None:
-        if choice == "always":
-            raise ValueError(
-                "kv_exchange='always' needs the plan as cpcompile.make_plan made it (moved with "
-                "cpcompile.per_plan.upload, not copied): every rank's reads follow from the pack it knows"
-            )
-        return None
-    group = resolve_group(group_name)
-    cp, rank = made.pack.layout.shape[0], made.rank
-    if (cp, rank) != (group.size(), group.rank()):
-        raise ValueError(f"the plan is rank {rank}'s of cp_size {cp}, this is rank {group.rank()} of {group.size()}")
-    pack = Pack(*on_host(*made.pack))
-    ex = make_exchange(*on_host(k_start, k_len), pack, read_ranges(pack, made.window), rank, choice)
-    if ex is None:
-        return None
-    return ex._replace(
-        **{f: upload(getattr(ex, f), k_len.device) for f in ("k_start", "gather", "send_rows", "recv_dst", "sums")}
-    )
-
-
-def make_exchange(
-    k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, reads: tuple[torch.Tensor, ...], rank: int, choice: str
-) -> Exchange | None:
-    """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
-    ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``(reader, lo, hi)`` ``[M]``
-    (:func:`cpcompile.reads.read_ranges`): the same count matrix on every rank, and the rows
-    other ranks read from this one, as each would have requested them.
-
-    Note [reads as runs]: rank ``reader[m]`` reads the physical keys ``[lo[m], hi[m])``
-    (document prefixes, or under a window the union of its pieces' windows). Every layout
-    stores a rank's positions in ascending order, so rank ``s`` holds of such a range a run of
-    its rows, found by bisection; every list here (the compact keys by owner, the rows to send
-    by reader) is such runs in order, made without anything of size ``T``.
-    """
-    layout = pack.layout  # [cp, T_local], each row ascending
-    cp, t_local = layout.shape
-    start = pack.cu_seqlens_padded[:-1].long()  # [B]
-    reader, lo, hi = reads
-    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
-    if bool(idle.any()):
-        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
-        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
-        idlers = idle.nonzero().squeeze(1)
-        row = start[first_doc].expand(idlers.shape[0])
-        order = torch.cat([reader, idlers]).argsort(stable=True)
-        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
-    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
-    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
-    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
-    if not use_exchange(matrix, t_local, choice):
-        return None
-    recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
-    send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
-    # the compact keys, by owner in rank order, each owner's in physical order (its storage order)
-    mine = reader == rank  # [M]
-    lo_mine = lo[mine]
-    offset = (hi - lo)[mine].cumsum(0) - (hi - lo)[mine]  # [M_mine] compact row of each run's first key
-    runs = n[:, mine].reshape(-1)  # [cp * M_mine] owner-major
-    held = _runs((first[:, mine] + torch.arange(cp)[:, None] * t_local).reshape(-1), runs)  # all-gathered rows
-    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - lo_mine).repeat(cp), runs)  # [R]
-    before = sum(matrix[rank][:rank])
-    own = slice(before, before + matrix[rank][rank])
-    own_compact, own_rows = compact[own], held[own] - rank * t_local
-    by_owner = torch.cat([compact[: own.start], compact[own.stop :]])  # others', by owner
-    gather = torch.empty_like(compact)
-    gather[own_compact] = own_rows
-    gather[by_owner] = t_local + torch.arange(by_owner.shape[0])  # past the own rows
-    # what each other rank requests, in rank order: its runs of this rank's rows
-    send_rows = _runs(first[rank, ~mine], n[rank, ~mine])
-    run = (torch.searchsorted(lo_mine, k_start.long(), right=True) - 1).clamp(min=0)  # [P] the run holding each
-    return Exchange(
-        k_start=torch.where(k_len > 0, offset[run] + k_start.long() - lo_mine[run], 0).to(torch.int32),
-        gather=gather,
-        send_rows=send_rows,
-        recv_dst=by_owner,
-        sums=_sum_layers(own_rows, own_compact, send_rows, send_counts, gather.shape[0], t_local),
-        recv_counts=recv_counts,
-        send_counts=send_counts,
-    )
-
-
-def _runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[sum(lengths)]`` int64: ``starts[i], starts[i] + 1, ...``, ``lengths[i]`` of them, run after run."""
-    total = int(lengths.sum())
-    first = lengths.cumsum(0) - lengths  # each run's first index in the result
-    return torch.repeat_interleave(starts - first, lengths, output_size=total) + torch.arange(total)
-
-
-def _sum_layers(own_rows, own_compact, send_rows, send_counts: list[int], r: int, t_local: int) -> torch.Tensor:
-    """:attr:`Exchange.sums` ``[L, T_local]`` int64. ``own_rows``, ``own_compact``: ``[n_own]``
-    int64, the local rows the rank reads itself and their compact rows (layer 0);
-    ``send_rows``: ``[n_send]`` int64, the local rows each sender's returned sums belong to,
-    ``send_counts[s]`` of them per rank in rank order (a layer per sender). The returned
-    rows follow the ``r`` compact ones; the spare row (no part) comes last."""
-    senders = [n for n in send_counts if n]
-    spare = r + sum(senders)
-    index = torch.full((1 + len(senders), t_local), spare, dtype=torch.int64, device=send_rows.device)
-    index[0, own_rows] = own_compact
-    start = 0
-    for layer, n in enumerate(senders, 1):  # each sender's rows are distinct: one per layer
-        index[layer, send_rows[start : start + n]] = r + start + torch.arange(n, device=index.device)
-        start += n
-    return index
-
-
-def fetch_keys(k: torch.Tensor, v: torch.Tensor, ex: Exchange, group) -> list[torch.Tensor]:
+def fetch_keys(k: torch.Tensor, v: torch.Tensor, ex, group) -> list[torch.Tensor]:
     """k, v ``[T_local, Hkv, D]`` -> the compact keys and values ``[R, Hkv, D]`` this rank reads."""
     pending = []
     for x in (k, v):  # both in flight before either is waited for
@@ -276,7 +40,7 @@ def fetch_keys(k: torch.Tensor, v: torch.Tensor, ex: Exchange, group) -> list[to
     return compact
 
 
-def return_grads(sent: list[torch.Tensor], ex: Exchange, group) -> list:
+def return_grads(sent: list[torch.Tensor], ex, group) -> list:
     """Start sending other ranks' rows of dK/dV back to their owners.
 
     ``sent``: per tensor ``[n_recv, Hkv, D]``, the gradients of the keys this rank received, in

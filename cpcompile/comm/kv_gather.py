@@ -17,8 +17,8 @@ import weakref
 
 import torch
 
-from ..per_plan import same_plan, token
-from .collectives import all_gather_rows, reduce_scatter_rows
+from cpcompile.cache import same_plan, token
+from cpcompile.comm.collectives import all_gather_rows, reduce_scatter_rows
 
 
 def kv_chunks(want: int, kv_heads: int) -> int:

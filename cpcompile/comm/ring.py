@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..checks import agreement_enabled
-from .groups import agree
+from cpcompile.checks import agreement_enabled
+from cpcompile.comm.groups import agree
 
 #: How the TP rings move chunks on CUDA (``Config.tp_comm``): symmetric memory or NCCL p2p.
 TRANSPORTS = ("symm_mem", "p2p")

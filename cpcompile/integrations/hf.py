@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import ShardedBatch, shard_batch
-from ..checks import check_cu_seqlens, data_checks_enabled
-from ..ops import packed_attention
-from ..per_plan import attached
-from ..strategy import StrategyLike, current_rows
+from cpcompile.attention import packed_attention
+from cpcompile.batch import ShardedBatch, shard_batch
+from cpcompile.cache import attached
+from cpcompile.checks import check_cu_seqlens, data_checks_enabled
+from cpcompile.spec import StrategyLike, current_rows
 
 try:
     from transformers import AttentionInterface

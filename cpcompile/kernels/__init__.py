@@ -17,10 +17,10 @@ import warnings
 
 import torch
 
-from ..config import KERNELS
-from ..per_plan import refuse_capture
-from . import reference
-from .contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
+from cpcompile.cache import refuse_capture
+from cpcompile.config import KERNELS
+from cpcompile.kernels import reference
+from cpcompile.kernels.contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 
 __all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "KeyGrads", "Pieces", "select"]
 
@@ -56,7 +56,7 @@ def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None)
         raise ValueError(f"kernel {name!r} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if not usable:
         return reference
-    from . import cudnn, fa4, flash
+    from cpcompile.kernels import cudnn, fa4, flash
 
     if name in ("cudnn", "auto") and not cudnn.available():
         raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
@@ -73,6 +73,6 @@ def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None)
         return flash
     if not cudnn.available():
         return fa4 if fa4.supports(q) else flash
-    from . import auto
+    from cpcompile.kernels import auto
 
     return auto

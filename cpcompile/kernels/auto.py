@@ -23,9 +23,9 @@ docs/attention-kernels.md.
 
 from __future__ import annotations
 
-from . import cudnn, fa4, flash
-from .contract import Pieces, check_options, gpu_window
-from .metadata.scratch import scratch_rows
+from cpcompile.kernels import cudnn, fa4, flash
+from cpcompile.kernels.contract import Pieces, check_options, gpu_window
+from cpcompile.kernels.metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
 FA4_PIECE_ROWS = 1024  # query rows per piece (row-weighted mean) from which FA4's backward is the faster one

@@ -49,11 +49,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..per_plan import per_plan, readable
-from .contract import Pieces, check_options, gpu_window
-from .metadata.chunks import row_chunks
-from .metadata.scratch import add_back_grads, place_grads, scratch_rows
-from .triton import dead_rows
+from cpcompile.cache import per_plan, readable
+from cpcompile.kernels.contract import Pieces, check_options, gpu_window
+from cpcompile.kernels.metadata.chunks import row_chunks
+from cpcompile.kernels.metadata.scratch import add_back_grads, place_grads, scratch_rows
+from cpcompile.kernels.triton import dead_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _tls = threading.local()  # cuDNN handles must not be shared between threads

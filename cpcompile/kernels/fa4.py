@@ -24,7 +24,7 @@ import inspect
 
 import torch
 
-from .varlen import VarlenKernel
+from cpcompile.kernels.varlen import VarlenKernel
 
 #: The releases whose low-level functions (``_flash_attn_fwd``, ``_flash_attn_bwd``) this calls.
 SUPPORTED = "flash-attn-4>=4.0.0b36,<4.1"

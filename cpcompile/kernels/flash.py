@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .varlen import VarlenKernel
+from cpcompile.kernels.varlen import VarlenKernel
 
 
 def _band(window) -> dict:

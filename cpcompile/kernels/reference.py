@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-from .contract import Pieces, check_options
-from .metadata.scratch import place_grads
+from cpcompile.kernels.contract import Pieces, check_options
+from cpcompile.kernels.metadata.scratch import place_grads
 
 _ROW_BLOCK = 256
 

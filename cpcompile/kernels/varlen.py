@@ -43,11 +43,11 @@ from typing import Protocol
 
 import torch
 
-from ..per_plan import per_plan
-from .contract import KeyPartials, Pieces, check_options, gpu_window
-from .metadata import order
-from .metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
-from .triton import dead_rows
+from cpcompile.cache import per_plan
+from cpcompile.kernels.contract import KeyPartials, Pieces, check_options, gpu_window
+from cpcompile.kernels.metadata import order
+from cpcompile.kernels.metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
+from cpcompile.kernels.triton import dead_rows
 
 #: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``),
 #: without and with grouped query heads: FA4's GQA backward sums dK/dV in float32 accumulators over

@@ -9,6 +9,6 @@ Not imported by ``cpcompile`` itself, and importing it has no side effects beyon
   (needs transformers, so not imported here).
 """
 
-from .packed_gpt import VARLEN_GQA, GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
+from cpcompile.testing.packed_gpt import VARLEN_GQA, GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 
 __all__ = ["VARLEN_GQA", "GPTConfig", "PackedGPT", "sample_lengths", "summed_loss", "synthetic_pack"]

@@ -41,7 +41,7 @@ def random_llama(
     ``checkpointing``: HF activation checkpointing of every layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..integrations import hf as cphf
+    from cpcompile.integrations import hf as cphf
 
     config = LlamaConfig(
         vocab_size=shape.vocab,
@@ -69,7 +69,7 @@ def random_llama(
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters of the model's linear layers: the ``N`` of ``6 N`` FLOPs per token (:mod:`cpcompile.flops`)."""
+    """Parameters of the model's linear layers: the ``N`` of ``6 N`` FLOPs per token (:mod:`cpcompile.cost.flops`)."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
@@ -125,7 +125,7 @@ def causal_lm_loss(decoder, model: torch.nn.Module, inputs: dict, *, chunk: int 
     :func:`compile_llama` returns with ``base=True``) gives the hidden states, and ``model.lm_head``
     (a :class:`~cpcompile.testing.losses.LinearCrossEntropy`; a plain ``nn.Linear`` is made one)
     takes them to the summed loss in its forward, so FSDP2 (:func:`fully_shard_llama`) works too."""
-    from .losses import LinearCrossEntropy, fuse_loss
+    from cpcompile.testing.losses import LinearCrossEntropy, fuse_loss
 
     head = model.lm_head
     if not isinstance(head, LinearCrossEntropy):

@@ -8,6 +8,6 @@
 
 from __future__ import annotations
 
-from . import chunks, scratch
+from cpcompile.kernels.metadata import chunks, scratch
 
 __all__ = ["chunks", "scratch"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...per_plan import per_plan, twinned
+from cpcompile.cache import per_plan, twinned
 
 #: Most query rows per chunk: the fastest of 1024, 2048 and 4096 (docs/attention-kernels.md).
 ROWS = 2048

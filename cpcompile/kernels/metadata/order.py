@@ -3,9 +3,9 @@
 FA4's varlen forward launches one thread block per (entry, head, query tile) and
 runs the entries in their order (within an entry, the last tiles, which read the
 most keys, first). A rank's pieces come in its layout's row order, so the tail
-piece of a long document, whose last tiles read 10-17K keys, may start last and
-finish long after the rest: its tiles are the tail of a sub-millisecond call. On
-one device the same tiles are a small part of a call eight times as long.
+piece of a long document, whose last tiles read the most keys, may start last and
+finish long after the rest: under CP a rank's call is short, and its tiles are its tail. On
+one device the same tiles are a small part of a call cp times as long.
 
 So the entries here are the live pieces cut into chunks of :data:`ROWS` query rows,
 each reading the keys up to its last row (bottom-right causal alignment holds per
@@ -19,8 +19,8 @@ query starts that fall: it pads its accumulators by entry order (``varlen``).
 
 FA4 launches a thread block per entry's possible query tile, ``(rows + entries x (tile - 1)) /
 tile`` per head, whether an entry has rows or not; the empty ones start, find no work and end,
-after the real ones. A rank has 100-170 piece slots and 20-30 chunks at cp=8, so most of its
-blocks were empty, which cost up to 8 % of a short forward (docs/attention-kernels.md). So where
+after the real ones. A rank has several times more piece slots than chunks, so most of its
+blocks would be empty, a cost a short forward feels (docs/attention-kernels.md). So where
 the plan has host twins (``per_plan``: a plan made by ``step_plan``, as a training step's is) the
 entries are the chunks there are, counted on the twins; without them, and in a CUDA graph capture,
 the bound stays: counting on the device would be a host sync in the forward.
@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...per_plan import per_plan, twin
+from cpcompile.cache import per_plan, twin
 
 #: Query rows per chunk, a multiple of the kernel's 128-row tiles: the fastest of 256, 512, 1024
 #: and whole pieces per rank (docs/attention-kernels.md, "Forward entries longest first").

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ...per_plan import per_plan, twinned
-from ...reads import keys_read
-from ..contract import KeyPartials
-from ..triton import sum_rows
+from cpcompile.cache import per_plan, twinned
+from cpcompile.kernels.contract import KeyPartials
+from cpcompile.kernels.triton import sum_rows
+from cpcompile.layouts.reads import keys_read
 
 if TYPE_CHECKING:
-    from ..contract import KeyGrads
+    from cpcompile.kernels.contract import KeyGrads
 
 
 class Scratch(NamedTuple):

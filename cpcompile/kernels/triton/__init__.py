@@ -8,6 +8,6 @@ The fallbacks run where Triton is missing (torch's CPU wheels) or the tensors ar
 
 from __future__ import annotations
 
-from . import dead_rows, sum_rows
+from cpcompile.kernels.triton import dead_rows, sum_rows
 
 __all__ = ["dead_rows", "sum_rows"]

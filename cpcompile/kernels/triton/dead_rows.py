@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...per_plan import per_plan
+from cpcompile.cache import per_plan
 
 try:
     import triton

@@ -1,0 +1,566 @@
+"""Attention ops: ``packed_attention`` (one device) and ``cp_attention`` (CP-sharded).
+
+Both run the same piece kernel (``kernels``) over an :class:`AttentionPlan`:
+single-device attention is the plan of one rank that holds everything.
+``cp_attention`` brings each rank the K/V rows its pieces read, runs one kernel call over
+its pieces, and in backward fetches K/V again (autograd saves nothing of size ``T``),
+keeps dQ local and returns the float32 dK/dV sums to their owners. Per plan, the rows
+go by a sparse all-to-all of only those rows (``exchange``) where ranks read few of
+the others' keys, else by an all-gather and reduce-scatter (``gathered``).
+
+Each op: ``custom_op`` -> ``register_fake`` -> ``register_autograd``, whose backward
+is again a custom op. Groups travel by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cpcompile import kernels
+from cpcompile.attention import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
+from cpcompile.attention.common import (
+    NOT_CAPTURED,
+    agree_in_op,
+    check_fake_gather,
+    check_fake_qkv,
+    communicates,
+    out_and_lse,
+    register_attention_autograd,
+    softmax_scale,
+)
+from cpcompile.batch import check_rows
+from cpcompile.cache import attached, on_host, per_plan, twin
+from cpcompile.checks import (
+    agreement_enabled,
+    check_cu_seqlens,
+    check_device,
+    check_has_values,
+    check_longest,
+    check_padded,
+    check_qkv,
+    check_scale_and_bound,
+    data_checks_enabled,
+    rows_are_real,
+)
+from cpcompile.comm.groups import agree_on, agreed, digest, resolve_group
+from cpcompile.config import Config, resolve_config
+from cpcompile.plan.exchange import exchange_plan
+from cpcompile.plan.pieces import (
+    AttentionPlan,
+    head_step_plan,
+    hybrid_step_plan,
+    make_plan,
+    max_piece_len,
+    origin,
+    plan_extras,
+    step_plan,
+)
+from cpcompile.plan.ring import RingPlan, make_ring_plan, ring_window_plan
+from cpcompile.plan.window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
+from cpcompile.spec import (
+    ShardedFor,
+    Strategy,
+    StrategyLike,
+    check_comm,
+    check_head_parallel,
+    current_rows,
+    layout_in_force,
+    layout_name,
+)
+
+
+@per_plan
+def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> AttentionPlan:
+    # once per plan: the kernels' own metadata is keyed on these plan tensors, so
+    # every layer reusing them reuses it too
+    if cu_seqlens_padded is None:
+        # No padding: the documents are the pieces, one kernel sequence each, keys
+        # consecutive (what kernels' ``disjoint_keys`` means). No all-gather: no index.
+        check_cu_seqlens("cu_seqlens", cu_seqlens)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        return AttentionPlan(cu_seqlens.new_empty(0, dtype=torch.int64), cu_seqlens, cu_seqlens[:-1], lengths, lengths)
+    return make_plan(
+        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
+    )
+
+
+def _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window) -> kernels.Pieces:
+    """The kernel's pieces for single-device attention: the documents, or the padded plan's."""
+    plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
+    k_start, k_len, q_pos = window_keys(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full, window)
+    whole = cu_seqlens_padded is None  # each piece a whole document, reading its own rows
+    bounds = {"max_q": max_seqlen, "max_k": max_seqlen, "disjoint_keys": whole}
+    return kernels.Pieces(plan.cu_q, k_start, k_len, q_pos=None if whole or is_causal(window) else q_pos, **bounds)
+
+
+def op_window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    """The window of an attention op's ``(causal, window_left, window_right)``: a window's right side
+    is 0 when causal (``(-1, 0)`` is causal, ``(-1, -1)`` full attention)."""
+    return window_left, 0 if causal else window_right
+
+
+def _kernel_keywords(q, scale, window) -> dict:
+    return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window}
+
+
+def _dense(*outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An op's outputs contiguous, as its fake says (``dense_out_and_lse``, ``dense_grads``), whatever
+    the layout of q, k, v (a head-major q, say) and whatever the kernel made of it; a no-op for
+    contiguous outputs."""
+    return tuple(t.contiguous() for t in outputs)
+
+
+def dense_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fake's ``(out [T, Hq, D], lse [Hq, T])``: ``out`` contiguous, as :func:`_dense` makes the real one."""
+    return q.new_empty(q.shape), out_and_lse(q)[1]
+
+
+def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A backward fake's ``(dq, dk, dv)``: contiguous, in q's, k's and v's shapes and dtypes."""
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+# --- packed_attention --------------------------------------------------------------
+
+
+@torch.library.custom_op("cpcompile::packed_attention", mutates_args=(), tags=NOT_CAPTURED)
+def _packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int | None,
+    causal: bool,
+    scale: float | None,
+    kernel_name: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = op_window(causal, window_left, window_right)
+    _check_not_sharded(q, cu_seqlens)
+    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a CP
+    # group of one, say, on a batch that shard_batch padded to a capacity); the backward op gets the same
+    _check_rows(q, cu_seqlens, cu_seqlens_padded)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    return _dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
+
+
+@_packed_attention.register_fake
+def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
+    check_fake_qkv(q, k, v)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    return dense_out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
+def _packed_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int | None,
+    causal: bool,
+    scale: float | None,
+    kernel_name: str | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = op_window(causal, window_left, window_right)
+    pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
+    return _dense(dq, dk.to(k.dtype), dv.to(v.dtype))
+
+
+@_packed_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
+    return dense_grads(q, k, v)
+
+
+# plan: cu_seqlens, cu_seqlens_padded
+register_attention_autograd(_packed_attention, torch.ops.cpcompile.packed_attention_backward, num_plan=2)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] | None = None,
+    scale: float | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Single-device attention over packed documents (THD).
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA).
+        cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 physical offsets when documents carry
+            padding at their ends (default: none, ``T = cu_seqlens[-1]``).
+        max_seqlen: longest document, a launch bound for GPU kernels (optional).
+        causal: causal within each document. scale: default ``D ** -0.5``.
+        window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.plan.window``): query
+            ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1: unbounded);
+            ``None``: from ``causal``. With ``causal=True`` its right side must be 0.
+        config: its ``kernel`` (:class:`cpcompile.Config`; default: :func:`cpcompile.config.default_config`).
+    Returns:
+        ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
+    """
+    window = resolve_window(causal, window_size)
+    check_qkv(q, k, v)
+    check_scale_and_bound(scale, max_seqlen)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    if cu_seqlens_padded is not None:
+        check_padded(cu_seqlens, cu_seqlens_padded)
+    if not torch.compiler.is_compiling():  # compiled, the op checks it where it still runs (not made CP)
+        _check_not_sharded(q, cu_seqlens)
+    _check_rows(q, cu_seqlens, cu_seqlens_padded)
+    check_longest(cu_seqlens, max_seqlen)
+    kernel = resolve_config(config).kernel
+    args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
+    return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
+
+
+def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Raise where ``q`` holds one rank's share of a CP batch: single-device attention over it would attend
+    within the rank's share alone. The batch: the strategy block's (entered with it, else the last
+    ``shard_batch`` made in it) or the one whose own ``cu_seqlens`` this is; a share is its rank's row count
+    (a block's batch may sit beside a single-device reference over the whole pack). This op runs only
+    where nothing made it context-parallel: a model whose attention is ``packed_attention`` (or
+    ``attn_implementation="cpcompile"``) not compiled with :func:`cpcompile.backend`."""
+    block, given = current_rows()
+    own = attached(cu_seqlens)
+    own = own if isinstance(own, ShardedFor) else None
+    for rows in (block, own) if given else (own, block):
+        if rows is not None and rows.cp_size > 1 and q.shape[0] == rows.local_rows:
+            whole = int(rows.pack[-1]) == q.shape[0]  # the share's rows are as many as the pack's tokens
+            raise ValueError(
+                f"packed_attention ran single-device on q of {q.shape[0]} rows, rank {rows.rank}'s share of a batch "
+                f"sharded for cp_size={rows.cp_size}: it would attend within this rank's rows alone. Compile the "
+                "model with torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True), which "
+                "makes its attention context-parallel, or call cpcompile.cp_attention"
+                + (" (if q is the whole pack, run it outside the strategy block)" if whole else "")
+            )
+
+
+def _check_rows(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
+    """Every row of ``q`` is covered: by ``cu_seqlens``, or by ``cu_seqlens_padded`` where given."""
+    if cu_seqlens_padded is None:
+        _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
+    else:
+        _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
+
+
+def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
+    check_cu_seqlens(name, cu)
+    if isinstance(expected, int) and data_checks_enabled(cu) and int(cu[-1]) != expected:
+        padded = " (rows padded for CP, as shard_batch pads them: pass cu_seqlens_padded too)"
+        # fewer rows than the pack: most likely one rank's shard in single-device attention
+        shard = (
+            " (one CP rank's rows? packed_attention runs single-device unless the model is compiled with "
+            "cpcompile.backend(group=...); eager CP attention is cpcompile.cp_attention)"
+        )
+        hint = padded if name == "cu_seqlens" and int(cu[-1]) < expected else shard if int(cu[-1]) > expected else ""
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens in q ({expected})" + hint)
+
+
+# --- cp_attention ------------------------------------------------------------------
+
+
+def _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv, window):
+    """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
+    :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
+    group = resolve_group(group_name)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window))  # before any communication
+    ex = exchange_plan(gather_index, k_start, k_len, group_name, kv)  # kv: Config.kv_exchange
+    return group, kern, ex, _kernel_keywords(q, scale, window)
+
+
+@torch.library.custom_op("cpcompile::cp_attention", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_attention (all_gather)")
+def _cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+    kernel_name: str | None,
+    kv_exchange: str,
+    kv_chunks: int,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = op_window(causal, window_left, window_right)
+    config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
+    args = (q, k, window, scale, gather_index, config, k_len)
+    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), *args)  # before any collective
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
+    if ex is not None:
+        return _dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
+    return _dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
+
+
+@_cp_attention.register_fake
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
+    check_fake_qkv(q, k, v)
+    q_pos = config[3] if len(config) > 3 else None
+    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
+    check_fake_gather(q, gather_index, resolve_group(group_name).size())
+    return dense_out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_attention (all_gather)", "backward")
+def _cp_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+    kernel_name: str | None,
+    kv_exchange: str,
+    kv_chunks: int,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = op_window(causal, window_left, window_right)
+    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
+    if ex is not None:
+        return _dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
+    return _dense(*gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw))
+
+
+@_cp_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *rest):
+    return dense_grads(q, k, v)
+
+
+# plan: gather_index, cu_q, k_start, k_len
+register_attention_autograd(_cp_attention, torch.ops.cpcompile.cp_attention_backward, num_plan=4)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    group=None,
+    strategy: StrategyLike = None,
+    comm: str | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] | None = None,
+    scale: float | None = None,
+    max_seqlen: int | None = None,
+    plan: AttentionPlan | RingPlan | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Context-parallel attention over packed documents; call it on every rank of ``group``.
+
+    Args:
+        q: ``[T_local, Hq, D]``; k, v: ``[T_local, Hkv, D]``: this rank's tokens in
+            layout order (as :func:`cpcompile.shard_batch` produces them).
+        cu_seqlens: ``[B + 1]`` int32 *global* cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
+            :func:`cpcompile.layouts.pad_for_cp` of ``cu_seqlens``).
+        group: the CP process group, its name, or ``None`` (default group).
+        strategy: layout of q/k/v: a strategy, a spec, or this rank's :class:`cpcompile.ShardedBatch`
+            (its layout, and what its rows were laid out for, checked); default: the active
+            :func:`cpcompile.strategy` block's. Under CP one of them must give it, and attention
+            must know which rank the rows are for (a batch, or the batch's own ``cu_seqlens``:
+            ``batch.check_rows``). Its
+            ``head_parallel`` equal to the group's size runs head-parallel (Ulysses) attention
+            (``cpcompile.attention.heads``), ignoring ``comm``; a smaller one > 1 the hybrid
+            (``cpcompile.attention.hybrid``, ``comm="all_gather"``). Either needs ``Hq`` divisible by
+            it and takes no ``plan``.
+        comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
+            ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
+            ring, ``cpcompile.attention.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
+            unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
+        window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.plan.window``):
+            query ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1:
+            unbounded); ``None``: from ``causal``; with ``causal=True`` its right side must be 0.
+            Pieces then read only their windows' keys: the exchange moves fewer rows, the ring
+            skips blocks no piece reads. Not with ``head_parallel > 1``. GPU kernels run windows
+            ``(left, 0)`` on the all-gather and exchange paths; others run the reference kernel.
+        max_seqlen: longest document, a launch bound for GPU kernels (optional).
+        plan: a prebuilt :func:`cpcompile.plan.make_plan` (all_gather) or
+            :func:`cpcompile.plan.ring.make_ring_plan` (ring) for this rank, to share across layers;
+            moved to the GPU with :func:`cpcompile.cache.upload`, not copied, for the sparse
+            exchange (``comm.exchange.exchange_plan``: it needs the pack the plan was made from).
+        config: kernel and K/V transport (:class:`cpcompile.Config`; default
+            :func:`cpcompile.config.default_config`).
+    Returns:
+        ``[T_local, Hq, D]`` in layout order; padding rows are 0.
+    """
+    pg = resolve_group(group)
+    cp, rank = pg.size(), pg.rank()
+    # Every check that can fail on one rank alone runs before the ranks agree (agree_on): a rank
+    # that raised here while the others entered a collective would leave them waiting.
+
+    def prepare():
+        """``(config, spec, comm, window, plan, max_seqlen_q)`` of the call, resolved and checked."""
+        check_qkv(q, k, v)
+        check_scale_and_bound(scale, max_seqlen)
+        check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        check_cu_seqlens("cu_seqlens", cu_seqlens)
+        check_longest(cu_seqlens, max_seqlen)
+        window = resolve_window(causal, window_size)
+        spec, rows, learned = layout_in_force(strategy, cp_size=cp, what="cp_attention")
+        path = check_comm(spec.comm if comm is None else comm)
+        check_head_parallel(spec.head_parallel, cp, q.shape[1])
+        # q/k/v are this rank's rows of spec's layout (a plan says which rank it is for, not whose rows q holds)
+        check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg), learned=learned)
+        made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
+        if spec.head_parallel > 1 and window not in UNBANDED:
+            raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
+        if spec.head_parallel > 1:
+            if plan is not None:
+                raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
+            layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
+            if spec.head_parallel == cp:
+                made = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
+            elif path != "all_gather":
+                raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp} runs comm='all_gather' only")
+            else:
+                args = (q.shape[0] * cp, cp, spec.head_parallel, rank, *layout)
+                made = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
+        elif plan is None:
+            tokens = q.shape[0] * cp
+            if path == "ring" and window in UNBANDED:
+                made = make_ring_plan(
+                    cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
+                )
+            else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
+                args = (cp, rank, spec.strategy.value, spec.stripe_size, *plan_extras(spec))
+                made = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
+            if max_seqlen is not None:
+                bound = max_piece_len(spec, cp, max_seqlen)
+        else:
+            _check_plan(plan, path, window, q.shape[0], cp, rank, cu_seqlens, spec)
+        return resolve_config(config), spec, path, window, made, bound
+
+    def record(prepared) -> dict[str, object]:
+        config, spec, comm, window, *_ = prepared
+        call = _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
+        return call | dataclasses.asdict(config)
+
+    config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
+    # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
+    causal = is_causal(window)
+    with agreed():  # the op need not compare again what this call just compared
+        if 1 < spec.head_parallel < cp:
+            kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
+            return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, **kw)
+        if spec.head_parallel > 1:
+            args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
+            return torch.ops.cpcompile.cp_head_attention(*args)[0]
+        if comm == "ring" and isinstance(plan, RingPlan):
+            args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
+            return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
+        k_start, k_len, q_pos = window_keys(*plan[1:], window)
+        if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
+            ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
+            args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
+            return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
+        args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
+        kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
+        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
+
+
+def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
+    """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
+    return {
+        "local tokens (q.shape[0])": q.shape[0],
+        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
+        "dtype": str(q.dtype),
+        "strategy": spec.strategy.value,
+        "stripe_size": spec.stripe_size,
+        "windows": spec.windows,
+        "capacity": spec.capacity,
+        "comm": comm,
+        "head_parallel": spec.head_parallel,
+        "window": window,
+        "scale": scale,
+        "cu_seqlens": digest(cu_seqlens),
+        "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
+        # a rank whose output needs no gradient would leave the others alone in the backward's collectives
+        "gradients (grad mode; q, k, v requires_grad)": (
+            torch.is_grad_enabled(),
+            *(t.requires_grad for t in (q, k, v)),
+        ),
+    }
+
+
+def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, spec) -> None:
+    """A caller's plan must be of the kind ``comm`` runs (a windowed ring runs from an
+    :class:`AttentionPlan`), made for this rank's token count and cp, and, where it is known what
+    it was made from (:func:`cpcompile.plan.pieces.origin`: plans from ``make_plan`` and ``make_ring_plan``),
+    for this rank, ``strategy`` and ``cu_seqlens``: a plan of another rank, layout or pack would
+    compute other documents' attention without an error, or leave ranks in mismatched collectives."""
+    kind = RingPlan if comm == "ring" and window in UNBANDED else AttentionPlan
+    if not isinstance(plan, kind):
+        what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" and window not in UNBANDED else "")
+        raise TypeError(f"plan must be a {kind.__name__} for {what}, got {type(plan).__name__}")
+    if kind is RingPlan and plan.k_start.shape[0] != cp:
+        raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")
+    if kind is AttentionPlan and plan.gather_index.shape[0] != local_tokens * cp:
+        raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {local_tokens} x cp_size {cp}")
+    made = origin(plan.k_len_causal)
+    if made is None:
+        return
+    if made.rank != rank or made.pack.layout.shape[0] != cp:
+        raise ValueError(
+            f"plan was made for rank {made.rank} of cp_size {made.pack.layout.shape[0]}, but this is rank {rank} of a "
+            f"group of {cp}"
+        )
+    layout = None if made.spec is None else (made.spec.strategy, made.spec.stripe_size, made.spec.windows)
+    if layout and spec.strategy is not Strategy.AUTO and layout != (spec.strategy, spec.stripe_size, spec.windows):
+        raise ValueError(f"plan was made for the layout {layout_name(made.spec)}, but strategy is {layout_name(spec)}")
+    if data_checks_enabled(cu_seqlens) or twin(cu_seqlens) is not None:  # no host sync
+        (given,) = on_host(cu_seqlens)
+        if not torch.equal(given.to(made.pack.cu_seqlens.dtype), made.pack.cu_seqlens):
+            raise ValueError(f"plan was made from other cu_seqlens: {_first_difference(made.pack.cu_seqlens, given)}")
+
+
+def _first_difference(made: torch.Tensor, given: torch.Tensor) -> str:
+    """Where the plan's ``cu_seqlens`` and the call's part, in a few words (a pack may hold thousands)."""
+    if made.shape != given.shape:
+        return f"the plan's pack holds {made.shape[0] - 1} document(s), cu_seqlens {given.shape[0] - 1}"
+    i = int((made != given.to(made.dtype)).nonzero()[0, 0])
+    return f"cu_seqlens[{i}] is {int(given[i])}, the plan's {int(made[i])}"

@@ -1,0 +1,184 @@
+"""What the attention ops share: fake-tensor checks, output allocation, the softmax
+scale, the accumulation dtype, the agreement an op runs where no wrapper ran one (forward)
+and before its backward's collectives, the naming of a collective's failure, and the autograd
+that ties each op to its backward op."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from cpcompile.cache import NOT_CAPTURED  # noqa: F401  (the ops' tags, imported from here)
+from cpcompile.checks import agreement_enabled
+from cpcompile.comm.groups import (
+    agree,
+    already_agreed,
+    collective_failure,
+    digest,
+    failed_inside,
+    raised_on_every_rank,
+    resolve_group,
+)
+from cpcompile.plan.pieces import origin
+
+
+def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def check_fake_qkv(q, k, v) -> None:
+    """An attention op's fake: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (a rank's tokens, or a pack's)."""
+    torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
+    torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
+    torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
+    torch._check(q.shape[2] == k.shape[2], lambda: f"head_dim of q {q.shape} and k {k.shape} differ")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+
+
+def check_fake_gather(q, gather_index, cp_size) -> None:
+    """A gathering op's fake: its plan's ``gather_index`` covers the ``cp_size`` ranks' tokens."""
+    torch._check(
+        gather_index.shape[0] == q.shape[0] * cp_size,
+        lambda: f"plan covers {gather_index.shape[0]} tokens, q holds {q.shape[0]} x cp {cp_size}",
+    )
+
+
+def check_fake_tokens(num_tokens, cp_size: int, spec) -> None:
+    """A plan op's fake: state the divisibility its layout relies on as a ``torch._check`` (a
+    run-time assert where the shape environment cannot prove it)."""
+    from cpcompile.layouts.partition import padding_multiple
+
+    multiple, _ = padding_multiple(spec, cp_size)
+    torch._check(
+        num_tokens % multiple == 0,
+        lambda: f"{spec.strategy.value} with cp_size={cp_size} needs a token count that is a multiple of {multiple}",
+    )
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums and ``lse`` are kept in: float32, or float64 for float64 inputs (so that float64
+    runs are exact to float64, not to the float32 of a statistic)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
+
+
+def op_record(op: str, q, k, mask, scale, layout: torch.Tensor | None, config: dict) -> dict[str, object]:
+    """What every rank must agree on when a compiled graph calls a CP attention op directly
+    (no :func:`cp_attention` wrapper compared the call): the op (its collectives), the
+    shapes, the mask (``causal``, or the window), and the layout (``gather_index`` is the same on
+    every rank)."""
+    return {
+        "op (comm)": op,
+        "local tokens (q.shape[0])": q.shape[0],
+        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
+        "dtype": str(q.dtype),
+        "mask (causal or window)": mask,
+        "scale": scale,
+        "layout (strategy and cu_seqlens)": None if layout is None else digest(layout),
+        **config,
+    }
+
+
+def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, config: dict, k_len=None) -> None:
+    """An op's own agreement, where no wrapper ran one for this call; ``mask``: ``causal`` or the window;
+    ``k_len``: the plan's, whose pack (:func:`cpcompile.plan.pieces.origin`, where known) is compared too: for
+    some layouts ``gather_index`` depends on the token count alone, not on the documents."""
+    if not already_agreed() and agreement_enabled(group, q):
+        made = None if k_len is None else origin(k_len)
+        pack = {} if made is None else {"cu_seqlens (the plan's)": digest(made.pack.cu_seqlens)}
+        agree(group, None, op_record(op, q, k, mask, scale, layout, config) | pack, where=f"forward of {op}")
+
+
+def communicates(op: str, phase: str | None = "forward"):
+    """Decorates the implementation of an op that runs collectives over its ``group_name`` argument;
+    ``op`` names it in messages (``"cp_attention (all_gather)"``), ``phase`` is ``"forward"``,
+    ``"backward"`` or ``None`` (an op used both ways: ``head_all_to_all``).
+
+    A backward first runs an agreement (``comm.groups.agree``, where ``checks.agreement_enabled``,
+    alike on every rank: gloo always, elsewhere only with ``CPCOMPILE_VALIDATE=1``, so a compiled
+    step on NCCL gains no host sync): a rank that skipped the backward, or started the next step's
+    forward, meets the others there and every rank raises, rather than waiting in mismatched
+    collectives. A forward's agreement is the op's own (:func:`agree_in_op`) or its wrapper's.
+
+    An error of a collective inside the op (the group's timeout: no other rank came; a closed
+    connection: another rank's process ended) is raised again naming the op, the step, the rank
+    and the timeout (``comm.groups.collective_failure``). Any other error raised on one rank inside
+    the op, once its collectives may have begun (a kernel's), leaves the others in them: it gets a
+    note saying so, and the rank tells the others at its next agreement on the group.
+    """
+    step = op if phase is None else f"{phase} of {op}"
+
+    def decorate(fn):
+        params = list(inspect.signature(fn).parameters)
+        at = {name: params.index(name) if name in params else None for name in ("group_name", "q")}
+
+        def argument(name: str, args, kwargs):
+            i = at[name]
+            return args[i] if i is not None and i < len(args) else kwargs.get(name)
+
+        @functools.wraps(fn)  # custom_op reads the schema from fn's signature (followed through __wrapped__)
+        def run(*args, **kwargs):
+            # the group: ``group_name``, or in ops that take the rest as ``*call``, their first str argument
+            name = argument("group_name", args, kwargs) or next(a for a in args if isinstance(a, str))
+            group = resolve_group(name)
+            if phase == "backward" and agreement_enabled(group, argument("q", args, kwargs)):
+                agree(group, None, {}, where=step)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if raised_on_every_rank(e):
+                    raise
+                if _from_collective(e):
+                    raise collective_failure(e, group, step) from e
+                failed_inside(group, step)
+                _note(e, f"cpcompile: raised on rank {group.rank()} inside the {step}; ranks that went on wait in its "
+                      "collectives until the process group's timeout, then raise (docs/failures.md)")  # fmt: skip
+                raise
+
+        return run
+
+    return decorate
+
+
+def _from_collective(error: Exception) -> bool:
+    """Whether ``error`` is a collective's failure: torch's ``DistError`` kinds (NCCL's among them), or
+    the ``RuntimeError`` gloo raises (its message names a gloo source file or a pair's closure)."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("/gloo/" in text or "caused pair closure" in text)
+
+
+def _note(error: Exception, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+
+
+def register_attention_autograd(op, backward_op, num_plan: int) -> None:
+    """Autograd for an attention op ``op(q, k, v, *plan, *args) -> (out, lse)`` whose backward is
+    the op ``backward_op(dout, q, k, v, out, lse, *plan, *args) -> (dq, dk, dv)``.
+
+    ``plan``: the ``num_plan`` tensor inputs after ``q, k, v`` (``None`` allowed), saved with
+    them and ``out, lse``; ``args``: the other inputs, kept as they are. ``lse`` is not
+    differentiable, and nothing but ``q, k, v`` gets a gradient.
+    """
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, *rest[:num_plan])
+        ctx.args = tuple(rest[num_plan:])
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, *(None,) * (num_plan + len(ctx.args))
+
+    op.register_autograd(backward, setup_context=setup_context)

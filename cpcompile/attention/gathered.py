@@ -1,0 +1,90 @@
+"""All-gather CP attention: the kernel over K/V that ``comm.kv_gather`` brings.
+
+K/V heads may be split into ``chunks`` groups (``Config.kv_chunks``): attention for group
+i, whose query heads are exactly those that read its K/V heads (GQA keeps them
+contiguous), runs while group i+1 is still in flight; the backward does the same with
+the re-gather, and starts each group's dK/dV reduce-scatter as soon as that group's
+gradients exist. ``chunks = 1`` is the plain path: K and V gathered as they are, one
+kernel call each way.
+
+The kernel writes dK/dV sums straight in the gathered order (``key_order``: it only
+reorders the index of its add-back, once per plan), and only at the rows of keys the
+rank's pieces read, into buffers that are kept and zeroed when the pieces change
+(``comm.kv_gather.grad_buffers``); K's and V's go to their reduce-scatters as they are.
+Why (and why head-group pipelining and attending first over local keys did not pay):
+docs/communication.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpcompile.cache import per_plan
+from cpcompile.comm.kv_gather import grad_buffers, kv_chunks, start_gathers, start_reduce_scatters, wait_physical
+from cpcompile.kernels import KeyGrads, Pieces
+
+
+@per_plan
+def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
+    """``[T]`` the physical row of each all-gathered row (``gather_index`` inverted), once per plan:
+    the ``key_order`` in which the backward's kernel hands dK/dV to the reduce-scatter."""
+    rows = torch.arange(gather_index.shape[0], device=gather_index.device)
+    return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
+
+
+def forward(kernel, q, k, v, gather_index, pieces: Pieces, group, chunks: int = 1, **kw):
+    """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
+    ``pieces`` over the gathered keys, ``kw`` the kernel's keywords (``causal``, ``scale``)."""
+    chunks = kv_chunks(chunks, k.shape[1])
+    pending = start_gathers(k, v, group, chunks)
+    qh = q.shape[1] // chunks
+    outs, lses = [], []
+    for i in range(chunks):
+        k_all, v_all = wait_physical(pending[i], gather_index)
+        out, lse = kernel.forward(q[:, i * qh : (i + 1) * qh], k_all, v_all, pieces, **kw)
+        outs.append(out)
+        lses.append(lse)
+    if chunks == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=0)
+
+
+def backward(
+    kernel, dout, q, k, v, out, lse, gather_index, pieces: Pieces, group, chunks: int = 1, layers=None, **kw
+):  # fmt: skip
+    """Gradients of :func:`forward`: dq in the input dtype; dk, dv ``[T_local, Hkv, D]`` reduce-scattered.
+
+    ``layers``: the call is captured in a CUDA graph (``ops.captured``), with this bound on its
+    pieces' layers (``BackwardOptions.layers``): the kernel then writes every dK/dV row into new
+    buffers of the capture, rather than the read rows into the kept ones, which would be zeroed
+    only when the host sees the plan change (it sees nothing at a replay)."""
+    chunks = kv_chunks(chunks, k.shape[1])
+    pending = start_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
+    key_order = gathered_order(gather_index)
+    if layers is None:
+        dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, chunks)
+    else:
+        kw["layers"] = layers
+    qh = q.shape[1] // chunks
+    dqs, scatters = [], []
+    for i in range(chunks):
+        heads = slice(i * qh, (i + 1) * qh)
+        k_all, v_all = wait_physical(pending[i], gather_index)
+        # in gather order, into the kept buffers (a captured call's: new ones, every row)
+        sums = KeyGrads(key_order) if layers is not None else KeyGrads(key_order, dk_sums[i], dv_sums[i])
+        dq, dk_all, dv_all = kernel.backward(
+            dout[:, heads], q[:, heads], k_all, v_all, out[:, heads], lse[heads], pieces, grads=sums, **kw
+        )
+        dqs.append(dq)
+        # this group's float32 partial dK/dV of every key, already in gather order, summed
+        # over ranks while the next group computes: K's and V's in separate collectives,
+        # so that nothing reorders or concatenates them first. The next writer of these
+        # buffers (the next layer) is queued after the wait for these collectives below.
+        scatters.append(start_reduce_scatters(dk_all, dv_all, group))
+    grads = [[], []]  # dK's and dV's head groups
+    for pair in scatters:
+        for parts, (buffer, work) in zip(grads, pair):
+            work.wait()
+            parts.append(buffer.to(k.dtype))
+    dq, dk, dv = (parts[0] if chunks == 1 else torch.cat(parts, dim=1) for parts in (dqs, *grads))
+    return dq, dk, dv

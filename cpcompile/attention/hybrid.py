@@ -1,0 +1,95 @@
+"""Hybrid head x context parallelism (``1 < head_parallel < cp``): its ops and the eager path.
+
+Ranks form ``cp / u`` head groups of ``u`` consecutive ranks (``comm.heads.head_groups``).
+Inside a group, the head all-to-all (``cpcompile::head_all_to_all``) gives each rank the
+group's tokens for ``Hq / u`` query heads (K/V heads replicated as ``comm.heads`` says);
+between groups, the ranks at the same place (``j, u + j, ...``) run ``cp_attention`` on the
+all-gather path over the group's pieces (``plan.make_hybrid_plan``); the mirror all-to-all
+returns the output. Each step is an op with its own autograd, so the backward is theirs:
+exact, with dK/dV of the copies summed by the autograd of ``replicate``. The compiler
+inserts the same ops (``passes.shard_attention``), fed by one ``cpcompile::cp_hybrid_plan``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpcompile.attention.common import NOT_CAPTURED, check_fake_tokens, communicates
+from cpcompile.attention.plan_op import fake_plan, plan_op
+from cpcompile.comm.groups import resolve_group
+from cpcompile.comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
+from cpcompile.plan.pieces import AttentionPlan, hybrid_step_plan, max_pieces
+from cpcompile.spec import Strategy, StrategySpec
+
+
+@torch.library.custom_op("cpcompile::head_all_to_all", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("head_all_to_all (the hybrid's)", None)
+def head_all_to_all(x: torch.Tensor, group_name: str, to_tokens: bool) -> torch.Tensor:
+    """``to_tokens``: ``[T_local, H, D]`` -> ``[u * T_local, H / u, D]`` over the group of ``u`` ranks
+    (``comm.heads.heads_to_tokens``); else the mirror."""
+    move = heads_to_tokens if to_tokens else tokens_to_heads
+    (out,) = move([x], resolve_group(group_name))
+    return out.contiguous()
+
+
+@head_all_to_all.register_fake
+def _(x, group_name, to_tokens):
+    u = resolve_group(group_name).size()
+    if to_tokens:
+        torch._check(x.shape[1] % u == 0, lambda: f"{u} ranks cannot split {x.shape[1]} heads")
+        return x.new_empty((x.shape[0] * u, x.shape[1] // u, x.shape[2]))
+    return x.new_empty((x.shape[0] // u, x.shape[1] * u, x.shape[2]))
+
+
+def _backward(ctx, grad):
+    return torch.ops.cpcompile.head_all_to_all(grad.contiguous(), ctx.group_name, not ctx.to_tokens), None, None
+
+
+def _setup(ctx, inputs, output):
+    _, ctx.group_name, ctx.to_tokens = inputs
+
+
+head_all_to_all.register_autograd(_backward, setup_context=_setup)
+
+
+def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *, causal, scale, max_seqlen, kernel):
+    """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``[T_local, Hq, D]``; ``plan`` from
+    :func:`cpcompile.plan.pieces.make_hybrid_plan` for this rank. Differentiable (each step an op)."""
+    heads, sequence = head_groups(resolve_group(group), head_parallel)
+    f = kv_replication(q.shape[1], k.shape[1], head_parallel)
+    a2a = torch.ops.cpcompile.head_all_to_all
+    qh, kh, vh = (a2a(x, heads.group_name, True) for x in (q, replicate(k, f), replicate(v, f)))
+    args = (qh, kh, vh, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), sequence.group_name)
+    # the all-gather path: the exchange's plan needs a plan's origin, which this one has none of
+    out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1)[0]
+    return a2a(out, heads.group_name, False)
+
+
+#: :func:`cpcompile.plan.pieces.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
+#: k_len_causal, k_len_full [P])``, the pieces those of the rank's head group.
+cp_hybrid_plan = plan_op(
+    "cp_hybrid_plan",
+    hybrid_step_plan,
+    "Tensor cu_seqlens, Tensor? cu_seqlens_padded, SymInt num_tokens, SymInt cp_size, SymInt head_parallel, "
+    "SymInt rank, str strategy, SymInt stripe_size",
+)
+
+
+@cp_hybrid_plan.register_fake
+def _(
+    cu_seqlens,
+    cu_seqlens_padded,
+    num_tokens,
+    cp_size,
+    head_parallel,
+    rank,
+    strategy,
+    stripe_size,
+    group_name="",
+    calls=None,
+):
+    spec = StrategySpec(Strategy(strategy), stripe_size)
+    check_fake_tokens(num_tokens, cp_size, spec)
+    t_local = num_tokens // cp_size
+    pieces = torch.sym_min(t_local * head_parallel, head_parallel * max_pieces(spec, cu_seqlens.shape[0] - 1, t_local))
+    return fake_plan(cu_seqlens, num_tokens, pieces)

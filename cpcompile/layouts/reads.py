@@ -1,0 +1,87 @@
+"""Which keys every rank reads, from the pack alone: no rank's plan, no communication.
+
+Design constraint: every layout stores a rank's positions in ascending physical order, so
+what a rank reads of a range of keys, and what it holds of it, is found by bisection of its
+positions; the sparse K/V exchange (``comm.exchange``) and the cost model (``cost``) use it
+alike. A piece reads its document's keys up to its last token when causal, all its real
+ones when not, and under a window (``cpcompile.plan.window``) those within its tokens' windows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Pack(NamedTuple):
+    """The whole pack that every rank's plan is made from (``cp`` ranks, ``B`` documents).
+
+    - ``layout``: ``[cp, T_local]`` int64, every rank's physical positions (:func:`all_partition_indices`).
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32.
+    """
+
+    layout: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+
+
+def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:
+    """``[cp, B]`` int64: how many keys of document ``d`` rank ``r``'s pieces read, a prefix of it
+    (from ``cu_seqlens_padded[d]``): every rank's :func:`keys_read` at once, from the pack alone.
+
+    A piece reads its document's keys up to its own last token when causal, and all its real
+    tokens when not; so of each document a rank reads the keys up to the last real token it
+    holds there, or all the real ones if it holds any. Every layout stores a rank's positions
+    in ascending order, so that token is found by bisection: nothing of size ``T`` is made.
+    """
+    layout = pack.layout  # [cp, T_local]
+    start = pack.cu_seqlens_padded[:-1].long()  # [B]
+    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
+    ends = (start + real_len).expand(layout.shape[0], -1).contiguous()  # [cp, B] where each document's padding starts
+    last = torch.searchsorted(layout, ends) - 1  # [cp, B] each rank's last position before it
+    position = layout.gather(1, last.clamp(min=0))
+    reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
+    return reach if causal else torch.where(reach > 0, real_len, 0)
+
+
+def read_ranges(pack: Pack, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(reader, lo, hi)``, each ``[M]`` int64: the runs of physical keys ``[lo, hi)`` that rank
+    ``reader`` reads under ``window`` (``(left, right)``, :mod:`cpcompile.plan.window`), ascending and
+    disjoint per rank, rank after rank; from the pack alone, as :func:`read_lengths`.
+
+    Causal and full attention read document prefixes (:func:`read_lengths`, by bisection). A
+    window reads, of each document, the union of its held positions' windows: ``[p - left,
+    p + right]`` cut to the document's real tokens, whose both ends grow with ``p`` over a
+    rank's ascending positions, so a new run starts where a window begins past the previous
+    one's end (``[cp, T_local]`` host work).
+    """
+    start = pack.cu_seqlens_padded[:-1].long()  # [B]
+    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
+    if window in ((-1, 0), (-1, -1)):
+        read_len = read_lengths(pack, window == (-1, 0))  # [cp, B]
+        reader, doc = read_len.nonzero(as_tuple=True)
+        return reader, start[doc], start[doc] + read_len[reader, doc]
+    layout = pack.layout  # [cp, T_local]
+    doc = torch.searchsorted(pack.cu_seqlens_padded.long(), layout, right=True) - 1  # right: skips empty documents
+    s, n = start[doc], real_len[doc]
+    pos = layout - s
+    real = pos < n
+    left, right = window
+    lo = s + (pos - left).clamp(min=0) if left >= 0 else s
+    hi = s + (torch.minimum(n, pos + right + 1) if right >= 0 else n)
+    reader = torch.arange(layout.shape[0])[:, None].expand_as(layout)[real]
+    lo, hi = lo[real], hi[real]  # [N] each, ascending per reader
+    new = torch.ones_like(reader, dtype=torch.bool)
+    new[1:] = (reader[1:] != reader[:-1]) | (lo[1:] > hi[:-1])
+    last = torch.ones_like(new)
+    last[:-1] = new[1:]  # a run's last window reaches furthest
+    return reader[new], lo[new], hi[last]
+
+
+def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[Tk]`` bool: the keys that some piece (``k_start``, ``k_len`` ``[P]``) reads."""
+    ends = torch.cat([k_start, k_start + k_len]).long()
+    steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
+    reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
+    return reads.cumsum(0)[:num_keys] > 0

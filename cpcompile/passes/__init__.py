@@ -1,1 +1,0 @@
-"""Graph passes of the ``torch.compile`` backend (attention sharding, TP overlap)."""

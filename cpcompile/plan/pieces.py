@@ -1,0 +1,347 @@
+"""Per-step attention plan: a rank's local queries cut into pieces, and their keys.
+
+A *piece* is a maximal run of local tokens whose physical positions are consecutive,
+inside one document, and all real or all padding. A real piece covering positions
+``[a, b)`` of a document that starts at ``s`` attends, bottom-right aligned, to keys
+``[s, b)`` when causal and to the document's real tokens when not; a padding piece
+sees no keys (zero output, zero gradient). One varlen kernel call over all pieces
+then computes the rank's attention, for every strategy.
+
+The plan depends only on ``(cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy)``:
+build it once per step and share it across layers. Sizes are static given the
+shapes (unused piece slots are empty), so nothing is read on the host, except by
+balanced (its cuts are chosen on the host) and auto (resolved from ``cu_seqlens``).
+
+A plan also knows the pack it was made from (:func:`origin`): the layout of every
+rank, which every rank computes alike. From it any rank derives which keys every
+other rank reads (:mod:`cpcompile.layouts.reads`), without asking it: the sparse K/V exchange's
+plan needs that, and so needs no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from cpcompile.cache import attach, attached, on_host, per_plan, upload
+from cpcompile.checks import check_cp, check_int, check_pack_tokens, check_padded
+from cpcompile.cost.model import auto_candidates, resolve_auto
+from cpcompile.layouts.partition import all_partition_indices, check_capacity_documents, pad_for_cp, piece_marks
+from cpcompile.layouts.reads import Pack
+from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
+
+
+class AttentionPlan(NamedTuple):
+    """What one rank needs to run CP attention (``P`` = piece slots, ``T`` = padded tokens).
+
+    - ``gather_index``: ``[T]`` int64, row of the all-gathered K/V holding physical position p.
+    - ``cu_q``: ``[P + 1]`` int32, local query offsets of the pieces (trailing slots empty).
+    - ``k_start``: ``[P]`` int32, physical position of each piece's first key (its document start).
+    - ``k_len_causal``: ``[P]`` int32, keys a piece sees when causal (0 for padding pieces).
+    - ``k_len_full``: ``[P]`` int32, keys a piece sees when not causal (its document's real length).
+    """
+
+    gather_index: torch.Tensor
+    cu_q: torch.Tensor
+    k_start: torch.Tensor
+    k_len_causal: torch.Tensor
+    k_len_full: torch.Tensor
+
+    def k_len(self, causal: bool) -> torch.Tensor:
+        return self.k_len_causal if causal else self.k_len_full
+
+
+class Origin(NamedTuple):
+    """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
+    :func:`cpcompile.plan.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
+    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`), laid out by
+    ``spec`` (``auto`` resolved; ``None``: not known)."""
+
+    pack: Pack
+    rank: int
+    window: tuple[int, int]
+    spec: StrategySpec | None = None
+
+
+def origin(k_len: torch.Tensor) -> Origin | None:
+    """The :class:`Origin` of a plan's ``k_len_causal`` or ``k_len_full`` as :func:`make_plan` or
+    :func:`step_plan` made it (uploaded with :func:`cpcompile.cache.upload` too); ``None``
+    for other tensors: copies, changed or hand-made plans, plans made while tracing."""
+    found = attached(k_len)
+    return found if isinstance(found, Origin) else None
+
+
+def attach_origin(plan, pack: Pack, rank: int, spec: StrategySpec | None) -> None:
+    """Remember with ``plan``'s ``k_len_causal`` and ``k_len_full`` what it was made from (:func:`origin`)."""
+    # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan);
+    # cp_attention checks a caller's plan (AttentionPlan or RingPlan) against its arguments
+    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0), spec))
+    attach(plan.k_len_full, Origin(pack, rank, (-1, -1), spec))
+
+
+def max_pieces(spec: StrategySpec, num_docs: int, t_local):
+    """Static upper bound on a rank's pieces (each piece has at least one token).
+
+    A rank's layout is a set of runs of consecutive positions; document starts and
+    real/padding boundaries cut them further (each cuts at most one run).
+    """
+    if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
+        bound = 3 * num_docs  # two chunks per document, one of them cut by its padding
+    elif spec.strategy is Strategy.STRIPED:
+        bound = t_local // spec.stripe_size + 2 * num_docs
+    elif spec.strategy is Strategy.BALANCED:
+        # a head and a tail run per document (four runs for the one document that can lie
+        # in both of a rank's ranges), each document's padding cutting one of them
+        bound = 3 * num_docs + 2
+    elif spec.strategy is Strategy.AUTO:
+        # slots for whichever strategy auto picks, so the plan's sizes do not depend on values
+        return functools.reduce(torch.sym_max, (max_pieces(c, num_docs, t_local) for c in auto_candidates()))
+    else:
+        bound = 2 * num_docs  # one run, cut by document starts and padding
+    return torch.sym_min(t_local, bound)
+
+
+def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
+    """Upper bound on a real piece's query rows, given the longest document ``max_seqlen``.
+
+    A launch bound for GPU kernels, whose grids are sized by it: the document length
+    overstates dual_chunk_swap's and striped's pieces by ``cp`` and more. Works on ints,
+    SymInts and ``fx.Proxy`` (arithmetic only). Padding pieces may be longer; they see
+    no keys and are zeroed, so kernels may skip their rows.
+    """
+    if spec.strategy is Strategy.DUAL_CHUNK_SWAP:
+        # chunks of ceil(L / 2cp) rows; rank cp-1 holds the two middle ones, adjacent
+        return (max_seqlen + 2 * cp_size - 1) // (2 * cp_size) * 2
+    if spec.strategy is Strategy.STRIPED and cp_size > 1:
+        return spec.stripe_size  # a rank's stripes are never adjacent
+    return max_seqlen
+
+
+def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, num_tokens):
+    """``(requested, spec, cu_seqlens_padded, layout [cp, T_local])``: the arguments checked, ``auto``
+    resolved (alike on every rank: ``spec``), the pack padded for the layout where not given, every
+    rank's positions (:func:`all_partition_indices`)."""
+    check_cp(cp_size, rank, rank_given=True)
+    if num_tokens is not None and not isinstance(num_tokens, torch.SymInt):
+        check_int("num_tokens", num_tokens, minimum=1)
+    requested = resolve_strategy(strategy)
+    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
+    if spec.capacity is not None:
+        check_capacity_documents(cu_seqlens, spec.capacity)
+    given = cu_seqlens_padded is not None
+    if not given:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    check_padded(cu_seqlens, cu_seqlens_padded)
+    check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=given, num_tokens=num_tokens, cp_size=cp_size, spec=spec)
+    layout = all_partition_indices(
+        cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens, cu_seqlens=cu_seqlens
+    )
+    return requested, spec, cu_seqlens_padded, layout
+
+
+def make_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """Build rank ``rank``'s :class:`AttentionPlan`.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 global cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets; ``None``: :func:`pad_for_cp`.
+        num_tokens: padded total ``T`` (``T_local * cp_size``) if known, so no value is read on the host.
+        strategy: ``auto`` is resolved here from ``cu_seqlens`` (:func:`cpcompile.cost.choose_strategy`, the
+            same answer on every rank), which costs the cost model's host time per call: pass the
+            ``ShardedBatch.spec`` the data loader resolved instead.
+    """
+    requested, spec, cu_seqlens_padded, layout = _layout(
+        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
+    )
+    t_local = layout.shape[1]
+    device = layout.device
+
+    flat = layout.reshape(-1)  # [T] physical position of each all-gathered row
+    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=device))
+
+    doc, pos, real, new_piece = piece_marks(layout[rank], cu_seqlens, cu_seqlens_padded)  # [T_local] each
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    cu_p = cu_seqlens_padded.long()
+
+    num_pieces = max_pieces(requested, cu_seqlens.shape[0] - 1, t_local)
+    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_local).squeeze(1)  # [P]
+    cu_q = torch.cat([starts, starts.new_full((1,), t_local)])  # [P + 1]
+    q_len = cu_q[1:] - cu_q[:-1]
+    first = starts.clamp(max=t_local - 1)  # empty trailing slots read a valid row, then get no keys
+    live = (q_len > 0) & real[first]
+    k_len_causal = torch.where(live, pos[first] + q_len, 0)
+    k_len_full = torch.where(live, real_len[doc[first]], 0)
+    plan = AttentionPlan(
+        gather_index=gather_index,
+        cu_q=cu_q.to(torch.int32),
+        k_start=cu_p[doc[first]].to(torch.int32),
+        k_len_causal=k_len_causal.to(torch.int32),
+        k_len_full=k_len_full.to(torch.int32),
+    )
+    # copies of the offsets: the caller's, held here, would outlive the plans cached by them
+    attach_origin(plan, Pack(layout, cu_seqlens.clone(), cu_seqlens_padded.clone()), rank, spec)
+    return plan
+
+
+def plan_extras(spec: StrategySpec) -> tuple:
+    """The arguments after ``stripe_size`` that :func:`step_plan` (and the ``cp_plan`` op) take for
+    ``spec``: its windows, then its capacity, each only where set, so that calls without them
+    stay as they were (and the plans made ahead of the step are found by the same arguments)."""
+    if spec.capacity is not None:
+        return tuple(spec.windows), tuple(spec.capacity)
+    return (tuple(spec.windows),) if spec.windows else ()
+
+
+def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=(), **kw):
+    """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
+    (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
+    host twins (:mod:`cpcompile.cache`), so that what derives from the plan reads sizes there."""
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
+    plan = make(cu, *padded, strategy=spec, **kw)
+    return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+
+
+@per_plan
+def step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+    windows: tuple[int, ...] = (),
+    capacity: tuple[int, ...] = (),
+) -> AttentionPlan:
+    """:func:`make_plan` once per step, for every layer: made on the host and uploaded.
+
+    The document lengths are read on the host once (a host sync on GPUs, none where
+    the data loader uploaded ``cu_seqlens`` with its host twin: ``shard_batch(...,
+    device=...)``); the plan is made there (balanced chooses its cuts on the host in
+    any case) and uploaded to ``cu_seqlens``' device with host twins, so that the
+    metadata derived from it later reads its sizes without a sync
+    (:mod:`cpcompile.cache`). ``strategy``: a :class:`Strategy` value (``auto`` is
+    resolved here, alike on every rank); ``windows``, ``capacity``: the spec's (``()``: none).
+    """
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
+    kw |= {"windows": tuple(windows), "capacity": tuple(capacity)}
+    plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
+    made = origin(plan.k_len_causal)
+    if made is not None:  # inference tensors travel without twins to find it through
+        attach_origin(uploaded, made.pack, rank, made.spec)
+    return uploaded
+
+
+def make_head_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """The plan of head-parallel attention (``head_parallel == cp_size``), the same on every rank.
+
+    After the head all-to-all a rank holds every token of its heads in the all-gather's
+    order, so the plan is the layout's ``gather_index`` (physical position -> gathered row)
+    and, over the physical buffer, the pieces of single-device attention: whole documents,
+    and their padding, which sees no key.
+    """
+    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+        tokens = {"num_tokens": num_tokens, "cp_size": cp_size, "spec": spec}
+        check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=False, **tokens)
+    layout = make_plan(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=0, strategy=spec, num_tokens=num_tokens)
+    whole = make_plan(
+        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
+    )
+    return AttentionPlan(layout.gather_index, *whole[1:])
+
+
+@per_plan
+def head_step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    strategy: str,
+    stripe_size: int,
+) -> AttentionPlan:
+    """:func:`make_head_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
+    kw = {"cp_size": cp_size, "num_tokens": num_tokens}
+    return _made_on_host(make_head_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
+
+
+def make_hybrid_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    cp_size: int,
+    head_parallel: int,
+    rank: int,
+    strategy: StrategyLike = None,
+    num_tokens: int | None = None,
+) -> AttentionPlan:
+    """The sequence-level plan of hybrid head x context parallelism (``1 < head_parallel < cp_size``).
+
+    Ranks form ``cp / u`` head groups of ``u`` consecutive ranks. After the head all-to-all,
+    every rank of group ``s`` holds, for its heads, the tokens of all the group's ranks in
+    rank order: the group acts as one CP rank of ``cp / u`` whose layout is its members'
+    layouts one after the other. So the all-gather between groups (ranks ``j, u + j, ...``)
+    yields the rows in the same order as an all-gather over all ``cp`` ranks: the
+    ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
+    """
+    requested, _, cu_seqlens_padded, layout = _layout(
+        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
+    )
+    u = head_parallel
+    flat = layout.reshape(-1)  # [T]
+    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+    s = rank // u
+    positions = layout[s * u : (s + 1) * u].reshape(-1)  # [u * T_local]: the group's tokens, member by member
+    t_group = positions.shape[0]
+    doc, pos, real, new_piece = piece_marks(positions, cu_seqlens, cu_seqlens_padded)
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    # slots for whatever auto picks, as make_plan's, so that the sizes do not depend on values
+    num_pieces = torch.sym_min(t_group, u * max_pieces(requested, cu_seqlens.shape[0] - 1, layout.shape[1]))
+    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_group).squeeze(1)
+    cu_q = torch.cat([starts, starts.new_full((1,), t_group)])
+    q_len = cu_q[1:] - cu_q[:-1]
+    first = starts.clamp(max=t_group - 1)
+    live = (q_len > 0) & real[first]
+    return AttentionPlan(
+        gather_index=gather_index,
+        cu_q=cu_q.to(torch.int32),
+        k_start=cu_seqlens_padded.long()[doc[first]].to(torch.int32),
+        k_len_causal=torch.where(live, pos[first] + q_len, 0).to(torch.int32),
+        k_len_full=torch.where(live, real_len[doc[first]], 0).to(torch.int32),
+    )
+
+
+@per_plan
+def hybrid_step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    head_parallel: int,
+    rank: int,
+    strategy: str,
+    stripe_size: int,
+) -> AttentionPlan:
+    """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
+    kw = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "num_tokens": num_tokens}
+    return _made_on_host(make_hybrid_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]

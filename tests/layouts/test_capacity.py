@@ -3,7 +3,7 @@
 The layout against the least padding (the last document's padding runs on), the loader's shapes
 and errors, one compiled graph for packs of any composition with ``dynamic=False`` (the fake
 group), and exactness on gloo ranks. Every rank's pieces on packs padded to a capacity against
-float64 single-device attention: ``tests/test_plan.py``'s simulated ranks.
+float64 single-device attention: ``tests/plan/test_pieces.py``'s simulated ranks.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class OneGraphPerBucketHF(FakeGroupTestCase):
         """A Hugging Face Llama through ``shard_flattened_batch`` with a capacity and a fixed
         ``max_length``: packs of 1-4 documents run one graph under ``dynamic=False``."""
         import cpcompile.integrations.hf as cphf
-        from tests.test_hf import flattened_batch, tiny_model
+        from tests.integrations.test_hf import flattened_batch, tiny_model
 
         model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
         config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges

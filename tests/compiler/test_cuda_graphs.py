@@ -5,8 +5,8 @@ bucket run one compiled graph; with ``mode="reduce-overhead"`` the first pass ov
 the forward and the backward once each, attention included where FA4 runs it (``ops.captured``),
 on the second pack; ``cpcompile.CapturedStep`` captures the whole step once; no later pack
 captures again; each loss and gradient norm agrees with the model compiled without graphs within
-rounding, and a replayed step makes no host sync. (The CPU half: ``tests/test_capacity.py``,
-``tests/test_captured.py``.)
+rounding, and a replayed step makes no host sync. (The CPU half: ``tests/layouts/test_capacity.py``,
+``tests/attention/test_captured.py``.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from cpcompile.kernels import fa4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(modes: str) -> dict[str, str]:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import cpcompile
+from tests.integrations.test_hf_matrix import PACK, compile_attention, flattened_batch, reference_logits, tiny_model
 from tests.reference import relative_error
-from tests.test_hf_matrix import PACK, compile_attention, flattened_batch, reference_logits, tiny_model
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
 cphf = pytest.importorskip("cpcompile.integrations.hf")

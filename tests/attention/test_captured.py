@@ -5,7 +5,7 @@ for every pack: the layered in-place backward with a fixed layer bound (FA4's, e
 reference kernel, ``tests.emulated``) against float64 attention on random packs' real plans, the
 bound itself, the loud failure of a pack beyond it, the compiler's choice of the captured ops and
 the plan's place at the start of the graph, and training on 2 gloo ranks through them. The GPU
-run (captures, replays, equal losses) is ``benchmarks/cuda_graphs.py`` (``tests/test_cuda_graphs_gpu.py``).
+run (captures, replays, equal losses) is ``benchmarks/cuda_graphs.py`` (``tests/compiler/test_cuda_graphs.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tier 2: the head-parallel ops on one rank: ``opcheck``, and single-device attention's answer.
 
 On a one-process group the all-to-alls are identities and the plan's order is physical, so
-``cp_head_attention`` must be ``packed_attention`` exactly. Real ranks: ``tests/test_heads_gloo.py``.
+``cp_head_attention`` must be ``packed_attention`` exactly. Real ranks: ``tests/attention/test_heads.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 layout x causal/full x heads (MHA, GQA with ``u | Hkv``, and K/V heads replicated where
 ``Hkv < u``) x float32/float64, on random packs drawn alike on every rank (1-token
 documents, a single document, zero-length documents, many short ones, mixed lengths;
-``tests/test_cp_attention_properties_gloo.py``'s generator).
+``tests/attention/test_cp_attention_properties.py``'s generator).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ transformers' SDPA attention, to rounding. A transformers upgrade that changes w
 passes to attention (or how it mixes tokens) fails here by name.
 
 Cost (the suite runs on 2 CPU cores): the matrix compiles with static shapes (``dynamic=False``, several
-times cheaper to compile; tests/test_hf.py covers ``dynamic=True`` and several packs per graph), runs
+times cheaper to compile; tests/integrations/test_hf.py covers ``dynamic=True`` and several packs per graph), runs
 the architectures one after another in one pair of gloo processes per compiler, and compiles through
 ``inner="aot_eager"`` every architecture, forward and backward; through ``inner="inductor"`` (the default,
 slow to compile on CPU) a fixed subset, :data:`INDUCTOR`, that covers the layouts and layer kinds the

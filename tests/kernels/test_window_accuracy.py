@@ -1,6 +1,6 @@
 """Tier 5 (CUDA only, skipped elsewhere): the GPU kernels with sliding windows, in bf16 against float64.
 
-The rule of ``tests/test_gpu.py``: our error against a float64 reference (dense window mask,
+The rule of ``tests/kernels/test_accuracy.py``: our error against a float64 reference (dense window mask,
 ``tests.reference.window_mask``) at most twice that of torch's own varlen attention with the
 same window on the whole pack, and never above 2.5e-2. Windows ``(w, 0)`` run on every GPU
 kernel, single-device and over each rank's pieces (simulated ranks, K/V gathered by hand);

@@ -1,6 +1,6 @@
 """Tier 1: head-parallel bookkeeping: K/V replication and the head-parallel plan, on one process.
 
-The all-to-alls themselves run on real ranks (``tests/test_heads_gloo.py``).
+The all-to-alls themselves run on real ranks (``tests/attention/test_heads.py``).
 """
 
 from __future__ import annotations

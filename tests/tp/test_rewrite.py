@@ -1,7 +1,7 @@
 """Tier 3: the TP overlap pass on the fake process group (tp = 2): graph snapshots, symbolic t, one compilation.
 
 The fake group returns garbage data, so these tests pin graphs and shapes only;
-tests/test_overlap.py checks the numbers on real gloo ranks with the same block and backend.
+tests/tp/test_ops.py checks the numbers on real gloo ranks with the same block and backend.
 """
 
 from __future__ import annotations

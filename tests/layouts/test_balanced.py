@@ -1,5 +1,6 @@
 """Tier 1: the balanced layout (``cpcompile.layouts.balanced``) against brute force: every token once, work and
-kernel tiles even over ranks, the piece bound, and its op (the gloo tier runs balanced in test_cp_attention_gloo)."""
+kernel tiles even over ranks, the piece bound, and its op (tests/attention/test_cp_attention.py runs balanced on
+gloo ranks)."""
 
 from __future__ import annotations
 

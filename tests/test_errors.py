@@ -70,6 +70,7 @@ def _cp_attention_under_autocast(rank: int, world: int) -> None:
             assert relative_error(g, w) < tolerance, f"{label}: {relative_error(g, w)}"
 
 
+@pytest.mark.distributed
 def test_cp_attention_under_cpu_autocast():
     run_ranks(_cp_attention_under_autocast, 2)
 

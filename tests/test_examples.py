@@ -95,6 +95,7 @@ def test_progress_is_one_line_per_step_in_a_log(tmp_path):
     assert all(line.startswith("cp=1 dual_chunk_swap all_gather") for line in steps)
 
 
+@pytest.mark.distributed
 def test_demo_runs_every_strategy():
     run = run_example(str(DEMO), "--tokens", "512")
     assert run.returncode == 0, run.stderr

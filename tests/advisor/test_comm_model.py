@@ -90,6 +90,7 @@ def _count_rank(rank: int, world: int) -> None:
             assert (forward, backward) == (int(want.forward[rank]), int(want.backward[rank])), label
 
 
+@pytest.mark.distributed
 def test_layer_bytes_are_what_the_collectives_move():
     run_ranks(_count_rank, 4)
 

@@ -18,6 +18,8 @@ import cpcompile
 from tests.dist import run_ranks
 from tests.fixtures import rows_of
 
+pytestmark = pytest.mark.distributed
+
 CU = torch.tensor([0, 4, 8, 12, 16], dtype=torch.int32)
 # Same token count, same linear checksum sum(cu[i] * (i + 1)) as CU: only a digest of the values tells them apart.
 CU_COLLIDING = torch.tensor([0, 1, 6, 15, 16], dtype=torch.int32)

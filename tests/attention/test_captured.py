@@ -236,6 +236,7 @@ def _train_captured(rank: int, world: int) -> None:
         assert len(graphs) == 1 and "cpcompile.cp_attention_captured.default" in _targets(graphs[0][0]), graphs
 
 
+@pytest.mark.distributed
 def test_a_compiled_model_trains_through_the_captured_ops_like_one_process():
     """2 gloo ranks, balanced and dual_chunk_swap (K/V in two head groups) on a capacity,
     ``mode="reduce-overhead"`` (inductor stood in for by ``aot_eager``): the captured ops, with FA4's

@@ -18,6 +18,8 @@ from tests.dist import run_ranks
 from tests.fixtures import KINDS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-4
 # auto included: shard_batch resolves it and records the pick; cp_attention resolves it again, alike on every rank
 SPECS = strategy_specs(stripe_size=4)

@@ -65,6 +65,7 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
         assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_random_packs_match_float64(world):
     run_ranks(_check_rank, world, 1000 + world)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import cpcompile
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 CU = torch.tensor([0, 5, 16], dtype=torch.int32)
 #: (strategy, comm) per K/V path: all-gather, sparse exchange, ring, head-parallel (Ulysses)
 PATHS = [

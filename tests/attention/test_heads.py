@@ -19,6 +19,8 @@ from tests.dist import run_ranks
 from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, rows_of, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
+pytestmark = pytest.mark.distributed
+
 #: query and K/V heads per u: MHA, GQA with u | Hkv, and Hkv < u (K/V heads replicated)
 HEADS = {2: [(2, 2), (4, 2), (4, 1)], 3: [(3, 3), (6, 2)], 4: [(4, 4), (8, 4), (8, 2), (4, 1)]}
 

@@ -18,6 +18,8 @@ from tests.dist import run_ranks
 from tests.fixtures import attention_case, doc_lengths, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-4  # against float64
 SAME = 1e-5  # ring against all-gather: both float32, only the summation order differs
 SPECS = strategy_specs(stripe_size=4)

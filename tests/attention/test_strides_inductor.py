@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch._inductor import config as inductor_config
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -193,5 +194,6 @@ def _cp_any_layout(rank: int, world: int) -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.distributed
 def test_cp_attention_any_layout():
     run_ranks(_cp_any_layout, 2)

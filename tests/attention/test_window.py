@@ -175,6 +175,7 @@ def _check_bad_windows(world: int) -> None:
         cpcompile.cp_attention(q, q, q, cu, window_size=(2, 2))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_window_attention_matches_fp64(world):
     run_ranks(_check_rank, world)

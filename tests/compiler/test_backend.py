@@ -22,6 +22,8 @@ import cpcompile
 from cpcompile.testing import GPTConfig, PackedGPT
 from tests.dist import check_training_over_packs, run_ranks
 
+pytestmark = pytest.mark.distributed
+
 SPECS = [
     cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP),
     cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE),

@@ -34,6 +34,8 @@ from cpcompile.testing.packed_gpt import Attention
 from tests.dist import assert_matches_summed_over_ranks, run_ranks
 from tests.reference import attention_fp64, relative_error
 
+pytestmark = pytest.mark.distributed
+
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
 cphf = pytest.importorskip("cpcompile.integrations.hf")
 

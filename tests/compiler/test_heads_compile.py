@@ -23,6 +23,8 @@ from cpcompile.testing import GPTConfig, PackedGPT
 from tests.dist import check_training_over_packs, run_ranks
 from tests.fixtures import attention_case
 
+pytestmark = pytest.mark.distributed
+
 
 def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, strategies: list[str]) -> None:
     torch.manual_seed(0)

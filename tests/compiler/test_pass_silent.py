@@ -173,6 +173,7 @@ def _check_rank(rank: int, world: int) -> None:
     _check_window_argument(rank, world)
 
 
+@pytest.mark.distributed
 def test_compiled_graphs_exact_or_refused():
     run_ranks(_check_rank, 2)
 

@@ -9,11 +9,14 @@ single-process loss and gradients, whatever its layers' masks and which of them 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import cpcompile
 from tests.dist import assert_matches_summed_over_ranks, run_ranks
+
+pytestmark = pytest.mark.distributed
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

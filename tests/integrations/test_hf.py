@@ -142,6 +142,7 @@ def _archs_and_windows(rank: int, world: int, windows: tuple[int, ...]) -> None:
     _check_cp_training(rank, world, ["qwen2_sliding"], False, cpcompile.StrategySpec("balanced", windows=windows))
 
 
+@pytest.mark.distributed
 def test_compiled_cp_training_matches_single_device():
     """Llama and the alternating Qwen2 under the active strategy, then the Qwen2 under balanced told
     each layer's window (``layer_windows``: the sliding layer's 3, the global one's -1)."""
@@ -173,6 +174,7 @@ def _regional_head_parallel_and_many_packs(rank: int, world: int) -> None:
     _count_graphs_over_packs(rank, world, 50)
 
 
+@pytest.mark.distributed
 def test_regional_and_head_parallel_training_and_one_graph_over_fifty_packs():
     """Each decoder layer compiled on its own; Ulysses through the HF attention function (4 query heads,
     2 K/V heads over 2 ranks); then one graph over fifty packs of varying length and document count."""

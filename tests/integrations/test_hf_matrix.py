@@ -36,6 +36,8 @@ import cpcompile
 from tests.dist import run_ranks
 from tests.reference import relative_error
 
+pytestmark = pytest.mark.distributed
+
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
 cphf = pytest.importorskip("cpcompile.integrations.hf")
 

@@ -24,7 +24,7 @@ from cpcompile.spec import resolve_strategy
 from cpcompile.testing import VARLEN_GQA
 from tests.reference import attention_fp64
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 _needs_cudnn = pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")
 _needs_fa4 = pytest.mark.skipif(not fa4.available(), reason="needs flash-attn-4")
 GPU_KERNELS = [

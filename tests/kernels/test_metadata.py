@@ -32,7 +32,7 @@ def _prefix_pieces(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
 def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, device):
     """Document prefixes and windowed bands (odd seeds). On CPU torch's gathers add back, on CUDA
     the ``sum_rows`` kernel."""
@@ -76,7 +76,7 @@ def test_scratch_rows_give_each_piece_its_keys_and_add_back_sums_them(seed, devi
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
 def test_sum_layers_adds_a_second_source_after_the_first_leaving_out_spare_rows(seed, device):
     """Two sources of rows (bf16 and float32, as the exchange's own parts and returned sums), each
     with its own index and ``spare`` (a row of its own, or past its last): every key's rows added in

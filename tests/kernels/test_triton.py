@@ -19,7 +19,7 @@ def test_live_rows_marks_rows_that_see_a_key():
     assert dead_rows.live_rows(cu_q, k_len, 5).tolist() == [False, False, True, True, True]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
 @pytest.mark.parametrize("shape", [(100, 3), (70, 12, 128)])  # 1536 columns: a store of 1024, then 512
 def test_dead_rows_zero_sets_those_rows_alone(device, shape):
     g = torch.Generator().manual_seed(1)
@@ -31,7 +31,7 @@ def test_dead_rows_zero_sets_those_rows_alone(device, shape):
     assert torch.equal(dead_rows.zero(t.to(device)[:, :2], live.to(device)).cpu(), got[:, :2])  # strided
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
 @pytest.mark.parametrize(("rows", "heads"), [(100, 3), (130, 16)])  # programs of 64 rows, the last one partial
 def test_dead_rows_finish_transposes_statistics_and_clears_dead_rows(device, rows, heads):
     g = torch.Generator().manual_seed(2)
@@ -48,6 +48,7 @@ def test_dead_rows_finish_transposes_statistics_and_clears_dead_rows(device, row
     assert torch.equal(got[live], out[live]) and (got[~live] == 0).all()
 
 
+@pytest.mark.gpu
 @CUDA
 def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
     g = torch.Generator().manual_seed(0)

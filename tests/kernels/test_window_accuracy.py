@@ -20,7 +20,7 @@ from cpcompile.plan.window import window_keys
 from cpcompile.testing import VARLEN_GQA
 from tests.reference import attention_fp64
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GPU_KERNELS = [
     "flash",
     pytest.param("cudnn", marks=pytest.mark.skipif(not cudnn.available(), reason="needs cudnn-frontend")),

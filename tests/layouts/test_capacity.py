@@ -295,6 +295,7 @@ def _on_capacity(rank: int, world: int) -> None:
     _train_on_capacity(rank, world)
 
 
+@pytest.mark.distributed
 def test_cp_attention_and_a_compiled_model_on_packs_padded_to_a_capacity():
     """2 gloo ranks (both checks on one pair: starting the processes costs more than either).
 

@@ -89,6 +89,7 @@ def _random_calls(rank: int, world: int) -> None:
                 _call(sharded, COPIES[copy](sharded.cu_seqlens), told, causal=causal)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_random_copies_are_exact_or_refused_on_every_rank(world):
     run_ranks(_random_calls, world)
@@ -136,6 +137,7 @@ def _reported_cases(rank: int, world: int) -> None:
         assert relative_error(got, want) < EXACT
 
 
+@pytest.mark.distributed
 def test_reported_silent_cases_are_refused_on_every_rank():
     run_ranks(_reported_cases, 2)
 

@@ -226,6 +226,7 @@ def _check_rank(rank: int, tp: int) -> None:
             _check_compiled_block(2, rank - 1, sub, capacity=8, seed=13)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 3])
 def test_ops_and_compiled_block_match_fp64_on_gloo(tp):
     run_ranks(_check_rank, tp)

@@ -1,9 +1,10 @@
 """Benchmark scripts as a fresh clone runs them: without ``../shared``'s length files and without
 ``--output``, they print their section and write no file; GPU scripts without CUDA refuse, or
-with ``--dry-run`` print what they would measure."""
+with ``--dry-run`` print what they would measure. Tests run the scripts; none imports one."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,22 @@ def test_heads_gpu_dry_run_counts_the_bytes_of_every_u_and_writes_nothing(tmp_pa
     assert list(tmp_path.iterdir()) == [] and (ROOT / "BENCHMARKS.md").read_bytes() == before
     refused = _heads_gpu(tmp_path, "--dry-run", "--output", "BENCHMARKS.md")
     assert refused.returncode == 2 and "--dry-run times nothing" in refused.stderr
+
+
+def test_no_test_imports_a_benchmark_script():
+    """A benchmark script is tested through its command line (as here, and tests/test_e2e_benchmark.py),
+    so that a test pins what a user sees and a script's internals stay free to change."""
+    loaders = {"spec_from_file_location", "run_path", "import_module", "SourceFileLoader"}
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in loaders:
+                names = ["benchmarks" if "benchmarks" in ast.unparse(node) else ""]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not found, f"tests import benchmark scripts (run them as a subprocess instead): {found}"

@@ -1,4 +1,4 @@
-"""Tier 1: shard_batch against a brute-force pad-then-select (unshard runs in the gloo tests)."""
+"""``shard_batch`` against a brute-force pad-then-select (unshard runs in the gloo tests)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 1: ``per_plan``, the memoisation of what kernels and ops derive from a plan (no GPU needed)."""
+"""``per_plan``, the memoisation of what kernels and ops derive from a plan (no GPU needed)."""
 
 from __future__ import annotations
 

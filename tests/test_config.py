@@ -1,4 +1,4 @@
-"""Tier 1: the typed configuration and how the environment seeds it (``cpcompile.config``)."""
+"""The typed configuration and how the environment seeds it (``cpcompile.config``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 5's script checked on CPU: ``benchmarks/e2e.py --cpu-smoke`` end to end (a subprocess, ~35 s on 2 idle cores).
+"""The GPU script checked on CPU: ``benchmarks/e2e.py --cpu-smoke`` end to end (a subprocess, ~35 s on 2 idle cores).
 
 A tiny float32 Llama through ``aot_eager`` at cp=1 and one rank of cp=2 on the fake process
 group: the script's table and CP-efficiency line come out, one graph per configuration, the

@@ -1,4 +1,4 @@
-"""Tier 4: the example scripts' command lines, run as a user runs them (subprocesses, a few seconds each).
+"""The example scripts' command lines, run as a user runs them (subprocesses, a few seconds each).
 
 Nothing is imported from ``examples/``: the scripts are run, the way a newcomer meets them.
 """

@@ -1,4 +1,4 @@
-"""Tier 1: the Strategy enum and the active-strategy context."""
+"""The Strategy enum and the active-strategy context."""
 
 from __future__ import annotations
 

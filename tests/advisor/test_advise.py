@@ -1,4 +1,4 @@
-"""Tier 1: the strategy advisor (``cpcompile.advisor.advise``) against hand-computed work and the ``auto`` rule."""
+"""The strategy advisor (``cpcompile.advisor.advise``) against hand-computed work and the ``auto`` rule."""
 
 from __future__ import annotations
 

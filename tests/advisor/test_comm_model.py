@@ -1,4 +1,4 @@
-"""Tiers 1 and 4: the communication model (``cpcompile.advisor.comm_model``) against the bytes that
+"""The communication model (``cpcompile.advisor.comm_model``) against the bytes that
 ``cp_attention``'s collectives move on real gloo ranks, and the opt-in choice that weighs them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tier 4: mistakes on real gloo ranks fail fast, on every rank, naming the argument and the rank.
+"""Mistakes on real gloo ranks fail fast, on every rank, naming the argument and the rank.
 
 A rank that rejects its arguments, or ranks that disagree on what to compute, must
 not leave the others waiting in a collective (the process group's timeout is set to

@@ -1,4 +1,4 @@
-"""Tier 4: cp_attention on real gloo processes against a float64 single-device reference.
+"""``cp_attention`` on real gloo processes against a float64 single-device reference.
 
 One spawn per world size runs every strategy, causal and not, GQA and MHA, on both K/V
 paths, and the other checks of that world size: process start-up is the expensive part,

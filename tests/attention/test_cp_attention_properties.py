@@ -1,4 +1,4 @@
-"""Tier 4: random packs on real gloo ranks, forward and every gradient against float64.
+"""Random packs on real gloo ranks, forward and every gradient against float64.
 
 Every strategy x comm (all-gather, with the exchange forced on, off or chosen, and
 ring) x causal/full x GQA/MHA x float32/float64, at cp 2, 3 and 4, on packs drawn

@@ -1,4 +1,4 @@
-"""Tier 4: a rank that fails in the middle of a step ends in an error on every rank, not a hang.
+"""A rank that fails in the middle of a step ends in an error on every rank, not a hang.
 
 Two ways of failing that no check before the forward's collectives can see (issue 57, items 9
 and 10), on 2 real gloo ranks:

@@ -1,4 +1,4 @@
-"""Tier 4: head-parallel (Ulysses) cp_attention on real gloo ranks against float64, and its errors.
+"""Head-parallel (Ulysses) cp_attention on real gloo ranks against float64, and its errors.
 
 ``head_parallel == cp`` (pure) and ``1 < head_parallel < cp`` (hybrid: cp=4, u=2): every
 layout x causal/full x heads (MHA, GQA with ``u | Hkv``, and K/V heads replicated where

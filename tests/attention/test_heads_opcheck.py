@@ -1,4 +1,4 @@
-"""Tier 2: the head-parallel ops on one rank: ``opcheck``, and single-device attention's answer.
+"""The head-parallel ops on one rank: ``opcheck``, and single-device attention's answer.
 
 On a one-process group the all-to-alls are identities and the plan's order is physical, so
 ``cp_head_attention`` must be ``packed_attention`` exactly. Real ranks: ``tests/attention/test_heads.py``.

@@ -1,4 +1,4 @@
-"""Tiers 1-2: packed_attention against float64 per-document attention; opcheck on both ops;
+"""``packed_attention`` against float64 per-document attention; opcheck on both ops;
 argument errors before any work."""
 
 from __future__ import annotations

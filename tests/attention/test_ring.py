@@ -1,4 +1,4 @@
-"""Tier 4: ring cp_attention on real gloo processes, against float64 and against all-gather.
+"""Ring cp_attention on real gloo processes, against float64 and against all-gather.
 
 One spawn per world size (2, 3, 4) runs every strategy, causal and not, GQA and MHA,
 on packs with 1-token documents, documents shorter than cp and one spanning every

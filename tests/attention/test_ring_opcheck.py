@@ -1,4 +1,4 @@
-"""Tiers 1-2: the ring ops under opcheck, on one rank, and the ``comm`` choice's argument checks."""
+"""The ring ops under opcheck, on one rank, and the ``comm`` choice's argument checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 4: sliding-window cp_attention on real gloo processes, against float64 with a dense window mask.
+"""Sliding-window cp_attention on real gloo processes, against float64 with a dense window mask.
 
 One spawn per world size (2, 3) runs every layout with windows ``(w, 0)`` and ``(w, w)``
 over the all-gather, the sparse exchange and the ring, in float64, on packs with 1-token

@@ -1,4 +1,4 @@
-"""Tier 1: head-parallel bookkeeping: K/V replication and the head-parallel plan, on one process.
+"""Head-parallel bookkeeping: K/V replication and the head-parallel plan, on one process.
 
 The all-to-alls themselves run on real ranks (``tests/attention/test_heads.py``).
 """

@@ -1,4 +1,4 @@
-"""Tier 1: the all-gather path's head-group count and kept dK/dV buffers (``cpcompile.comm.kv_gather``)."""
+"""The all-gather path's head-group count and kept dK/dV buffers (``cpcompile.comm.kv_gather``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 4: compiled CP training equals the single-device eager model on real gloo ranks.
+"""Compiled CP training equals the single-device eager model on real gloo ranks.
 
 The model is written for one device and mixes ``cpcompile.packed_attention`` and torch's
 ``varlen_attn`` (by layer). Each rank compiles it with ``cpcompile.backend`` under

@@ -1,4 +1,4 @@
-"""Tier 4: the compiled CP model composed with FSDP2 and with activation checkpointing, on real gloo ranks.
+"""The compiled CP model composed with FSDP2 and with activation checkpointing, on real gloo ranks.
 
 Two gloo ranks form the CP group. Each compiles its model through ``cpcompile.backend(inner="aot_eager")``,
 takes its shard of flattened packs of different lengths and document counts, and trains. The reference

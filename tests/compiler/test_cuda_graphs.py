@@ -1,4 +1,4 @@
-"""Tier 5 (CUDA only, skipped elsewhere): a CP rank's compiled step under CUDA graphs.
+"""A CP rank's compiled step under CUDA graphs.
 
 ``benchmarks/cuda_graphs.py`` on small sizes: packs of varying composition padded to one capacity
 bucket run one compiled graph; with ``mode="reduce-overhead"`` the first pass over them captures

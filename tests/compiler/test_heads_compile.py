@@ -1,4 +1,4 @@
-"""Tier 4: compiled head-parallel training equals the single-device eager model on real gloo ranks.
+"""Compiled head-parallel training equals the single-device eager model on real gloo ranks.
 
 Under ``cpcompile.strategy(..., head_parallel=u)`` the backend rewrites the model's packed
 attention (``packed_attention`` and ``varlen_attn``) into ``cp_head_attention`` (``u == cp``)

@@ -1,4 +1,4 @@
-"""Tier 4: compiled graphs the pass used to get silently wrong, on real gloo ranks (issue 57).
+"""Compiled graphs the pass used to get silently wrong, on real gloo ranks (issue 57).
 
 - A window passed to the compiled function as an argument: Dynamo lifts its ints to inputs, and
   ``causal`` reaches ``cpcompile::packed_attention`` as a symbolic bool (``window[1] == 0``). The

@@ -1,4 +1,4 @@
-"""Tier 3: the attention pass on a fake process group (shapes and graphs only).
+"""The attention pass on a fake process group (shapes and graphs only).
 
 Snapshots pin the Dynamo graph before and after ``shard_attention_pass`` for each
 recognized call, the AOT forward and backward graphs the inner compiler gets, and

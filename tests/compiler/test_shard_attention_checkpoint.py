@@ -1,4 +1,4 @@
-"""Tier 4: the compiled pass on real gloo ranks where attention sits inside a higher-order op.
+"""The compiled pass on real gloo ranks where attention sits inside a higher-order op.
 
 Activation checkpointing (``torch.utils.checkpoint``, HF gradient checkpointing) puts each
 checkpointed layer in a subgraph of the Dynamo graph; the pass must rewrite the attention

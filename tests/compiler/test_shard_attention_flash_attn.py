@@ -1,4 +1,4 @@
-"""Tier 3: the attention pass rewrites flash-attn's own varlen ops (fake process group, graphs only).
+"""The attention pass rewrites flash-attn's own varlen ops (fake process group, graphs only).
 
 flash-attn 2 (>= 2.7) and 3 register their kernels as ``torch.library`` ops, so a model
 calling them compiles to a Dynamo graph holding ``flash_attn::_flash_attn_varlen_forward``

@@ -1,4 +1,4 @@
-"""Tier 3: the attention pass under ``head_parallel`` on a fake process group (shapes and graphs only).
+"""The attention pass under ``head_parallel`` on a fake process group (shapes and graphs only).
 
 The snapshot pins what the pass makes of a packed attention call under
 ``head_parallel == cp``: one ``cp_head_plan`` (the same on every rank: no rank argument)

@@ -1,4 +1,4 @@
-"""Tier 1: model FLOPs, the numerator of MFU, against a count made pair by pair."""
+"""Model FLOPs, the numerator of MFU, against a count made pair by pair."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 1: the cost model (``cpcompile.cost.model``) against brute force, auto's rule and how its pick reaches
+"""The cost model (``cpcompile.cost.model``) against brute force, auto's rule and how its pick reaches
 plans and batches, and argument errors (tests/attention/test_cp_attention.py runs auto on gloo ranks)."""
 
 from __future__ import annotations

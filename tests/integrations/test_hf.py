@@ -1,4 +1,4 @@
-"""Tier 4 (and 2): stock Hugging Face causal LMs trained context-parallel (``cpcompile.integrations.hf``).
+"""Stock Hugging Face causal LMs trained context-parallel (``cpcompile.integrations.hf``).
 
 Tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM (also one alternating sliding-window
 and global layers) built from configs (no hub downloads). On 2 gloo ranks each rank compiles the model with

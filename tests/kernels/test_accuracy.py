@@ -1,4 +1,4 @@
-"""Tier 5 (CUDA only, skipped elsewhere): the GPU kernels (flash, cuDNN, auto) in bf16 against float64.
+"""The GPU kernels (flash, cuDNN, auto) in bf16 against float64.
 
 The rule of the flash-attention tests: our error against a float64 reference must
 be at most twice the error of the single-GPU kernel against the same reference,

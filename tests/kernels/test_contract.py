@@ -1,4 +1,4 @@
-"""Tier 1: every backend states the kernel contract's signatures, and every plan keeps the contract's promises.
+"""Every backend states the kernel contract's signatures, and every plan keeps the contract's promises.
 
 The GPU backends import without CUDA or cudnn-frontend, so their signatures are
 checked here; what they compute is checked in tests/kernels/test_accuracy.py.

@@ -1,4 +1,4 @@
-"""Tier 1 (CUDA cases skipped elsewhere): what the GPU backwards derive from a plan.
+"""What the GPU backwards derive from a plan.
 
 The scratch rows and their sums, the row chunks and the forward's longest-first entries,
 against loops over the pieces; the chunks and the entries also against the reference kernel

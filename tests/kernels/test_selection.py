@@ -1,4 +1,4 @@
-"""Tier 1: kernel selection, ``auto``'s choice and the cuDNN backend's host-side metadata (no GPU needed).
+"""Kernel selection, ``auto``'s choice and the cuDNN backend's host-side metadata (no GPU needed).
 
 The cuDNN kernel itself runs in tests/kernels/test_accuracy.py; here its ragged offsets, lengths
 and padded statistics are checked against loops over the pieces.

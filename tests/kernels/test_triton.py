@@ -1,4 +1,4 @@
-"""Tier 1 on CPU (their torch fallbacks), tier 5 on CUDA: the kernels' Triton helpers.
+"""The kernels' Triton helpers, on CPU through their torch fallbacks and on CUDA.
 
 ``dead_rows`` against masks built by hand, ``sum_rows`` against loops over the layers.
 """

@@ -1,4 +1,4 @@
-"""Tier 5 (CUDA only, skipped elsewhere): the GPU kernels with sliding windows, in bf16 against float64.
+"""The GPU kernels with sliding windows, in bf16 against float64.
 
 The rule of ``tests/kernels/test_accuracy.py``: our error against a float64 reference (dense window mask,
 ``tests.reference.window_mask``) at most twice that of torch's own varlen attention with the

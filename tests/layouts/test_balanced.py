@@ -1,4 +1,4 @@
-"""Tier 1: the balanced layout (``cpcompile.layouts.balanced``) against brute force: every token once, work and
+"""The balanced layout (``cpcompile.layouts.balanced``) against brute force: every token once, work and
 kernel tiles even over ranks, the piece bound, and its op (tests/attention/test_cp_attention.py runs balanced on
 gloo ranks)."""
 

@@ -1,4 +1,4 @@
-"""Tier 1-2: capacity buckets (``StrategySpec.capacity``): every pack of a bucket padded to one shape.
+"""Capacity buckets (``StrategySpec.capacity``): every pack of a bucket padded to one shape.
 
 The layout against the least padding (the last document's padding runs on), the loader's shapes
 and errors, one compiled graph for packs of any composition with ``dynamic=False`` (the fake

@@ -1,4 +1,4 @@
-"""Tier 4: attention under CP is told its layout and whose rows it gets, or refuses, on every rank.
+"""Attention under CP is told its layout and whose rows it gets, or refuses, on every rank.
 
 Attention reads only a rank's rows and the pack's ``cu_seqlens``. Rows laid out by another layout or for
 another rank, with the same token count, would attend wrongly without an error; so under CP there is no

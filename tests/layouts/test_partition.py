@@ -1,4 +1,4 @@
-"""Tier 1: layouts against brute-force definitions, every rank, in one process."""
+"""Layouts against brute-force definitions, every rank, in one process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 1-2: the sparse exchange's plan, rule and layout of returned sums (``cpcompile.plan.exchange``)."""
+"""The sparse exchange's plan, rule and layout of returned sums (``cpcompile.plan.exchange``)."""
 
 from __future__ import annotations
 

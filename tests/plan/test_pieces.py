@@ -1,4 +1,4 @@
-"""Tiers 1 and 2: attention plans against brute force, and each rank's local
+"""Attention plans against brute force, and each rank's local
 computation (K/V gathered by hand) against the single-device float64 result."""
 
 from __future__ import annotations

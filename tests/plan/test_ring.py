@@ -1,4 +1,4 @@
-"""Tiers 1 and 2: ring plans against brute force, and every rank's ring computed in one process
+"""Ring plans against brute force, and every rank's ring computed in one process
 (K/V blocks passed by hand, partial results merged) against the float64 single-device result."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tiers 1 and 2: the window argument, each piece's windowed keys against brute force, the balanced
+"""The window argument, each piece's windowed keys against brute force, the balanced
 layout under windows, and single-device windowed attention against float64 with a dense mask."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Tiers 1-2 and 4: ag_gemm and gemm_rs (``cpcompile.tp.ops``, on ``cpcompile.comm.ring``'s buffers).
+"""``ag_gemm`` and ``gemm_rs`` (``cpcompile.tp.ops``, on ``cpcompile.comm.ring``'s buffers).
 
-Opcheck and argument errors on one rank (tiers 1-2); real gloo ranks (tier 4, tp = 2 and 3)
+Opcheck and argument errors on one rank; real gloo ranks (tp = 2 and 3)
 against float64 references built from every rank's inputs with plain matmuls, for the ops
 and for the compiled sequence-parallel block.
 

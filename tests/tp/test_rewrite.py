@@ -1,4 +1,4 @@
-"""Tier 3: the TP overlap pass on the fake process group (tp = 2): graph snapshots, symbolic t, one compilation.
+"""The TP overlap pass on the fake process group (tp = 2): graph snapshots, symbolic t, one compilation.
 
 The fake group returns garbage data, so these tests pin graphs and shapes only;
 tests/tp/test_ops.py checks the numbers on real gloo ranks with the same block and backend.

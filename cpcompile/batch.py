@@ -16,12 +16,13 @@ import functools
 
 import torch
 
-from cpcompile.cache import attach, attached, on_host, twin, upload
+from cpcompile.cache import on_host, twin, upload
 from cpcompile.checks import agreement_enabled, check_cp, check_cu_seqlens, data_checks_enabled
 from cpcompile.comm.collectives import all_gather_rows
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.cost.model import resolve_auto
-from cpcompile.layouts.partition import all_partition_indices, pad_for_cp, partition_indices
+from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.partition import all_partition_indices
 from cpcompile.plan.pieces import head_step_plan, plan_extras, step_plan
 from cpcompile.spec import (
     ShardedFor,
@@ -42,9 +43,10 @@ class ShardedBatch:
     """One rank's part of a packed batch.
 
     - ``tensors``: each input padded and reordered, ``[T_padded / cp_size, ...]``.
-    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, global (whole pack); ``cu_seqlens`` is a
-      tensor of the batch's own, which attention checks against its group and layout (:class:`ShardedFor`).
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, global (whole pack).
     - ``indices``: ``[T_padded / cp_size]`` int64 physical positions of the local rows.
+    - ``sharded_for``: what the rows were laid out for (:class:`ShardedFor`), which attention checks
+      against its group, layout and offsets: ``with cpcompile.strategy(batch)`` hands it over.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -54,27 +56,11 @@ class ShardedBatch:
     spec: StrategySpec
     cp_size: int
     rank: int
+    sharded_for: ShardedFor
 
     @property
     def strategy(self) -> Strategy:
         return self.spec.strategy
-
-    @property
-    def sharded_for(self) -> ShardedFor:
-        """What the rows were laid out for: ``with cpcompile.strategy(batch)`` hands it to attention."""
-        made = attached(self.cu_seqlens)
-        return made if isinstance(made, ShardedFor) else _record_of(self, self.spec)
-
-    def __setstate__(self, state: dict) -> None:
-        # a copy (copy.deepcopy, pickle, a DataLoader worker's batch) has a cu_seqlens of its own: it
-        # is told what its batch was sharded for too (check_rows)
-        self.__dict__.update(state)
-        attach(self.cu_seqlens, _record_of(self, self.spec))
-
-
-def _record_of(batch: ShardedBatch, requested: StrategySpec) -> ShardedFor:
-    (cu,) = on_host(batch.cu_seqlens)
-    return ShardedFor(batch.cp_size, batch.rank, batch.spec, requested, cu, batch.indices.shape[0])
 
 
 def _layout_key(spec: StrategySpec) -> tuple:
@@ -90,29 +76,23 @@ def check_rows(
     rows: ShardedFor | None,
     *,
     required: bool = True,
-    learned: bool = False,
 ) -> None:
     """Raise ``ValueError`` unless the rows attention gets were laid out for this CP size, rank (``None``:
     not checked), layout and pack: else they would be another rank's or another layout's, and attention
     over them silently wrong where the token counts happen to fit.
 
-    ``rows``: what the call was told of them (``with cpcompile.strategy(batch)`` or ``strategy=batch``;
-    ``learned``: only the last batch ``shard_batch`` made in the block, which what ``cu_seqlens`` remembers
-    overrides); ``None``: what ``cu_seqlens`` remembers where it is a :class:`ShardedBatch`'s own tensor. Under CP
-    (``cp_size > 1``) one of them must say it: offsets copied from a batch, or made by hand, carry no
-    record of the rank their rows are for (``required=False``: not refused, as on the fake process group,
-    whose rows are garbage). ``spec``: attention's strategy (``auto`` is resolved as the
+    ``rows``: what the call was told of them (``with cpcompile.strategy(batch)`` or ``strategy=batch``, or
+    the last batch ``shard_batch`` made in the block); offsets carry no record of the rank their rows are
+    for, so under CP (``cp_size > 1``) a call without ``rows`` is refused (``required=False``: not refused,
+    as on the fake process group, whose rows are garbage). ``spec``: attention's strategy (``auto`` is resolved as the
     plan resolves it); another spelling of the same layout (windows in another order, say) passes where
     it gives the pack's rows to the same ranks. The pack is compared where ``cu_seqlens`` can be read
     without a host sync."""
-    own = attached(cu_seqlens) if rows is None or learned else None
-    made = own if isinstance(own, ShardedFor) else rows
-    rows = None if made is own else rows  # the pack is compared against a record given apart from it
+    made = rows
     if not isinstance(made, ShardedFor):
         if cp_size > 1 and required:
             raise ValueError(
-                "attention under context parallelism cannot tell which rank's rows it got: cu_seqlens is not a "
-                "sharded batch's own (a copy of batch.cu_seqlens, or offsets made by hand) and no batch was given. "
+                "attention under context parallelism cannot tell which rank's rows it got: no batch was given. "
                 "Run the model inside `with cpcompile.strategy(batch):` (or pass strategy=batch to cp_attention), "
                 "batch being this rank's cpcompile.shard_batch result"
             )
@@ -126,7 +106,7 @@ def check_rows(
         runs = resolve_auto(spec, cu_seqlens, cp_size=cp_size)  # spec itself unless auto
         if _layout_key(runs) != _layout_key(made.spec) and not _same_rows(cu_seqlens, cp_size, made.spec, runs):
             wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
-    if wrong is None and rows is not None and made.pack is not None:
+    if wrong is None and made.pack is not None:
         given = twin(cu_seqlens) if not data_checks_enabled(cu_seqlens) else cu_seqlens  # no host sync
         if given is not None and not torch.equal(given.to(made.pack.dtype), made.pack):
             wrong = (
@@ -134,9 +114,8 @@ def check_rows(
                 "holds the bucket's zero-length documents too)"
             )
     if wrong is not None:
-        where = "cu_seqlens is from" if rows is None else "the rows are of"
         raise ValueError(
-            f"{where} a batch that shard_batch laid out for {wrong}: attention over its rows would be "
+            f"the rows are of a batch that shard_batch laid out for {wrong}: attention over its rows would be "
             "wrong. Shard each rank's batch with the CP group's size and the rank in it (cp_group.size(), "
             "cp_group.rank()), and run the model under `with cpcompile.strategy(batch)` with that batch"
         )
@@ -147,10 +126,10 @@ def _same_rows(cu_seqlens: torch.Tensor, cp_size: int, a: StrategySpec, b: Strat
     ``cu_seqlens`` (a host sync on GPUs without a twin): only where their specs differ."""
     (cu,) = on_host(cu_seqlens)
     try:
-        padded = [pad_for_cp(cu, cp_size=cp_size, strategy=s) for s in (a, b)]
-        if not torch.equal(*padded):
+        packs = [Pack.build(cu, None, spec=s, cp_size=cp_size) for s in (a, b)]
+        if not torch.equal(packs[0].cu_seqlens_padded, packs[1].cu_seqlens_padded):
             return False
-        layouts = [all_partition_indices(padded[0], cp_size=cp_size, strategy=s, cu_seqlens=cu) for s in (a, b)]
+        layouts = [p.layout for p in packs]
     except ValueError:  # the pack does not fit one of them (a capacity, a divisibility)
         return False
     return torch.equal(*layouts)
@@ -223,23 +202,18 @@ def shard_batch(
         if num_real is not None and t.shape[0] != num_real:
             raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
 
-    cu_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
+    pack = Pack.build(cu_seqlens, None, spec=spec, cp_size=cp_size)
+    cu_padded, indices = pack.cu_seqlens_padded, pack.layout[rank]
     num_padded = int(cu_padded[-1])
-    indices = partition_indices(
-        cu_padded, cp_size=cp_size, rank=rank, strategy=spec, num_tokens=num_padded, cu_seqlens=cu_seqlens
-    )
     where = physical_positions(cu_seqlens, cu_padded)
     local = {}
     for name, t in tensors.items():
         full = t.new_full((num_padded, *t.shape[1:]), fills.get(name, 0))
         full[where] = t
         local[name] = full[indices]
-    # a tensor of the batch's own (not the caller's, which may serve other ranks' batches too), carrying
-    # what it was sharded for: attention checks it (check_rows)
-    cu_seqlens = cu_seqlens.clone() if requested.capacity is None else cu_seqlens
-    sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank)
-    made = _record_of(sharded, requested)
-    attach(cu_seqlens, made)
+    (host,) = on_host(cu_seqlens)
+    made = ShardedFor(cp_size, rank, spec, requested, host.clone(), indices.shape[0])
+    sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank, made)
     note_batch(made)  # inside a strategy block: its attention takes this batch's rows
     return sharded if device is None else _to_device(sharded, torch.device(device))
 

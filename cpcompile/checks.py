@@ -96,15 +96,25 @@ def check_cp(cp_size: object, rank: object | None = None, *, rank_given: bool = 
 
 
 def check_cu_seqlens(name: str, cu: object) -> None:
-    """``cu``: ``[B + 1]`` int32, starting at 0, non-decreasing, with at least one token."""
+    """``cu``: ``[B + 1]`` int32 (:func:`check_offsets_type`), starting at 0, non-decreasing, with at least
+    one token (values read where no host sync: the module's note)."""
+    check_offsets_type(name, cu)
+    if not data_checks_enabled(cu):
+        return
+    _check_offset_values(name, cu)
+
+
+def check_offsets_type(name: str, cu: object) -> None:
+    """``cu``: a ``[B + 1]`` int32 tensor (what its type, dtype and shape say; no values read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
         raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries ([B + 1]), got shape {tuple(cu.shape)}")
-    if not data_checks_enabled(cu):
-        return
+
+
+def _check_offset_values(name: str, cu: torch.Tensor) -> None:
     if int(cu[0]) != 0:
         raise ValueError(
             f"{name} must start at 0, got {int(cu[0])} (under CP: the whole pack's offsets, not offsets made from "
@@ -117,9 +127,15 @@ def check_cu_seqlens(name: str, cu: object) -> None:
 
 
 def check_padded(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:
-    """``cu_seqlens_padded`` must describe the same documents, each at least as long."""
+    """Both offsets checked (:func:`check_cu_seqlens`), and :func:`check_padding`."""
     check_cu_seqlens("cu_seqlens", cu_seqlens)
     check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+    check_padding(cu_seqlens, cu_seqlens_padded)
+
+
+def check_padding(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:
+    """``cu_seqlens_padded`` must describe the same documents as ``cu_seqlens``, each at least as long
+    (both already checked as offsets)."""
     if cu_seqlens.shape != cu_seqlens_padded.shape:
         raise ValueError(
             f"cu_seqlens_padded must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
@@ -147,7 +163,7 @@ def check_pack_tokens(
         return
     capacity = getattr(spec, "capacity", None)
     if capacity is not None and num_tokens != capacity.tokens:
-        return  # another capacity's batch: partition.check_layout names the capacity
+        return  # another capacity's batch: layouts.partition.check_layout_values names the capacity
     total = int(cu_seqlens_padded[-1])
     if total == num_tokens:
         return

@@ -207,8 +207,8 @@ def _sharded_for(value: object) -> ShardedFor | None:
     """``value``'s :class:`ShardedFor` where it is a sharded batch (``ShardedBatch.sharded_for``) or one."""
     if isinstance(value, ShardedFor):
         return value
-    made = getattr(type(value), "sharded_for", None)
-    return value.sharded_for if isinstance(made, property) else None
+    made = getattr(value, "sharded_for", None)
+    return made if isinstance(made, ShardedFor) else None
 
 
 def layout_name(spec: StrategySpec) -> str:
@@ -284,19 +284,18 @@ def no_layout_error(what: str) -> ValueError:
     )
 
 
-def layout_in_force(strategy: object, *, cp_size: int, what: str) -> tuple[StrategySpec, ShardedFor | None, bool]:
+def layout_in_force(strategy: object, *, cp_size: int, what: str) -> tuple[StrategySpec, ShardedFor | None]:
     """``(spec, rows)`` of a call over a CP group of ``cp_size``: the layout given by argument (a
     strategy, a spec or a sharded batch) or else by the innermost :func:`strategy` block, and what
     the rows were laid out for where known (:class:`ShardedFor`: the argument's batch, or the block's,
-    given or learned: :func:`current_rows`), and whether it was learned.
+    given or learned: :func:`current_rows`).
     Raises :func:`no_layout_error` where ``cp_size > 1`` and neither gives a layout."""
     rows = _sharded_for(strategy)
     if rows is not None:
-        return resolve_strategy(rows.requested), rows, False
+        return resolve_strategy(rows.requested), rows
     if strategy is None and _active[-1].spec is None and cp_size > 1:
         raise no_layout_error(what)
-    rows, given = current_rows()
-    return resolve_strategy(strategy), rows, rows is not None and not given
+    return resolve_strategy(strategy), current_rows()[0]
 
 
 @contextlib.contextmanager

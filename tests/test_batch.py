@@ -104,7 +104,7 @@ def test_bad_plans(kwargs, message):
 
 
 def test_attention_checks_what_the_batch_was_sharded_for():
-    """A batch's ``cu_seqlens`` remembers the CP size, rank and layout ``shard_batch`` laid it out for, and
+    """A batch carries the CP size, rank and layout ``shard_batch`` laid it out for (``batch.sharded_for``), and
     attention (``batch.check_rows``, called by ``cp_attention`` and the plan ops) refuses another:
     rows of another rank or layout with the same token count would attend wrongly without an error."""
     from cpcompile.batch import check_rows
@@ -115,11 +115,9 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     x = {"x": torch.arange(24.0)}
     striped = cpcompile.StrategySpec("striped", 2)
     batches = [cpcompile.shard_batch(x, cu, cp_size=2, rank=r, strategy=striped) for r in range(2)]
-    # each batch has a cu_seqlens of its own: sharding another rank's from the same tensor changes nothing
-    assert batches[0].cu_seqlens is not cu and batches[0].cu_seqlens is not batches[1].cu_seqlens
     for r, batch in enumerate(batches):
-        check_rows(batch.cu_seqlens, 2, r, striped, None)
-        check_rows(batch.cu_seqlens, 2, None, striped, None)  # a plan op without a rank
+        check_rows(batch.cu_seqlens, 2, r, striped, batch.sharded_for)
+        check_rows(batch.cu_seqlens, 2, None, striped, batch.sharded_for)  # a plan op without a rank
     cases = [
         ((4, 0, striped), r"laid out for cp_size=2, but the CP group has 4 ranks"),
         ((2, 1, striped), r"laid out for rank 0, but this is rank 1 of the CP group"),
@@ -128,8 +126,8 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     ]
     for (cp, rank, spec), message in cases:
         with pytest.raises(ValueError, match=message + r".*cp_group.rank\(\)"):
-            check_rows(batches[0].cu_seqlens, cp, rank, spec, None)
-    # the caller's own tensor, or a copy of the batch's: no record of whose rows they are, refused under CP
+            check_rows(batches[0].cu_seqlens, cp, rank, spec, batches[0].sharded_for)
+    # offsets alone (the batch's or a copy): no record of whose rows they are, refused under CP
     for unknown in (cu, batches[0].cu_seqlens.clone()):
         with pytest.raises(ValueError, match="cannot tell which rank's rows it got.*cpcompile.strategy\\(batch\\)"):
             check_rows(unknown, 2, 0, striped, None)
@@ -140,15 +138,17 @@ def test_attention_checks_what_the_batch_was_sharded_for():
     batch = cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=auto)
     picked = resolve_auto(auto, cu, cp_size=2)
     assert batch.spec == picked
-    check_rows(batch.cu_seqlens, 2, 0, auto, None)
-    check_rows(batch.cu_seqlens, 2, 0, picked, None)
+    check_rows(batch.cu_seqlens, 2, 0, auto, batch.sharded_for)
+    check_rows(batch.cu_seqlens, 2, 0, picked, batch.sharded_for)
     other = "no_load_balance" if picked.strategy.value != "no_load_balance" else "dual_chunk_swap"
     with pytest.raises(ValueError, match=f"but attention runs '{other}'"):
-        check_rows(batch.cu_seqlens, 2, 0, resolve_strategy(other), None)
+        check_rows(batch.cu_seqlens, 2, 0, resolve_strategy(other), batch.sharded_for)
     # a batch sharded under the layout auto picks fits attention under auto; another does not
-    check_rows(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked).cu_seqlens, 2, 0, auto, None)
+    fits = cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=picked)
+    check_rows(fits.cu_seqlens, 2, 0, auto, fits.sharded_for)
+    unfit = cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other)
     with pytest.raises(ValueError, match=f"the layout '{other}'.*, but attention runs 'auto'"):
-        check_rows(cpcompile.shard_batch(x, cu, cp_size=2, rank=0, strategy=other).cu_seqlens, 2, 0, auto, None)
+        check_rows(unfit.cu_seqlens, 2, 0, auto, unfit.sharded_for)
 
 
 def test_a_copied_batch_is_checked_and_layouts_spelled_otherwise_pass():
@@ -164,14 +164,14 @@ def test_a_copied_batch_is_checked_and_layouts_spelled_otherwise_pass():
     batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=1, strategy="dual_chunk_swap")
     spec = batch.spec
     for copied in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
-        assert copied.cu_seqlens is not batch.cu_seqlens
-        check_rows(copied.cu_seqlens, 2, 1, spec, None)
+        assert copied.sharded_for[:4] == batch.sharded_for[:4] and torch.equal(copied.sharded_for.pack, cu)
+        check_rows(copied.cu_seqlens, 2, 1, spec, copied.sharded_for)
         with pytest.raises(ValueError, match="laid out for rank 1, but this is rank 0"):
-            check_rows(copied.cu_seqlens, 2, 0, spec, None)
+            check_rows(copied.cu_seqlens, 2, 0, spec, copied.sharded_for)
     for loader, model in [((3, -1), (-1, 3)), ((3, -1), (3, -1, 3, -1)), ((), (-1,))]:
         balanced = cpcompile.StrategySpec("balanced", windows=loader)
         batch = cpcompile.shard_batch({"x": torch.arange(24.0)}, cu, cp_size=2, rank=0, strategy=balanced)
-        check_rows(batch.cu_seqlens, 2, 0, cpcompile.StrategySpec("balanced", windows=model), None)
+        check_rows(batch.cu_seqlens, 2, 0, cpcompile.StrategySpec("balanced", windows=model), batch.sharded_for)
 
 
 def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
@@ -195,12 +195,12 @@ def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
     for copy in copies:
         for rank, batch in enumerate(batches):
             with cpcompile.strategy(batch):
-                spec, rows, learned = layout_in_force(None, cp_size=2, what="test")
-                assert (rows, True) == current_rows() and spec == batch.spec and not learned
+                spec, rows = layout_in_force(None, cp_size=2, what="test")
+                assert (rows, True) == current_rows() and spec == batch.spec
                 check_rows(copy(batch.cu_seqlens), 2, rank, spec, rows)
                 with pytest.raises(ValueError, match=f"laid out for rank {rank}, but this is rank {1 - rank}"):
                     check_rows(copy(batch.cu_seqlens), 2, 1 - rank, spec, rows)  # one rank's batch on another
-            spec, rows, _ = layout_in_force(batch, cp_size=2, what="test")  # strategy=batch: the same
+            spec, rows = layout_in_force(batch, cp_size=2, what="test")  # strategy=batch: the same
             with pytest.raises(ValueError, match="another pack"):
                 check_rows(torch.tensor([0, 4, 7, 8], dtype=torch.int32), 2, rank, spec, rows)
             with pytest.raises(ValueError, match="but attention runs 'dual_chunk_swap'"):
@@ -210,25 +210,21 @@ def test_the_batch_given_as_a_value_survives_copies_of_its_offsets():
 def test_no_default_layout_under_cp():
     """Attention on a CP group of more than one rank takes no default layout: given none, by argument or by a
     strategy block, it raises naming both ways; one rank takes the default."""
-    from cpcompile.spec import layout_in_force
+    from cpcompile.spec import current_rows, layout_in_force
 
     with pytest.raises(
         ValueError, match=r"cp_attention has no layout.*strategy=batch.*with cpcompile.strategy\(batch\)"
     ):
         layout_in_force(None, cp_size=2, what="cp_attention")
-    assert layout_in_force(None, cp_size=1, what="cp_attention") == (cpcompile.StrategySpec(), None, False)
+    assert layout_in_force(None, cp_size=1, what="cp_attention") == (cpcompile.StrategySpec(), None)
     assert layout_in_force("striped", cp_size=2, what="cp_attention")[0].strategy.value == "striped"
     with cpcompile.strategy("balanced"):
-        assert layout_in_force(None, cp_size=2, what="cp_attention") == (
-            cpcompile.StrategySpec("balanced"),
-            None,
-            False,
-        )
+        assert layout_in_force(None, cp_size=2, what="cp_attention") == (cpcompile.StrategySpec("balanced"), None)
         batch = cpcompile.shard_batch(
             {"x": torch.arange(8.0)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=1
         )
-        _, rows, learned = layout_in_force(None, cp_size=2, what="cp_attention")  # the block learned its batch
-        assert rows == batch.sharded_for and learned
+        _, rows = layout_in_force(None, cp_size=2, what="cp_attention")  # the block learned its batch
+        assert rows == batch.sharded_for and current_rows() == (rows, False)
         with cpcompile.strategy("balanced", comm="ring"):  # a nested block knows it too
             assert layout_in_force(None, cp_size=2, what="cp_attention")[1] == batch.sharded_for
     batch = cpcompile.shard_batch({"x": torch.arange(8.0)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0)
@@ -239,9 +235,10 @@ def test_no_default_layout_under_cp():
         assert spec.comm == "ring" and spec.strategy.value == "dual_chunk_swap"
 
 
-def test_a_batchs_own_offsets_win_over_what_a_block_learned():
-    """A block given a strategy learns the last batch ``shard_batch`` made in it; a batch's own ``cu_seqlens``
-    still says whose rows it has (prefetching the next batch in the block, or sharding every rank's)."""
+def test_a_block_checks_the_last_batch_it_learned():
+    """A block given a strategy learns the last batch ``shard_batch`` made in it, and checks attention's rows
+    against that one: an earlier batch's rows (prefetching the next batch in the block, or sharding every
+    rank's) are refused, not run; ``with cpcompile.strategy(batch)`` names the batch the rows are of."""
     from cpcompile.batch import check_rows
     from cpcompile.spec import layout_in_force
 
@@ -249,7 +246,9 @@ def test_a_batchs_own_offsets_win_over_what_a_block_learned():
     with cpcompile.strategy("balanced"):
         mine = cpcompile.shard_batch({"x": torch.arange(8.0)}, cu, cp_size=2, rank=0)
         cpcompile.shard_batch({"x": torch.arange(8.0)}, cu, cp_size=2, rank=1)  # another rank's, made last
-        spec, rows, learned = layout_in_force(None, cp_size=2, what="test")
-        check_rows(mine.cu_seqlens, 2, 0, spec, rows, learned=learned)  # its own offsets: rank 0's
+        spec, rows = layout_in_force(None, cp_size=2, what="test")
         with pytest.raises(ValueError, match="laid out for rank 1, but this is rank 0"):
-            check_rows(mine.cu_seqlens.clone(), 2, 0, spec, rows, learned=learned)  # a copy: the block's last
+            check_rows(mine.cu_seqlens, 2, 0, spec, rows)
+        with cpcompile.strategy(mine):
+            spec, rows = layout_in_force(None, cp_size=2, what="test")
+            check_rows(mine.cu_seqlens, 2, 0, spec, rows)

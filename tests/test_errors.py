@@ -58,8 +58,8 @@ def _cp_attention_under_autocast(rank: int, world: int) -> None:
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=True)
         local = [sharded.tensors[name] for name in ("q", "k", "v", "dout")]
 
-        def attend(q, k, v, cu=sharded.cu_seqlens, comm=comm):
-            return cpcompile.cp_attention(q, k, v, cu, strategy=spec, comm=comm)
+        def attend(q, k, v, cu=sharded.cu_seqlens, comm=comm, batch=sharded):
+            return cpcompile.cp_attention(q, k, v, cu, strategy=batch, comm=comm)
 
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = _forward_backward(attend, *local)

@@ -22,7 +22,6 @@ from cpcompile import kernels
 from cpcompile.attention import exchange, gathered, heads, hybrid  # noqa: F401  (heads registers cpcompile::cp_head_attention)
 from cpcompile.attention.common import (
     NOT_CAPTURED,
-    agree_in_op,
     check_fake_gather,
     check_fake_qkv,
     communicates,
@@ -31,36 +30,35 @@ from cpcompile.attention.common import (
     softmax_scale,
 )
 from cpcompile.batch import check_rows
-from cpcompile.cache import attached, on_host, per_plan, twin
+from cpcompile.cache import on_host, per_plan, twin
 from cpcompile.checks import (
     agreement_enabled,
-    check_cu_seqlens,
     check_device,
     check_has_values,
     check_longest,
-    check_padded,
+    check_offsets_type,
     check_qkv,
     check_scale_and_bound,
     data_checks_enabled,
     rows_are_real,
 )
-from cpcompile.comm.groups import agree_on, agreed, digest, resolve_group
+from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.config import Config, resolve_config
+from cpcompile.layouts.pack import check_offsets
 from cpcompile.plan.exchange import exchange_plan
 from cpcompile.plan.pieces import (
     AttentionPlan,
     head_step_plan,
     hybrid_step_plan,
-    make_plan,
     max_piece_len,
     origin,
     plan_extras,
+    plan_of,
     step_plan,
 )
-from cpcompile.plan.ring import RingPlan, make_ring_plan, ring_window_plan
+from cpcompile.plan.ring import RingPlan, ring_plan_of, ring_window_plan
 from cpcompile.plan.window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from cpcompile.spec import (
-    ShardedFor,
     Strategy,
     StrategyLike,
     check_comm,
@@ -78,10 +76,9 @@ def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> Atten
     if cu_seqlens_padded is None:
         # No padding: the documents are the pieces, one kernel sequence each, keys
         # consecutive (what kernels' ``disjoint_keys`` means). No all-gather: no index.
-        check_cu_seqlens("cu_seqlens", cu_seqlens)
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         return AttentionPlan(cu_seqlens.new_empty(0, dtype=torch.int64), cu_seqlens, cu_seqlens[:-1], lengths, lengths)
-    return make_plan(
+    return plan_of(
         cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
     )
 
@@ -140,10 +137,9 @@ def _packed_attention(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    _check_not_sharded(q, cu_seqlens)
-    # checked here too, not only by packed_attention: a compiled graph calls the op directly (with a CP
-    # group of one, say, on a batch that shard_batch padded to a capacity); the backward op gets the same
-    _check_rows(q, cu_seqlens, cu_seqlens_padded)
+    # the offsets' values are checked here, where both an eager call and a compiled graph (a CP group
+    # of one, say, on a batch that shard_batch padded to a capacity) run; the backward op gets the same
+    _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     return _dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
@@ -221,13 +217,11 @@ def packed_attention(
     window = resolve_window(causal, window_size)
     check_qkv(q, k, v)
     check_scale_and_bound(scale, max_seqlen)
-    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    check_offsets_type("cu_seqlens", cu_seqlens)
     if cu_seqlens_padded is not None:
-        check_padded(cu_seqlens, cu_seqlens_padded)
-    if not torch.compiler.is_compiling():  # compiled, the op checks it where it still runs (not made CP)
-        _check_not_sharded(q, cu_seqlens)
-    _check_rows(q, cu_seqlens, cu_seqlens_padded)
-    check_longest(cu_seqlens, max_seqlen)
+        check_offsets_type("cu_seqlens_padded", cu_seqlens_padded)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    # the offsets' values: by the op (_check_pack_of), which a compiled graph calls too
     kernel = resolve_config(config).kernel
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
@@ -236,35 +230,36 @@ def packed_attention(
 def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """Raise where ``q`` holds one rank's share of a CP batch: single-device attention over it would attend
     within the rank's share alone. The batch: the strategy block's (entered with it, else the last
-    ``shard_batch`` made in it) or the one whose own ``cu_seqlens`` this is; a share is its rank's row count
-    (a block's batch may sit beside a single-device reference over the whole pack). This op runs only
+    ``shard_batch`` made in it); a share is its rank's row count (a block's batch may sit beside a
+    single-device reference over the whole pack). This op runs only
     where nothing made it context-parallel: a model whose attention is ``packed_attention`` (or
     ``attn_implementation="cpcompile"``) not compiled with :func:`cpcompile.backend`."""
-    block, given = current_rows()
-    own = attached(cu_seqlens)
-    own = own if isinstance(own, ShardedFor) else None
-    for rows in (block, own) if given else (own, block):
-        if rows is not None and rows.cp_size > 1 and q.shape[0] == rows.local_rows:
-            whole = int(rows.pack[-1]) == q.shape[0]  # the share's rows are as many as the pack's tokens
-            raise ValueError(
-                f"packed_attention ran single-device on q of {q.shape[0]} rows, rank {rows.rank}'s share of a batch "
-                f"sharded for cp_size={rows.cp_size}: it would attend within this rank's rows alone. Compile the "
-                "model with torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True), which "
-                "makes its attention context-parallel, or call cpcompile.cp_attention"
-                + (" (if q is the whole pack, run it outside the strategy block)" if whole else "")
-            )
+    rows, _ = current_rows()
+    if rows is not None and rows.cp_size > 1 and q.shape[0] == rows.local_rows:
+        whole = int(rows.pack[-1]) == q.shape[0]  # the share's rows are as many as the pack's tokens
+        raise ValueError(
+            f"packed_attention ran single-device on q of {q.shape[0]} rows, rank {rows.rank}'s share of a batch "
+            f"sharded for cp_size={rows.cp_size}: it would attend within this rank's rows alone. Compile the "
+            "model with torch.compile(model, backend=cpcompile.backend(group=cp_group), dynamic=True), which "
+            "makes its attention context-parallel, or call cpcompile.cp_attention"
+            + (" (if q is the whole pack, run it outside the strategy block)" if whole else "")
+        )
 
 
-def _check_rows(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
-    """Every row of ``q`` is covered: by ``cu_seqlens``, or by ``cu_seqlens_padded`` where given."""
+def _check_pack_of(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded, max_seqlen) -> None:
+    """The single-device call's checks of its offsets' values, once: the offsets themselves, every row
+    of ``q`` covered (by ``cu_seqlens``, or by ``cu_seqlens_padded`` where given), ``max_seqlen`` a
+    bound, and ``q`` not one rank's share of a CP batch."""
+    check_offsets(cu_seqlens, cu_seqlens_padded)
+    _check_not_sharded(q, cu_seqlens)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
     else:
         _check_token_count("cu_seqlens_padded", cu_seqlens_padded, q.shape[0])
+    check_longest(cu_seqlens, max_seqlen)
 
 
 def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
-    check_cu_seqlens(name, cu)
     if isinstance(expected, int) and data_checks_enabled(cu) and int(cu[-1]) != expected:
         padded = " (rows padded for CP, as shard_batch pads them: pass cu_seqlens_padded too)"
         # fewer rows than the pack: most likely one rank's shard in single-device attention
@@ -311,9 +306,6 @@ def _cp_attention(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    config = {"kernel": kernel_name, "kv_exchange": kv_exchange, "kv_chunks": kv_chunks}
-    args = (q, k, window, scale, gather_index, config, k_len)
-    agree_in_op("cp_attention (all_gather)", resolve_group(group_name), *args)  # before any collective
     group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
@@ -438,14 +430,14 @@ def cp_attention(
         check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-        check_cu_seqlens("cu_seqlens", cu_seqlens)
+        check_offsets(cu_seqlens, cu_seqlens_padded)
         check_longest(cu_seqlens, max_seqlen)
         window = resolve_window(causal, window_size)
-        spec, rows, learned = layout_in_force(strategy, cp_size=cp, what="cp_attention")
+        spec, rows = layout_in_force(strategy, cp_size=cp, what="cp_attention")
         path = check_comm(spec.comm if comm is None else comm)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
         # q/k/v are this rank's rows of spec's layout (a plan says which rank it is for, not whose rows q holds)
-        check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg), learned=learned)
+        check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg))
         made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
         if spec.head_parallel > 1 and window not in UNBANDED:
             raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
@@ -463,7 +455,7 @@ def cp_attention(
         elif plan is None:
             tokens = q.shape[0] * cp
             if path == "ring" and window in UNBANDED:
-                made = make_ring_plan(
+                made = ring_plan_of(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
@@ -483,24 +475,23 @@ def cp_attention(
     config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
-    with agreed():  # the op need not compare again what this call just compared
-        if 1 < spec.head_parallel < cp:
-            kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
-            return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, **kw)
-        if spec.head_parallel > 1:
-            args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
-            return torch.ops.cpcompile.cp_head_attention(*args)[0]
-        if comm == "ring" and isinstance(plan, RingPlan):
-            args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-            return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
-        k_start, k_len, q_pos = window_keys(*plan[1:], window)
-        if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
-            ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
-            args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
-            return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
-        args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
-        kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
-        return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
+    if 1 < spec.head_parallel < cp:
+        kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
+        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, **kw)
+    if spec.head_parallel > 1:
+        args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
+        return torch.ops.cpcompile.cp_head_attention(*args)[0]
+    if comm == "ring" and isinstance(plan, RingPlan):
+        args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
+        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
+    k_start, k_len, q_pos = window_keys(*plan[1:], window)
+    if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
+        ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
+        args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
+        return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
+    args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
+    kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
+    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
 
 
 def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:

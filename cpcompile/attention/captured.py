@@ -32,14 +32,13 @@ import torch
 from cpcompile import kernels
 from cpcompile.attention import gathered
 from cpcompile.attention.common import (
-    agree_in_op,
     check_fake_gather,
     check_fake_qkv,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,
 )
-from cpcompile.cache import capturing, uncached
+from cpcompile.cache import uncached
 from cpcompile.comm.groups import resolve_group
 from cpcompile.plan.window import UNBANDED
 from cpcompile.spec import Strategy, StrategySpec
@@ -47,7 +46,7 @@ from cpcompile.spec import Strategy, StrategySpec
 #: The most live pieces of a rank that read one key, per strategy: a rank holds at most two runs of
 #: a document under dual_chunk_swap (chunks r and 2cp-1-r) and balanced (a head and a tail range), one
 #: under no_load_balance; every piece of a document reads its first key (causal and full).
-#: ``tests/test_captured.py`` checks the bounds on random packs. Striped has as many as a document has
+#: ``tests/attention/test_captured.py`` checks the bounds on random packs. Striped has as many as a document has
 #: stripes on a rank: not captured.
 LAYERS = {Strategy.NO_LOAD_BALANCE: 1, Strategy.DUAL_CHUNK_SWAP: 2, Strategy.BALANCED: 2}
 
@@ -118,9 +117,6 @@ def _cp_attention_captured(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     plan = (gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
     group, kern, pieces, kw = _call(q, k, *plan)
-    if not capturing():
-        config = {"kernel": kernel_name, "kv_chunks": kv_chunks, "layers": layers}
-        agree_in_op("cp_attention_captured", group, q, k, causal, scale, gather_index, config)
     with uncached():
         return gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw)
 

@@ -14,14 +14,11 @@ from cpcompile.cache import NOT_CAPTURED  # noqa: F401  (the ops' tags, imported
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import (
     agree,
-    already_agreed,
     collective_failure,
-    digest,
     failed_inside,
     raised_on_every_rank,
     resolve_group,
 )
-from cpcompile.plan.pieces import origin
 
 
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
@@ -67,43 +64,18 @@ def out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
 
 
-def op_record(op: str, q, k, mask, scale, layout: torch.Tensor | None, config: dict) -> dict[str, object]:
-    """What every rank must agree on when a compiled graph calls a CP attention op directly
-    (no :func:`cp_attention` wrapper compared the call): the op (its collectives), the
-    shapes, the mask (``causal``, or the window), and the layout (``gather_index`` is the same on
-    every rank)."""
-    return {
-        "op (comm)": op,
-        "local tokens (q.shape[0])": q.shape[0],
-        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
-        "dtype": str(q.dtype),
-        "mask (causal or window)": mask,
-        "scale": scale,
-        "layout (strategy and cu_seqlens)": None if layout is None else digest(layout),
-        **config,
-    }
-
-
-def agree_in_op(op: str, group, q, k, mask, scale, layout: torch.Tensor | None, config: dict, k_len=None) -> None:
-    """An op's own agreement, where no wrapper ran one for this call; ``mask``: ``causal`` or the window;
-    ``k_len``: the plan's, whose pack (:func:`cpcompile.plan.pieces.origin`, where known) is compared too: for
-    some layouts ``gather_index`` depends on the token count alone, not on the documents."""
-    if not already_agreed() and agreement_enabled(group, q):
-        made = None if k_len is None else origin(k_len)
-        pack = {} if made is None else {"cu_seqlens (the plan's)": digest(made.pack.cu_seqlens)}
-        agree(group, None, op_record(op, q, k, mask, scale, layout, config) | pack, where=f"forward of {op}")
-
-
 def communicates(op: str, phase: str | None = "forward"):
     """Decorates the implementation of an op that runs collectives over its ``group_name`` argument;
     ``op`` names it in messages (``"cp_attention (all_gather)"``), ``phase`` is ``"forward"``,
     ``"backward"`` or ``None`` (an op used both ways: ``head_all_to_all``).
 
-    A backward first runs an agreement (``comm.groups.agree``, where ``checks.agreement_enabled``,
-    alike on every rank: gloo always, elsewhere only with ``CPCOMPILE_VALIDATE=1``, so a compiled
-    step on NCCL gains no host sync): a rank that skipped the backward, or started the next step's
-    forward, meets the others there and every rank raises, rather than waiting in mismatched
-    collectives. A forward's agreement is the op's own (:func:`agree_in_op`) or its wrapper's.
+    The first backward op of a backward pass (an autograd graph task) first runs an agreement
+    (``comm.groups.agree``, where ``checks.agreement_enabled``, alike on every rank: gloo always,
+    elsewhere only with ``CPCOMPILE_VALIDATE=1``, so a compiled step on NCCL gains no host sync): a
+    rank that skipped the backward, or started the next step's forward, meets the others there and
+    every rank raises, rather than waiting in mismatched collectives. The forward's agreement is the
+    step's entry's, once per step: ``cp_attention``'s, or in a compiled step the plan op's, which
+    compares what every call it feeds does (``attention.plan_op.agree_on_plan``).
 
     An error of a collective inside the op (the group's timeout: no other rank came; a closed
     connection: another rank's process ended) is raised again naming the op, the step, the rank
@@ -127,7 +99,7 @@ def communicates(op: str, phase: str | None = "forward"):
             name = argument("group_name", args, kwargs) or next(a for a in args if isinstance(a, str))
             group = resolve_group(name)
             if phase == "backward" and agreement_enabled(group, argument("q", args, kwargs)):
-                agree(group, None, {}, where=step)
+                _agree_once_per_backward(group, step)
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
@@ -143,6 +115,18 @@ def communicates(op: str, phase: str | None = "forward"):
         return run
 
     return decorate
+
+
+_backward_agreed: dict[str, int] = {}  # group name -> the autograd graph task whose ranks agreed
+
+
+def _agree_once_per_backward(group, step: str) -> None:
+    """:func:`agree` at the first backward op of a backward pass on ``group``; the pass's later ops
+    (its other layers) run where the ranks already met."""
+    task = torch._C._current_graph_task_id()
+    if task == -1 or _backward_agreed.get(group.group_name) != task:
+        agree(group, None, {}, where=step)
+        _backward_agreed[group.group_name] = task
 
 
 def _from_collective(error: Exception) -> bool:

@@ -25,7 +25,6 @@ import torch
 from cpcompile import kernels
 from cpcompile.attention.common import (
     NOT_CAPTURED,
-    agree_in_op,
     check_fake_gather,
     check_fake_qkv,
     check_fake_tokens,
@@ -183,9 +182,6 @@ _PLAN_SCHEMA = (
 def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *call):
     """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``(out [T_local, Hq, D], lse [Hq, T_local])``;
     ``call``: ``(max_seqlen, kernel_name)``."""
-    group = resolve_group(group_name)
-    config = {"kernel": call[1], "head_parallel": group.size()}
-    agree_in_op("cp_head_attention (all_to_all)", group, q, k, causal, scale, gather_index, config)
     group, f, local = _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, *call)
     heads = heads_to_tokens([q, replicate(k, f), replicate(v, f)], group)  # [T, Hq/u | Hkv*f/u, D]
     out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]

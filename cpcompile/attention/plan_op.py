@@ -17,9 +17,10 @@ import torch
 from cpcompile.attention.common import NOT_CAPTURED, check_fake_tokens
 from cpcompile.batch import check_rows
 from cpcompile.cache import capturing, per_plan, readable
-from cpcompile.checks import agreement_enabled, check_cu_seqlens, rows_are_real
+from cpcompile.checks import agreement_enabled, rows_are_real
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.kernels.metadata import scratch
+from cpcompile.layouts.pack import check_offsets
 from cpcompile.layouts.partition import check_capacity_documents
 from cpcompile.plan.pieces import max_pieces, step_plan
 from cpcompile.plan.slots import note_plan, plan_in_capture
@@ -36,9 +37,10 @@ def plan_op(name: str, make, parameters: str):
     returning the plan's five tensors; ``parameters``: its schema's parameter list, given as a
     string so that the op is ``make`` itself rather than a function restating its parameters.
 
-    The op takes the keywords ``group_name`` and ``calls`` too (the compiler pass gives them: the
-    CP group, and per attention call the plan feeds its mask and whether its backward runs); where
-    a group is given, its ranks agree on the plan (:func:`agree_on_plan`)."""
+    The op takes the keywords ``group_name`` and ``calls`` too (the compiler pass gives them: the CP
+    group, and per attention call the plan feeds what it does: its op, mask, whether its backward runs,
+    constant shapes, dtype, scale, kernel); where a group is given, its ranks agree on the plan and the
+    calls, once per step (:func:`agree_on_plan`)."""
     schema = f"({parameters}, *, str group_name='', str[]? calls=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 
     def run(*args, group_name="", calls=None):
@@ -74,10 +76,10 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
         # there, after the block, for the rows its forward checked.
         spec = _spec(bound["strategy"], bound["stripe_size"], bound.get("windows", ()), bound.get("capacity", ()))
         if group is not None and torch._C._current_graph_task_id() == -1:
-            check_cu_seqlens("cu_seqlens", bound["cu_seqlens"])
-            rows, given = current_rows()
+            check_offsets(bound["cu_seqlens"], bound.get("cu_seqlens_padded"))
+            rows, _ = current_rows()
             real = rows_are_real(group)
-            check_rows(bound["cu_seqlens"], group.size(), group.rank(), spec, rows, required=real, learned=not given)
+            check_rows(bound["cu_seqlens"], group.size(), group.rank(), spec, rows, required=real)
         return tuple(make(*args))
 
     def record(_plan) -> dict[str, object]:
@@ -85,7 +87,7 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
         # then differ in the op alone
         shown = {k: v for k, v in bound.items() if k != "rank" and not _is_default(v, signature.parameters[k].default)}
         values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
-        return {"plan op": name} | values | {"the plan's calls (mask, backward)": calls}
+        return {"plan op": name} | values | {"the calls it feeds (op, mask, backward, shapes, scale, kernel)": calls}
 
     return agree_on(group, enabled, plan, record)
 

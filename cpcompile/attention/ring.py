@@ -26,7 +26,6 @@ from cpcompile import kernels
 from cpcompile.attention.common import (
     NOT_CAPTURED,
     accumulation_dtype,
-    agree_in_op,
     check_fake_qkv,
     communicates,
     out_and_lse,
@@ -142,7 +141,6 @@ def _ring_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
-    agree_in_op("cp_ring_attention (ring)", group, q, k, window, scale, None, {"kernel": kernel_name})
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True))
     lse_dtype = accumulation_dtype(q.dtype)
     out, lse = torch.zeros(q.shape, dtype=lse_dtype, device=q.device), None

@@ -10,11 +10,9 @@ and the step in the error it ends in (docs/failures.md).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
@@ -267,24 +265,6 @@ def _every_rank(error: Exception) -> Exception:
 def raised_on_every_rank(error: BaseException) -> bool:
     """Whether ``error`` comes from an agreement or a failed collective (not one rank's failure alone)."""
     return getattr(error, "_cpcompile_every_rank", False)
-
-
-_skip = threading.local()
-
-
-@contextlib.contextmanager
-def agreed() -> Iterator[None]:
-    """Inside: ops skip their own :func:`agree` (the caller's covered this very call)."""
-    before = getattr(_skip, "on", False)
-    _skip.on = True
-    try:
-        yield
-    finally:
-        _skip.on = before
-
-
-def already_agreed() -> bool:
-    return getattr(_skip, "on", False)
 
 
 def _named(group: dist.ProcessGroup) -> str:

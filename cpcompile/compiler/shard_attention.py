@@ -339,13 +339,23 @@ def _token_mixer(node: fx.Node) -> str | None:
     )
 
 
-def _describe_call(m: AttentionMatch) -> str:
-    """What call ``m`` makes of its plan: its mask and whether autograd runs its backward, i.e.
-    whether its output requires grad (Dynamo's fake values follow the grad mode and the inputs')."""
+def _describe_call(m: AttentionMatch, op: str, config: Config) -> str:
+    """What call ``m`` makes of its plan, for the ranks to compare in the plan op, the step's one
+    agreement (the attention ops compare nothing again): the op it became, its mask, whether autograd
+    runs its backward (its output requires grad: Dynamo's fake values follow the grad mode and the
+    inputs'), q's and k's heads and head_dim where they are constants of the graph (a symbolic one, of
+    q given as the graph's input, is not: later calls' q is computed after the plan), the dtype, the
+    scale and the kernel and K/V transport."""
     out = m.node.meta.get("example_value")
     out = out[0] if isinstance(out, (tuple, list)) else out
+    q, k = (x.meta.get("example_value") for x in (m.q, m.k))
     mask = {(-1, 0): "causal", (-1, -1): "full"}.get(m.window, f"window {m.window}")
-    return f"{mask}, {'backward' if getattr(out, 'requires_grad', False) else 'no backward'}"
+    dims = () if q is None or k is None else (q.shape[1], k.shape[1], q.shape[2])
+    heads = ", heads {}/{} x {}".format(*dims) if dims and all(isinstance(d, int) for d in dims) else ""
+    dtype = heads + ("" if q is None else f", {q.dtype}")
+    transport = f"kernel {config.kernel}, kv_exchange {config.kv_exchange}, kv_chunks {config.kv_chunks}"
+    backward = "backward" if getattr(out, "requires_grad", False) else "no backward"
+    return f"{op}: {mask}, {backward}{dtype}, scale {m.scale}, {transport}"
 
 
 def _fake_value(node: fx.Node) -> None:
@@ -485,7 +495,6 @@ def rewrite_packed_attention(
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
-            calls.setdefault(key, []).append(_describe_call(m))
             gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None
@@ -507,8 +516,10 @@ def rewrite_packed_attention(
                     ]
                 k_start, k_len, q_pos = window_keys[window_key]
             if hybrid:
+                name = "head_all_to_all + cp_attention (hybrid)"
                 cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
             elif heads:
+                name = "cp_head_attention"
                 check_head_parallel(spec.head_parallel, cp_size, m.q.meta["example_value"].shape[1])
                 args = (m.q, m.k, m.v, gather_index, cu_q, k_start, k_len, group_name, m.causal, m.scale)
                 cp = insert(
@@ -564,6 +575,7 @@ def rewrite_packed_attention(
                     name,
                     m.node,
                 )
+            calls.setdefault(key, []).append(_describe_call(m, name, config))
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
             graph.erase_node(user)
         if hybrid:  # nodes of their own, not a tuple: their readers read them directly

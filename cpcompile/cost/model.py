@@ -62,10 +62,11 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from cpcompile.checks import check_cp, check_cu_seqlens, check_int
+from cpcompile.checks import check_cp, check_int
 from cpcompile.layouts.balanced import band_tiles, causal_tiles, window_pairs
-from cpcompile.layouts.partition import all_partition_indices, pad_for_cp, piece_marks
-from cpcompile.layouts.reads import Pack, read_ranges
+from cpcompile.layouts.pack import Pack, check_offsets
+from cpcompile.layouts.partition import padded_offsets, piece_marks
+from cpcompile.layouts.reads import read_ranges
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -149,18 +150,26 @@ def predict_rank_costs(
         model: the cost constants (default :class:`CostModel`).
     """
     check_cp(cp_size)
-    check_cu_seqlens("cu_seqlens", cu_seqlens)
-    model = CostModel() if model is None else model
+    check_offsets(cu_seqlens, cu_seqlens_padded)
+    spec = resolve_strategy(strategy)
+    check_head_parallel(spec.head_parallel, cp_size)
+    return rank_costs(cu_seqlens, cp_size, spec, cu_seqlens_padded, CostModel() if model is None else model)
+
+
+def rank_costs(
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    spec: StrategySpec,
+    cu_seqlens_padded: torch.Tensor | None,
+    model: CostModel,
+) -> RankCosts:
+    """:func:`predict_rank_costs` of offsets a public entry checked."""
     cu = _host("cu_seqlens", cu_seqlens)
-    spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size, model=model)
-    padded = (
-        pad_for_cp(cu, cp_size=cp_size, strategy=spec)
-        if cu_seqlens_padded is None
-        else _host("cu_seqlens_padded", cu_seqlens_padded)
-    )
+    spec = resolve_auto(spec, cu, cp_size=cp_size, model=model)
+    padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
     u = spec.head_parallel
-    check_head_parallel(u, cp_size)
-    layout = all_partition_indices(padded, cp_size=cp_size, strategy=spec, cu_seqlens=cu)  # [cp, T_local]
+    pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size)
+    layout, padded = pack.layout, pack.cu_seqlens_padded  # [cp, T_local], [B + 1]
     tokens = torch.full((cp_size,), layout.shape[1], dtype=torch.long)
     # the rows one kernel call runs over, one row per head group: the pack in physical order (u == cp),
     # else the group's layouts one after the other (u == 1: the rank's own)
@@ -261,7 +270,18 @@ def choose_strategy(
         predictions behind it for a whole length distribution.
     """
     check_cp(cp_size)
-    model = CostModel() if model is None else model
+    check_offsets(cu_seqlens)
+    return choose(cu_seqlens, cp_size, CostModel() if model is None else model, candidates, tuple(windows))
+
+
+def choose(
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    model: CostModel,
+    candidates: tuple[StrategySpec, ...] | None = None,
+    windows: tuple[int, ...] = (),
+) -> StrategySpec:
+    """:func:`choose_strategy` of offsets a public entry checked."""
     candidates = check_candidates(auto_candidates(model) if candidates is None else candidates)
     if windows:  # balanced told the windows (which StrategySpec checks), where it splits tokens
         told = (c.strategy is Strategy.BALANCED and c.head_parallel == 1 for c in candidates)
@@ -277,12 +297,9 @@ def _step(
     over the layers of each layer's slowest rank under its window (every layer's collectives wait for
     its slowest rank; a window occurring ``m`` times is costed once, ``m``-fold)."""
     if not windows:
-        return predict_rank_costs(cu_seqlens, cp_size=cp_size, strategy=spec, model=model).step
+        return rank_costs(cu_seqlens, cp_size, spec, None, model).step
     steps = {
-        w: predict_rank_costs(
-            cu_seqlens, cp_size=cp_size, strategy=spec, model=dataclasses.replace(model, window=w)
-        ).step
-        for w in set(windows)
+        w: rank_costs(cu_seqlens, cp_size, spec, None, dataclasses.replace(model, window=w)).step for w in set(windows)
     }
     return sum(steps[w] for w in windows)
 
@@ -298,7 +315,7 @@ def resolve_auto(
     if spec.strategy is not Strategy.AUTO:
         return spec
     candidates = None if spec.capacity is None else _fitting(cu_seqlens, cp_size, spec.capacity, model)
-    picked = choose_strategy(cu_seqlens, cp_size=cp_size, model=model, windows=spec.windows, candidates=candidates)
+    picked = choose(cu_seqlens, cp_size, CostModel() if model is None else model, candidates, spec.windows)
     return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel, capacity=spec.capacity)
 
 
@@ -309,7 +326,7 @@ def _fitting(cu_seqlens: torch.Tensor, cp_size: int, capacity, model: CostModel 
     cu, fitting, reasons = _host("cu_seqlens", cu_seqlens), [], []  # on the host the fit is checked by value
     for candidate in auto_candidates(model):
         try:
-            pad_for_cp(cu, cp_size=cp_size, strategy=dataclasses.replace(candidate, capacity=capacity))
+            padded_offsets(cu, dataclasses.replace(candidate, capacity=capacity), cp_size)
         except ValueError as e:
             reasons.append(f"{candidate.strategy.value}: {e}")
         else:

@@ -32,7 +32,6 @@ import torch
 
 from cpcompile.attention import packed_attention
 from cpcompile.batch import ShardedBatch, shard_batch
-from cpcompile.cache import attached
 from cpcompile.checks import check_cu_seqlens, data_checks_enabled
 from cpcompile.spec import StrategyLike, current_rows
 
@@ -99,9 +98,6 @@ def cpcompile_attention_forward(
         )
     config = getattr(module, "config", None)
     cp_size = _cp_size_in_force()
-    if not torch.compiler.is_compiling():  # eagerly, the batch's own offsets say it too
-        made = attached(cu_seq_lens_q)
-        cp_size = max(cp_size, getattr(made, "cp_size", 1))
     if cp_size > 1:
         _check_cp_computable(module, config, cp_size, layer)
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:

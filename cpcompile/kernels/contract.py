@@ -42,7 +42,7 @@ What backends derive from the pieces is memoised per plan (``per_plan``), keyed 
 tensors: they pass ``cu_q``, ``k_start`` and ``k_len`` to such functions, never a
 :class:`Pieces` (a new object every call).
 
-``tests/test_kernels_contract.py`` checks every backend's signatures against
+``tests/kernels/test_contract.py`` checks every backend's signatures against
 :class:`AttentionKernel`.
 """
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from cpcompile.checks import check_cp, check_cu_seqlens, check_padded, data_checks_enabled
+from cpcompile.checks import check_cp, check_cu_seqlens, check_padding, data_checks_enabled
 from cpcompile.spec import Capacity, Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -75,7 +75,11 @@ def pad_for_cp(cu_seqlens: torch.Tensor, *, cp_size: int, strategy: StrategyLike
     """
     check_cp(cp_size)
     check_cu_seqlens("cu_seqlens", cu_seqlens)
-    spec = layout_spec(strategy)
+    return padded_offsets(cu_seqlens, layout_spec(strategy), cp_size)
+
+
+def padded_offsets(cu_seqlens: torch.Tensor, spec: StrategySpec, cp_size: int) -> torch.Tensor:
+    """:func:`pad_for_cp` of offsets a public entry checked, for ``spec`` (a layout: not ``auto``)."""
     m, per_document = padding_multiple(spec, cp_size)
     cu = cu_seqlens.long()
     if per_document:
@@ -137,16 +141,18 @@ def capacity_for(packs: Iterable[torch.Tensor], *, cp_size: int, strategy: Strat
     spec = dataclasses.replace(spec, capacity=None)
     tokens = documents = 0
     for cu in packs:
-        tokens = max(tokens, int(pad_for_cp(cu, cp_size=cp_size, strategy=spec)[-1]))
+        check_cu_seqlens("cu_seqlens", cu)
+        tokens = max(tokens, int(padded_offsets(cu, spec, cp_size)[-1]))
         documents = max(documents, cu.shape[0] - 1)
     if documents == 0:
         raise ValueError("packs must hold at least one pack, got none")
     return Capacity(tokens, documents)
 
 
-def check_layout(cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int, num_tokens: int | None) -> None:
-    """Raise if ``cu_seqlens_padded`` (or ``num_tokens``) cannot be split by ``spec``."""
-    check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+def check_layout_values(
+    cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int, num_tokens: int | None
+) -> None:
+    """Raise if ``cu_seqlens_padded`` (checked as offsets) or ``num_tokens`` cannot be split by ``spec``."""
     m, per_document = padding_multiple(spec, cp_size)
     capacity = spec.capacity
     if isinstance(num_tokens, int) and capacity is not None and num_tokens != capacity.tokens:
@@ -195,7 +201,6 @@ def _real_offsets(
             f"balanced under capacity={tuple(spec.capacity)} lays the capacity's padding out from the real lengths: "
             "pass cu_seqlens (ShardedBatch.cu_seqlens) with cu_seqlens_padded"
         )
-    check_padded(cu_seqlens, cu_seqlens_padded)
     return cu_seqlens
 
 
@@ -252,12 +257,8 @@ def partition_indices(
         ``[T / cp_size]`` int64.
     """
     check_cp(cp_size, rank)
-    spec = layout_spec(strategy)
-    check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
-    cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
-    t = _num_tokens(cu_seqlens_padded, num_tokens)
-    ranks = torch.tensor([[rank]], device=cu_seqlens_padded.device)
-    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)[0]
+    spec = _checked_layout(cu_seqlens_padded, strategy, cp_size, num_tokens, cu_seqlens)
+    return positions(cu_seqlens_padded, spec, cp_size, num_tokens=num_tokens, cu_seqlens=cu_seqlens, rank=rank)
 
 
 def all_partition_indices(
@@ -274,11 +275,39 @@ def all_partition_indices(
     ranks' local buffers.
     """
     check_cp(cp_size)
+    spec = _checked_layout(cu_seqlens_padded, strategy, cp_size, num_tokens, cu_seqlens)
+    return positions(cu_seqlens_padded, spec, cp_size, num_tokens=num_tokens, cu_seqlens=cu_seqlens)
+
+
+def _checked_layout(cu_seqlens_padded, strategy: StrategyLike, cp_size: int, num_tokens, cu_seqlens) -> StrategySpec:
+    """The public layout functions' checks of their arguments: the layout's spec."""
     spec = layout_spec(strategy)
-    check_layout(cu_seqlens_padded, spec, cp_size, num_tokens)
+    check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+    if _real_offsets(spec, cu_seqlens, cu_seqlens_padded) is not None:
+        check_cu_seqlens("cu_seqlens", cu_seqlens)
+        check_padding(cu_seqlens, cu_seqlens_padded)
+    check_layout_values(cu_seqlens_padded, spec, cp_size, num_tokens)
+    return spec
+
+
+def positions(
+    cu_seqlens_padded: torch.Tensor,
+    spec: StrategySpec,
+    cp_size: int,
+    *,
+    num_tokens=None,
+    cu_seqlens: torch.Tensor | None = None,
+    rank: int | None = None,
+) -> torch.Tensor:
+    """:func:`all_partition_indices` (``rank=None``: ``[cp_size, T_local]`` int64) or
+    :func:`partition_indices` (``[T_local]``) of offsets a public entry checked, for ``spec`` (a layout)."""
     cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
-    ranks = torch.arange(cp_size, device=cu_seqlens_padded.device)[:, None]
+    device = cu_seqlens_padded.device
+    if rank is not None:
+        ranks = torch.tensor([[rank]], device=device)
+        return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)[0]
+    ranks = torch.arange(cp_size, device=device)[:, None]
     return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)
 
 

@@ -9,21 +9,9 @@ ones when not, and under a window (``cpcompile.plan.window``) those within its t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-
-class Pack(NamedTuple):
-    """The whole pack that every rank's plan is made from (``cp`` ranks, ``B`` documents).
-
-    - ``layout``: ``[cp, T_local]`` int64, every rank's physical positions (:func:`all_partition_indices`).
-    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32.
-    """
-
-    layout: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
+from cpcompile.layouts.pack import Pack
 
 
 def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:

@@ -22,7 +22,8 @@ import torch
 
 from cpcompile.cache import on_host, per_plan, twinned, upload
 from cpcompile.comm.groups import resolve_group
-from cpcompile.layouts.reads import Pack, keys_read, read_ranges
+from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.reads import keys_read, read_ranges
 from cpcompile.plan.pieces import origin
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
@@ -142,7 +143,7 @@ def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torc
     cp, rank = made.pack.layout.shape[0], made.rank
     if (cp, rank) != (group.size(), group.rank()):
         raise ValueError(f"the plan is rank {rank}'s of cp_size {cp}, this is rank {group.rank()} of {group.size()}")
-    pack = Pack(*on_host(*made.pack))
+    pack = made.pack.on_host()
     ex = make_exchange(*on_host(k_start, k_len), pack, read_ranges(pack, made.window), rank, choice)
     if ex is None:
         return None

@@ -20,16 +20,17 @@ plan needs that, and so needs no communication.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import torch
 
 from cpcompile.cache import attach, attached, on_host, per_plan, upload
-from cpcompile.checks import check_cp, check_int, check_pack_tokens, check_padded
+from cpcompile.checks import check_cp, check_int
 from cpcompile.cost.model import auto_candidates, resolve_auto
-from cpcompile.layouts.partition import all_partition_indices, check_capacity_documents, pad_for_cp, piece_marks
-from cpcompile.layouts.reads import Pack
+from cpcompile.layouts.pack import Pack, check_offsets
+from cpcompile.layouts.partition import piece_marks
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -56,13 +57,15 @@ class AttentionPlan(NamedTuple):
 class Origin(NamedTuple):
     """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
     :func:`cpcompile.plan.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
-    under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`), laid out by
-    ``spec`` (``auto`` resolved; ``None``: not known)."""
+    (laid out by ``pack.spec``) under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`)."""
 
     pack: Pack
     rank: int
     window: tuple[int, int]
-    spec: StrategySpec | None = None
+
+    @property
+    def spec(self) -> StrategySpec | None:
+        return self.pack.spec
 
 
 def origin(k_len: torch.Tensor) -> Origin | None:
@@ -73,12 +76,12 @@ def origin(k_len: torch.Tensor) -> Origin | None:
     return found if isinstance(found, Origin) else None
 
 
-def attach_origin(plan, pack: Pack, rank: int, spec: StrategySpec | None) -> None:
+def attach_origin(plan, pack: Pack, rank: int) -> None:
     """Remember with ``plan``'s ``k_len_causal`` and ``k_len_full`` what it was made from (:func:`origin`)."""
     # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan);
     # cp_attention checks a caller's plan (AttentionPlan or RingPlan) against its arguments
-    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0), spec))
-    attach(plan.k_len_full, Origin(pack, rank, (-1, -1), spec))
+    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0)))
+    attach(plan.k_len_full, Origin(pack, rank, (-1, -1)))
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -119,26 +122,21 @@ def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
     return max_seqlen
 
 
-def _layout(cu_seqlens, cu_seqlens_padded, cp_size: int, rank: int, strategy, num_tokens):
-    """``(requested, spec, cu_seqlens_padded, layout [cp, T_local])``: the arguments checked, ``auto``
-    resolved (alike on every rank: ``spec``), the pack padded for the layout where not given, every
-    rank's positions (:func:`all_partition_indices`)."""
-    check_cp(cp_size, rank, rank_given=True)
-    if num_tokens is not None and not isinstance(num_tokens, torch.SymInt):
-        check_int("num_tokens", num_tokens, minimum=1)
+def _pack(cu_seqlens, cu_seqlens_padded, cp_size: int, strategy, num_tokens) -> tuple[StrategySpec, Pack]:
+    """``(requested, pack)``: ``strategy`` as requested, and the pack (of offsets a public entry checked)
+    laid out by it, ``auto`` resolved alike on every rank (``pack.spec``)."""
     requested = resolve_strategy(strategy)
     spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
-    if spec.capacity is not None:
-        check_capacity_documents(cu_seqlens, spec.capacity)
-    given = cu_seqlens_padded is not None
-    if not given:
-        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
-    check_padded(cu_seqlens, cu_seqlens_padded)
-    check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=given, num_tokens=num_tokens, cp_size=cp_size, spec=spec)
-    layout = all_partition_indices(
-        cu_seqlens_padded, cp_size=cp_size, strategy=spec, num_tokens=num_tokens, cu_seqlens=cu_seqlens
-    )
-    return requested, spec, cu_seqlens_padded, layout
+    return requested, Pack.build(cu_seqlens, cu_seqlens_padded, spec=spec, cp_size=cp_size, num_tokens=num_tokens)
+
+
+def check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens, *, per_rank: bool = True) -> None:
+    """The checks of the public plan functions' arguments (the plan's internals check nothing again);
+    ``per_rank``: the plan is one rank's, whose ``rank`` must be given."""
+    check_cp(cp_size, rank, rank_given=per_rank)
+    if num_tokens is not None and not isinstance(num_tokens, torch.SymInt):
+        check_int("num_tokens", num_tokens, minimum=1)
+    check_offsets(cu_seqlens, cu_seqlens_padded)
 
 
 def make_plan(
@@ -160,9 +158,14 @@ def make_plan(
             same answer on every rank), which costs the cost model's host time per call: pass the
             ``ShardedBatch.spec`` the data loader resolved instead.
     """
-    requested, spec, cu_seqlens_padded, layout = _layout(
-        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
-    )
+    check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens)
+    return plan_of(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank, strategy=strategy, num_tokens=num_tokens)
+
+
+def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, strategy=None, num_tokens=None):
+    """:func:`make_plan` (an :class:`AttentionPlan`) of offsets a public entry checked."""
+    requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     t_local = layout.shape[1]
     device = layout.device
 
@@ -189,7 +192,8 @@ def make_plan(
         k_len_full=k_len_full.to(torch.int32),
     )
     # copies of the offsets: the caller's, held here, would outlive the plans cached by them
-    attach_origin(plan, Pack(layout, cu_seqlens.clone(), cu_seqlens_padded.clone()), rank, spec)
+    own = dataclasses.replace(pack, cu_seqlens=cu_seqlens.clone(), cu_seqlens_padded=cu_seqlens_padded.clone())
+    attach_origin(plan, own, rank)
     return plan
 
 
@@ -237,10 +241,10 @@ def step_plan(
     """
     kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
     kw |= {"windows": tuple(windows), "capacity": tuple(capacity)}
-    plan, uploaded = _made_on_host(make_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
+    plan, uploaded = _made_on_host(plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
     made = origin(plan.k_len_causal)
     if made is not None:  # inference tensors travel without twins to find it through
-        attach_origin(uploaded, made.pack, rank, made.spec)
+        attach_origin(uploaded, made.pack, rank)
     return uploaded
 
 
@@ -259,16 +263,24 @@ def make_head_plan(
     and, over the physical buffer, the pieces of single-device attention: whole documents,
     and their padding, which sees no key.
     """
-    spec = resolve_auto(resolve_strategy(strategy), cu_seqlens, cp_size=cp_size)
-    if cu_seqlens_padded is None:
-        cu_seqlens_padded = pad_for_cp(cu_seqlens, cp_size=cp_size, strategy=spec)
-        tokens = {"num_tokens": num_tokens, "cp_size": cp_size, "spec": spec}
-        check_pack_tokens(cu_seqlens, cu_seqlens_padded, given=False, **tokens)
-    layout = make_plan(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=0, strategy=spec, num_tokens=num_tokens)
-    whole = make_plan(
-        cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
+    check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, None, num_tokens, per_rank=False)
+    return head_plan_of(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, strategy=strategy, num_tokens=num_tokens)
+
+
+def head_plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, strategy=None, num_tokens=None) -> AttentionPlan:
+    """:func:`make_head_plan` of offsets a public entry checked."""
+    _, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    flat = pack.layout.reshape(-1)  # [T]
+    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+    whole = plan_of(
+        cu_seqlens,
+        pack.cu_seqlens_padded,
+        cp_size=1,
+        rank=0,
+        strategy=Strategy.NO_LOAD_BALANCE,
+        num_tokens=num_tokens,
     )
-    return AttentionPlan(layout.gather_index, *whole[1:])
+    return AttentionPlan(gather_index, *whole[1:])
 
 
 @per_plan
@@ -282,7 +294,7 @@ def head_step_plan(
 ) -> AttentionPlan:
     """:func:`make_head_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
     kw = {"cp_size": cp_size, "num_tokens": num_tokens}
-    return _made_on_host(make_head_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
+    return _made_on_host(head_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
 
 
 def make_hybrid_plan(
@@ -304,9 +316,17 @@ def make_hybrid_plan(
     yields the rows in the same order as an all-gather over all ``cp`` ranks: the
     ``gather_index`` is the layout's; the pieces are those of the group's concatenated positions.
     """
-    requested, _, cu_seqlens_padded, layout = _layout(
-        cu_seqlens, cu_seqlens_padded, cp_size, rank, strategy, num_tokens
-    )
+    check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens)
+    args = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "strategy": strategy}
+    return hybrid_plan_of(cu_seqlens, cu_seqlens_padded, **args, num_tokens=num_tokens)
+
+
+def hybrid_plan_of(
+    cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, head_parallel: int, rank: int, strategy=None, num_tokens=None
+) -> AttentionPlan:
+    """:func:`make_hybrid_plan` of offsets a public entry checked."""
+    requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     u = head_parallel
     flat = layout.reshape(-1)  # [T]
     gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
@@ -344,4 +364,4 @@ def hybrid_step_plan(
 ) -> AttentionPlan:
     """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
     kw = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "num_tokens": num_tokens}
-    return _made_on_host(make_hybrid_plan, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
+    return _made_on_host(hybrid_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from cpcompile.cache import per_plan
-from cpcompile.plan.pieces import attach_origin, make_plan, origin
+from cpcompile.plan.pieces import attach_origin, check_plan_arguments, origin, plan_of
 from cpcompile.spec import StrategyLike
 
 
@@ -101,12 +101,17 @@ def make_ring_plan(
     num_tokens: int | None = None,
 ) -> RingPlan:
     """Build rank ``rank``'s :class:`RingPlan`; arguments as for :func:`cpcompile.plan.make_plan`."""
-    plan = make_plan(
-        cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank, strategy=strategy, num_tokens=num_tokens
-    )
+    check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens)
+    args = {"cp_size": cp_size, "rank": rank, "strategy": strategy, "num_tokens": num_tokens}
+    return ring_plan_of(cu_seqlens, cu_seqlens_padded, **args)
+
+
+def ring_plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, strategy=None, num_tokens=None):
+    """:func:`make_ring_plan` of offsets a public entry checked."""
+    plan = plan_of(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank, strategy=strategy, num_tokens=num_tokens)
     ranges = block_key_ranges(plan.gather_index, plan.k_start, (plan.k_len_causal, plan.k_len_full), cp_size=cp_size)
     ring = RingPlan(plan.cu_q, *ranges)
     made = origin(plan.k_len_causal)
     if made is not None:  # what it was made from, for cp_attention's checks of a caller's plan
-        attach_origin(ring, made.pack, rank, made.spec)
+        attach_origin(ring, made.pack, rank)
     return ring

@@ -59,7 +59,7 @@ def _attention(rank, world, path, seed, group=None):
     strategy, comm, head_parallel = path
     spec = _spec(strategy, head_parallel)
     batch, (q, k, v) = _inputs(rank, world, spec, seed)
-    kw = dict(cu_seqlens_padded=batch.cu_seqlens_padded, strategy=spec, comm=comm, group=group)
+    kw = dict(cu_seqlens_padded=batch.cu_seqlens_padded, strategy=batch, comm=comm, group=group)
     return cpcompile.cp_attention(q, k, v, batch.cu_seqlens, **kw)
 
 

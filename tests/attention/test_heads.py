@@ -108,7 +108,7 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     with cpcompile.strategy("no_load_balance", head_parallel=2 if rank else 1):
         cpcompile.shard_batch({"x": torch.zeros(16)}, cu, cp_size=2, rank=rank)  # the block's batch: these rows
-        with pytest.raises(ValueError, match=r"disagree on plan op \(rank 0: 'cp_plan'; rank 1: 'cp_head_plan'\);"):
+        with pytest.raises(ValueError, match=r"disagree on plan op \(rank 0: 'cp_plan'; rank 1: 'cp_head_plan'\)"):
             compiled(q, q, q, cu)
 
 

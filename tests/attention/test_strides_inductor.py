@@ -159,7 +159,7 @@ def _cp_any_layout(rank: int, world: int) -> None:
         with calls:
             for lv, vw in zip(leaves, views):
                 qkv = (view(leaf) for view, leaf in zip(vw, lv))
-                out = cpcompile.cp_attention(*qkv, batch.cu_seqlens, strategy=spec, config=config)
+                out = cpcompile.cp_attention(*qkv, batch.cu_seqlens, strategy=batch, config=config)
                 torch.autograd.grad(out, lv, batch.tensors["dout"])
         label = f"rank {rank} {spec} {config}"
         assert _check_fakes(calls.calls, label) == 5 * len(CASES), label  # (out, lse) and (dq, dk, dv) per case
@@ -179,14 +179,14 @@ def _cp_any_layout(rank: int, world: int) -> None:
             outs.append(cpcompile.packed_attention(q, k, v, cu, causal=True))
         return outs
 
-    with cpcompile.strategy(spec), inductor_config.patch(force_disable_caches=True):
+    with cpcompile.strategy(batch), inductor_config.patch(force_disable_caches=True):
         torch._dynamo.reset()
         backend = cpcompile.backend(inner="inductor")
         outs = torch.compile(run, backend=backend, dynamic=True, fullgraph=True)(*flat, cu=batch.cu_seqlens)
         grads = torch.autograd.grad(outs, flat, [local["dout"]] * len(outs))
         # eager: cp_attention, which the backend's pass makes of packed_attention
         want = [
-            cpcompile.cp_attention(*(view(leaf) for view, leaf in zip(vw, lv)), batch.cu_seqlens, strategy=spec)
+            cpcompile.cp_attention(*(view(leaf) for view, leaf in zip(vw, lv)), batch.cu_seqlens, strategy=batch)
             for lv, vw in zip(leaves, views)
         ]
     want_grads = torch.autograd.grad(want, flat, [local["dout"]] * len(want))

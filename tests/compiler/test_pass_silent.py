@@ -68,7 +68,7 @@ def _check_window_argument(rank: int, world: int) -> None:
         config = cpcompile.Config(kernel="reference", kv_exchange=kv)
         backend = cpcompile.backend(inner="aot_eager", config=config)
         compiled = torch.compile(windowed, backend=backend, dynamic=dynamic)
-        with cpcompile.strategy(SPEC, comm=comm):
+        with cpcompile.strategy(sharded, comm=comm):
             for window in windows:
                 local = _local(sharded)
                 out = compiled(*local, cu, window)
@@ -88,13 +88,13 @@ def _check_suppress_errors(rank: int, world: int) -> None:
     for window in ((2, 3), (4, 4)):
         torch._dynamo.config.suppress_errors = True
         try:
-            with cpcompile.strategy(SPEC):
+            with cpcompile.strategy(sharded):
                 for _ in range(2):  # refused on every call, never run eagerly
                     with pytest.raises(RuntimeError, match=r"suppress_errors is True.*suppress_errors = False"):
                         compiled(*_local(sharded), cu, window)
         finally:
             torch._dynamo.config.suppress_errors = False
-        with cpcompile.strategy(SPEC):  # the refusal was guarded on the flag: this compiles
+        with cpcompile.strategy(sharded):  # the refusal was guarded on the flag: this compiles
             out = compiled(*_local(sharded), cu, window)
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)[:1]
         assert_attention_matches([out], want, EXACT, f"rank {rank} {window} after suppress_errors", torch.float64)
@@ -155,7 +155,7 @@ def _check_in_place(rank: int, world: int) -> None:
     for fn, scale in ((in_place, [100.0, 3.0]), (in_place_iadd, [3.0, 3.0])):
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        with cpcompile.strategy(SPEC):
+        with cpcompile.strategy(sharded):
             local = _local(sharded)
             out = compiled(*local, cu, b, s)
             got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]

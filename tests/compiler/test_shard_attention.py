@@ -62,8 +62,8 @@ class GraphModule(torch.nn.Module):
         l_max_seqlen_ = L_max_seqlen_
 
         packed_attention = torch.ops.cpcompile.packed_attention(l_q_, l_k_, l_v_, l_cu_seqlens_, None, l_max_seqlen_, True, None, None);  l_q_ = l_k_ = l_v_ = l_cu_seqlens_ = l_max_seqlen_ = None
-        getitem_4: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
-        return (getitem_4,)
+        getitem_1: "f32[s85, s34, s0]" = packed_attention[0];  packed_attention = None
+        return (getitem_1,)
 """,
         )
         shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=cpcompile.StrategySpec())
@@ -81,7 +81,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['causal, backward']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -93,8 +93,8 @@ class GraphModule(torch.nn.Module):
         mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
         cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
-        getitem_4: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
-        return (getitem_4,)
+        getitem_1: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
+        return (getitem_1,)
 """,
         )
 
@@ -131,7 +131,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['causal, backward']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -160,8 +160,8 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(
             "\n".join(plans),
             """\
-%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [causal, backward]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
-%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [causal, backward]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
+%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
+%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
         )
 
     def test_layers_share_one_plan(self):
@@ -178,7 +178,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['causal, backward']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
@@ -337,7 +337,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['causal, backward', 'full, backward']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1', 'cp_ring_attention: full, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 2*s40 + s85 - 2) + 1]" = cp_plan[1]
@@ -373,7 +373,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['causal, backward']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]

@@ -278,7 +278,7 @@ def _eager_on_capacity(rank: int, world: int) -> None:
                 batch = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
                 ref, *ref_grads = attention_fp64_on_rank(batch.cu_seqlens, batch, tensors, causal=causal)
                 local = [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
-                out = cpcompile.cp_attention(*local, batch.cu_seqlens, strategy=spec, causal=causal)
+                out = cpcompile.cp_attention(*local, batch.cu_seqlens, strategy=batch, causal=causal)
                 grads = torch.autograd.grad(out, local, batch.tensors["dout"])
                 label = f"rank {rank} {comm} {strategy} causal={causal}"
                 assert relative_error(out, ref) < 1e-4, f"out {label}"

@@ -3,8 +3,8 @@
 Attention reads only a rank's rows and the pack's ``cu_seqlens``. Rows laid out by another layout or for
 another rank, with the same token count, would attend wrongly without an error; so under CP there is no
 default layout, and attention must know what the rows were laid out for: ``with cpcompile.strategy(batch)``
-(or ``strategy=batch``) gives it as a value, which no copy of the offsets loses; the batch's own
-``cu_seqlens`` remembers it too; anything else is refused. Random packs and random copies of a sharded
+(or ``strategy=batch``) gives it as a value, which no copy of the offsets loses; anything else is refused
+(offsets alone say nothing of whose rows they describe). Random packs and random copies of a sharded
 batch's tensors, with and without the block, at cp 2-4: each call is exact against float64, or refused on
 every rank.
 """
@@ -25,7 +25,7 @@ from tests.reference import attention_fp64_on_rank, relative_error
 
 EXACT = 1e-9  # float64 throughout
 
-#: How a loader or a user may copy ``cu_seqlens`` on its way to the model; only "none" keeps the tensor.
+#: How a loader or a user may copy ``cu_seqlens`` on its way to the model ("none" keeps the tensor).
 COPIES = {
     "none": lambda t: t,
     "clone": lambda t: t.clone(),
@@ -43,8 +43,6 @@ def _outcome(told: str, copy: str, other_rank: bool) -> str | None:
     if told == "nothing":
         return "cp_attention has no layout"
     if told.endswith("(batch)"):
-        return "laid out for rank" if other_rank else None
-    if copy == "none":  # the batch's own offsets remember it
         return "laid out for rank" if other_rank else None
     return "cannot tell which rank's rows it got"
 
@@ -150,9 +148,12 @@ def test_uncompiled_model_on_a_rank_share_is_refused():
     batch = cpcompile.shard_batch({"x": torch.randn(8, 2, 4)}, cu, cp_size=2, rank=0, strategy="dual_chunk_swap")
     x = batch.tensors["x"]
     assert x.shape[0] == int(cu[-1])  # the count check alone would pass it
-    for told in (batch, batch.spec):  # the block's batch, or the batch's own offsets
-        with cpcompile.strategy(told), pytest.raises(ValueError, match="packed_attention ran single-device"):
-            cpcompile.packed_attention(x, x, x, batch.cu_seqlens)
+    with cpcompile.strategy(batch), pytest.raises(ValueError, match="packed_attention ran single-device"):
+        cpcompile.packed_attention(x, x, x, batch.cu_seqlens)
+    with cpcompile.strategy(batch.spec):  # a block given the layout learns the batch sharded in it
+        learned = cpcompile.shard_batch({"x": x}, cu, cp_size=2, rank=0)
+        with pytest.raises(ValueError, match="packed_attention ran single-device"):
+            cpcompile.packed_attention(x, x, x, learned.cu_seqlens)
     with pytest.raises(ValueError, match="packed_attention ran single-device"):  # the op itself, as a graph runs it
         with cpcompile.strategy(batch):
             torch.ops.cpcompile.packed_attention(x, x, x, cu, None, None, True, None)

@@ -58,7 +58,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120) -> None:
         while not errors.empty():
             failures.append(errors.get())
     if failures:
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
+        crashed = "" if crash is None else f"\nand a rank crashed (at teardown or exit): {crash}"
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)) + crashed)
     if crash is not None:
         raise AssertionError(f"a rank crashed after its checks passed (at teardown or exit): {crash}")
 

@@ -88,8 +88,7 @@ def check_rows(
     plan resolves it); another spelling of the same layout (windows in another order, say) passes where
     it gives the pack's rows to the same ranks. The pack is compared where ``cu_seqlens`` can be read
     without a host sync."""
-    made = rows
-    if not isinstance(made, ShardedFor):
+    if not isinstance(rows, ShardedFor):
         if cp_size > 1 and required:
             raise ValueError(
                 "attention under context parallelism cannot tell which rank's rows it got: no batch was given. "
@@ -98,17 +97,17 @@ def check_rows(
             )
         return
     wrong = None
-    if made.cp_size != cp_size:
-        wrong = f"cp_size={made.cp_size}, but the CP group has {cp_size} ranks"
-    elif rank is not None and made.rank != rank:
-        wrong = f"rank {made.rank}, but this is rank {rank} of the CP group"
-    elif _layout_key(spec) not in (_layout_key(made.spec), _layout_key(made.requested)):
+    if rows.cp_size != cp_size:
+        wrong = f"cp_size={rows.cp_size}, but the CP group has {cp_size} ranks"
+    elif rank is not None and rows.rank != rank:
+        wrong = f"rank {rows.rank}, but this is rank {rank} of the CP group"
+    elif _layout_key(spec) not in (_layout_key(rows.spec), _layout_key(rows.requested)):
         runs = resolve_auto(spec, cu_seqlens, cp_size=cp_size)  # spec itself unless auto
-        if _layout_key(runs) != _layout_key(made.spec) and not _same_rows(cu_seqlens, cp_size, made.spec, runs):
-            wrong = f"the layout {layout_name(made.spec)}, but attention runs {layout_name(spec)}"
-    if wrong is None and made.pack is not None:
+        if _layout_key(runs) != _layout_key(rows.spec) and not _same_rows(cu_seqlens, cp_size, rows.spec, runs):
+            wrong = f"the layout {layout_name(rows.spec)}, but attention runs {layout_name(spec)}"
+    if wrong is None and rows.pack is not None:
         given = twin(cu_seqlens) if not data_checks_enabled(cu_seqlens) else cu_seqlens  # no host sync
-        if given is not None and not torch.equal(given.to(made.pack.dtype), made.pack):
+        if given is not None and not torch.equal(given.to(rows.pack.dtype), rows.pack):
             wrong = (
                 "another pack (its cu_seqlens differ from the call's: pass batch.cu_seqlens, which under a capacity "
                 "holds the bucket's zero-length documents too)"
@@ -203,7 +202,8 @@ def shard_batch(
             raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
 
     pack = Pack.build(cu_seqlens, None, spec=spec, cp_size=cp_size)
-    cu_padded, indices = pack.cu_seqlens_padded, pack.layout[rank]
+    # the rank's row of every rank's positions, as a tensor of its own (a view would keep, and pickle, all)
+    cu_padded, indices = pack.cu_seqlens_padded, pack.layout[rank].clone()
     num_padded = int(cu_padded[-1])
     where = physical_positions(cu_seqlens, cu_padded)
     local = {}

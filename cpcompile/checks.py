@@ -126,11 +126,14 @@ def _check_offset_values(name: str, cu: torch.Tensor) -> None:
         raise ValueError(f"{name} must describe at least one token, got {cu.tolist()}")
 
 
-def check_padded(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:
-    """Both offsets checked (:func:`check_cu_seqlens`), and :func:`check_padding`."""
+def check_offsets(cu_seqlens: object, cu_seqlens_padded: object | None = None) -> None:
+    """A pack's offsets, checked once at a public entry (what runs below it takes them as checked):
+    ``cu_seqlens`` (:func:`check_cu_seqlens`) and, where given, ``cu_seqlens_padded`` too, of the same
+    documents, each at least as long (:func:`check_padding`)."""
     check_cu_seqlens("cu_seqlens", cu_seqlens)
-    check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
-    check_padding(cu_seqlens, cu_seqlens_padded)
+    if cu_seqlens_padded is not None:
+        check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
+        check_padding(cu_seqlens, cu_seqlens_padded)
 
 
 def check_padding(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:

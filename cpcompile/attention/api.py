@@ -36,6 +36,7 @@ from cpcompile.checks import (
     check_device,
     check_has_values,
     check_longest,
+    check_offsets,
     check_offsets_type,
     check_qkv,
     check_scale_and_bound,
@@ -44,7 +45,6 @@ from cpcompile.checks import (
 )
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.config import Config, resolve_config
-from cpcompile.layouts.pack import check_offsets
 from cpcompile.plan.exchange import exchange_plan
 from cpcompile.plan.pieces import (
     AttentionPlan,

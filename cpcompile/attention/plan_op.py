@@ -17,10 +17,9 @@ import torch
 from cpcompile.attention.common import NOT_CAPTURED, check_fake_tokens
 from cpcompile.batch import check_rows
 from cpcompile.cache import capturing, per_plan, readable
-from cpcompile.checks import agreement_enabled, rows_are_real
+from cpcompile.checks import agreement_enabled, check_offsets, rows_are_real
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.kernels.metadata import scratch
-from cpcompile.layouts.pack import check_offsets
 from cpcompile.layouts.partition import check_capacity_documents
 from cpcompile.plan.pieces import max_pieces, step_plan
 from cpcompile.plan.slots import note_plan, plan_in_capture

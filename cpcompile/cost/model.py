@@ -62,9 +62,9 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from cpcompile.checks import check_cp, check_int
+from cpcompile.checks import check_cp, check_int, check_offsets
 from cpcompile.layouts.balanced import band_tiles, causal_tiles, window_pairs
-from cpcompile.layouts.pack import Pack, check_offsets
+from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import padded_offsets, piece_marks
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy

@@ -2,8 +2,8 @@
 
 Every public entry that takes a pack's offsets (``shard_batch``, ``cp_attention``,
 ``packed_attention``, the plan op of a compiled step, and the public layout functions)
-checks the tensors themselves once (:func:`check_offsets`); what runs below an entry takes
-them as checked. :meth:`Pack.build` then lays the pack out for one layout, checking what
+checks the tensors themselves once (:func:`cpcompile.checks.check_offsets`); what runs below an
+entry takes them as checked. :meth:`Pack.build` then lays the pack out for one layout, checking what
 relates the pack to the layout (the given padding against the real lengths and the layout's
 multiples, the token count), once per pack: the plan (``plan.step_plan``) is made once per
 step from it, and so is every rank's reads (``layouts.reads``), the exchange's plan and
@@ -17,19 +17,9 @@ import dataclasses
 import torch
 
 from cpcompile.cache import on_host
-from cpcompile.checks import check_cu_seqlens, check_pack_tokens, check_padding
+from cpcompile.checks import check_pack_tokens
 from cpcompile.layouts.partition import check_capacity_documents, check_layout_values, padded_offsets, positions
 from cpcompile.spec import StrategySpec
-
-
-def check_offsets(cu_seqlens: object, cu_seqlens_padded: object | None = None) -> None:
-    """The checks of a pack's offsets as tensors, at a public entry: ``cu_seqlens`` ``[B + 1]``
-    int32, starting at 0, non-decreasing, with a token; ``cu_seqlens_padded`` (where given) the same,
-    of the same documents, each at least as long (values read where no host sync: ``checks``)."""
-    check_cu_seqlens("cu_seqlens", cu_seqlens)
-    if cu_seqlens_padded is not None:
-        check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded)
-        check_padding(cu_seqlens, cu_seqlens_padded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +57,7 @@ class Pack:
         cp_size: int,
         num_tokens=None,
     ) -> Pack:
-        """The pack of offsets a public entry checked (:func:`check_offsets`) laid out by ``spec`` (a
+        """The pack of offsets a public entry checked (``checks.check_offsets``) laid out by ``spec`` (a
         layout, ``auto`` resolved) over ``cp_size`` ranks; ``num_tokens``: ``T`` where known (local
         tokens x cp), else read from the offsets. Raises ``ValueError`` where the pack does not fit the
         layout: documents of a capacity, the given padding's multiples, the token count."""

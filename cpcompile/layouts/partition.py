@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from cpcompile.checks import check_cp, check_cu_seqlens, check_padding, data_checks_enabled
+from cpcompile.layouts.balanced_op import balanced_layout_op
 from cpcompile.spec import Capacity, Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -210,8 +211,6 @@ def _indices(
     """Physical positions held by ``ranks`` (``[R, 1]`` int64): ``[R, t_local]`` int64. ``cu_real``: the
     real offsets where the layout reads them (:func:`_real_offsets`)."""
     if spec.strategy is Strategy.BALANCED:
-        from cpcompile.layouts.balanced_op import balanced_layout_op  # the ops package imports this module
-
         windows = list(spec.windows) if spec.windows else None
         # only the arguments that are set: the op's call as it was without windows and a capacity
         args = (windows, cu_real) if cu_real is not None else (windows,) if windows else ()
@@ -304,11 +303,9 @@ def positions(
     cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
     t = _num_tokens(cu_seqlens_padded, num_tokens)
     device = cu_seqlens_padded.device
-    if rank is not None:
-        ranks = torch.tensor([[rank]], device=device)
-        return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)[0]
-    ranks = torch.arange(cp_size, device=device)[:, None]
-    return _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)
+    ranks = torch.arange(cp_size, device=device)[:, None] if rank is None else torch.tensor([[rank]], device=device)
+    held = _indices(cu_seqlens_padded, spec, cp_size, ranks, t // cp_size, cu_real)
+    return held if rank is None else held[0]
 
 
 def piece_marks(

@@ -27,9 +27,9 @@ from typing import NamedTuple
 import torch
 
 from cpcompile.cache import attach, attached, on_host, per_plan, upload
-from cpcompile.checks import check_cp, check_int
+from cpcompile.checks import check_cp, check_int, check_offsets
 from cpcompile.cost.model import auto_candidates, resolve_auto
-from cpcompile.layouts.pack import Pack, check_offsets
+from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import piece_marks
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
@@ -130,6 +130,13 @@ def _pack(cu_seqlens, cu_seqlens_padded, cp_size: int, strategy, num_tokens) -> 
     return requested, Pack.build(cu_seqlens, cu_seqlens_padded, spec=spec, cp_size=cp_size, num_tokens=num_tokens)
 
 
+def _gather_index(layout: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64: for each physical position, its row in the all-gather of the ranks' rows, from
+    ``layout`` ``[cp, T_local]`` (row-major, the all-gather's rows are each rank's positions)."""
+    flat = layout.reshape(-1)
+    return torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+
+
 def check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens, *, per_rank: bool = True) -> None:
     """The checks of the public plan functions' arguments (the plan's internals check nothing again);
     ``per_rank``: the plan is one rank's, whose ``rank`` must be given."""
@@ -167,10 +174,7 @@ def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, stra
     requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     t_local = layout.shape[1]
-    device = layout.device
-
-    flat = layout.reshape(-1)  # [T] physical position of each all-gathered row
-    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=device))
+    gather_index = _gather_index(layout)
 
     doc, pos, real, new_piece = piece_marks(layout[rank], cu_seqlens, cu_seqlens_padded)  # [T_local] each
     real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
@@ -270,8 +274,7 @@ def make_head_plan(
 def head_plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, strategy=None, num_tokens=None) -> AttentionPlan:
     """:func:`make_head_plan` of offsets a public entry checked."""
     _, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
-    flat = pack.layout.reshape(-1)  # [T]
-    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+    gather_index = _gather_index(pack.layout)
     whole = plan_of(
         cu_seqlens,
         pack.cu_seqlens_padded,
@@ -328,8 +331,7 @@ def hybrid_plan_of(
     requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     u = head_parallel
-    flat = layout.reshape(-1)  # [T]
-    gather_index = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
+    gather_index = _gather_index(layout)
     s = rank // u
     positions = layout[s * u : (s + 1) * u].reshape(-1)  # [u * T_local]: the group's tokens, member by member
     t_group = positions.shape[0]

@@ -56,7 +56,7 @@ from cpcompile.cost.model import (
 from cpcompile.layouts.partition import pad_for_cp
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.plan.exchange import SETTINGS, make_exchange
-from cpcompile.plan.pieces import make_plan, origin
+from cpcompile.plan.pieces import make_plan, pack_of
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -112,7 +112,7 @@ def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool, choice
     """``(received, sent)`` K/V rows per rank of the sparse exchange, or ``None`` where ``cp_attention``
     takes the all-gather: the exchange's own plan of every rank (``comm.exchange.make_exchange``)."""
     plans = [make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
-    pack = origin(plans[0].k_len_causal).pack
+    _, pack = pack_of(cu, padded, cp, spec, None)
     reads = read_ranges(pack, (-1, 0) if causal else (-1, -1))
     exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, reads, r, choice) for r, p in enumerate(plans)]
     if exchanges[0] is None:

@@ -122,7 +122,7 @@ def max_piece_len(spec: StrategySpec, cp_size: int, max_seqlen):
     return max_seqlen
 
 
-def _pack(cu_seqlens, cu_seqlens_padded, cp_size: int, strategy, num_tokens) -> tuple[StrategySpec, Pack]:
+def pack_of(cu_seqlens, cu_seqlens_padded, cp_size: int, strategy, num_tokens) -> tuple[StrategySpec, Pack]:
     """``(requested, pack)``: ``strategy`` as requested, and the pack (of offsets a public entry checked)
     laid out by it, ``auto`` resolved alike on every rank (``pack.spec``)."""
     requested = resolve_strategy(strategy)
@@ -171,7 +171,7 @@ def make_plan(
 
 def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, strategy=None, num_tokens=None):
     """:func:`make_plan` (an :class:`AttentionPlan`) of offsets a public entry checked."""
-    requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    requested, pack = pack_of(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     t_local = layout.shape[1]
     gather_index = _gather_index(layout)
@@ -273,7 +273,7 @@ def make_head_plan(
 
 def head_plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, strategy=None, num_tokens=None) -> AttentionPlan:
     """:func:`make_head_plan` of offsets a public entry checked."""
-    _, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    _, pack = pack_of(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
     gather_index = _gather_index(pack.layout)
     whole = plan_of(
         cu_seqlens,
@@ -328,7 +328,7 @@ def hybrid_plan_of(
     cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, head_parallel: int, rank: int, strategy=None, num_tokens=None
 ) -> AttentionPlan:
     """:func:`make_hybrid_plan` of offsets a public entry checked."""
-    requested, pack = _pack(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    requested, pack = pack_of(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     u = head_parallel
     gather_index = _gather_index(layout)

@@ -17,18 +17,20 @@ def window_mask(n: int, window: tuple[int, int], device=None) -> torch.Tensor:
 
 
 def attention_fp64(
-    q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None, window=None
+    q, k, v, cu_seqlens, *, causal: bool, cu_seqlens_padded=None, scale=None, window=None, softcap=None, sinks=None
 ) -> torch.Tensor:
     """Plain softmax attention per document in float64; padding rows stay 0.
 
-    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` in physical order -> ``[T, Hq, D]`` float64. ``window``:
-    ``(left, right)`` (:func:`window_mask`), instead of ``causal``.
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` in physical order -> ``[T, Hq, Dv]`` float64.
+    ``window``: ``(left, right)`` (:func:`window_mask`), instead of ``causal``. ``softcap``: scores
+    become ``softcap * tanh(s / softcap)`` before the mask. ``sinks``: ``[Hq]`` logits, one more term
+    ``exp(sinks[h])`` in each query's softmax denominator (a key of no value).
     """
     q, k, v = q.double(), k.double(), v.double()
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
     group = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:2], v.shape[-1]))
     for d in range(len(cu_seqlens) - 1):
         n = int(cu_seqlens[d + 1] - cu_seqlens[d])
         a = int(padded[d])
@@ -38,11 +40,15 @@ def attention_fp64(
         kd = k[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         vd = v[a : a + n].repeat_interleave(group, 1).transpose(0, 1)
         s = qd @ kd.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         if window is not None:
             s = s.masked_fill(~window_mask(n, window, s.device), float("-inf"))
         elif causal:
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        out[a : a + n] = (s.softmax(-1) @ vd).transpose(0, 1)
+        if sinks is not None:  # [Hq, n, n + 1]: the sink's column joins the softmax, then is dropped
+            s = torch.cat([s, sinks.double()[:, None, None].expand(-1, n, 1)], -1)
+        out[a : a + n] = (s.softmax(-1)[..., :n] @ vd).transpose(0, 1)
     return out
 
 

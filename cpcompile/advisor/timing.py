@@ -1,0 +1,447 @@
+"""Each rank's step time over a stated topology, and the choice of layout, K/V path and ``u`` made from it.
+
+Design constraint: like :mod:`cpcompile.cost.model`, a pure function of ``cu_seqlens``, the
+heads, the topology and the constants, computed on the host from integers (bytes, tiles, rows)
+and Python floats in a fixed order, so every rank gets the same times and the same choice
+without communicating.
+
+What a rank does in one layer's attention (its phases, each a collective or ring steps, with the
+bytes from each peer: :func:`peer_bytes`):
+
+- *compute*: the cost model's kernel tiles at the kernel's speed per query head
+  (:class:`KernelSpeed`: forward and backward picoseconds per tile and head, per key row the
+  backward copies, per piece and key/value head a kernel sequence's own cost), plus the rows it
+  copies locally (the exchange's compact keys and dK/dV, all-to-all packing) at its memory
+  bandwidth and the ring's merges of partial results per step;
+- *communication*: every phase over the :class:`Topology`, each collective or ring step paying
+  ``call_us`` (launch, synchronisation, the copies around it) and its hops' latency: an all-to-all
+  (the sparse exchange, the head all-to-alls) then takes ``max(intra bytes / intra bandwidth, inter
+  bytes / inter bandwidth)``, the bytes from peers on the same node and on others; a ring collective
+  (the all-gather and the reduce-scatter, ``n - 1`` hops) all its bytes at the intra-node bandwidth
+  or, where the group spans nodes with ``m`` of its ranks on each, the bytes from other nodes spread
+  over those ``m`` NICs (a ring enters each node once), whichever is slower; a ring step one block
+  from the previous rank, over NVLink or a NIC.
+
+A rank's time *as run* is compute + communication for the all-gather, the exchange and head
+parallelism (none of them overlaps its K/V traffic with the kernel: docs/communication.md), and
+for the ring, whose next block is in flight during a step, the sum over steps of the slowest
+rank's ``max(step compute, step transfer)`` (its compute spread over its steps by their tiles) and
+the backward's last dK/dV hand-back, which nothing hides. *Overlapped* is ``max(compute, communication)``
+per rank: what a path that hid all its traffic would reach. The step is the slowest rank's.
+
+The constants are fitted to the measured cp=2 runs on 2 x H200 (BENCHMARKS.md, "CP step with
+communication"); docs/communication.md gives the fit and its error against every measured figure,
+and the inter-node defaults, which are assumed, not measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from cpcompile.advisor.comm_model import Heads, check_heads
+from cpcompile.checks import check_cp, check_int
+from cpcompile.comm.heads import kv_replication
+from cpcompile.cost.model import CostModel, _host, rank_costs, resolve_auto
+from cpcompile.layouts.balanced import causal_tiles
+from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.reads import read_ranges
+from cpcompile.plan.exchange import SETTINGS, use_exchange
+from cpcompile.plan.ring import make_ring_plan
+from cpcompile.spec import StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+
+#: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
+#: (``comm="ring"``), pure head parallelism (``head_parallel == cp``) and the hybrid (``1 < u < cp``).
+PATHS = ("all-gather", "exchange", "ring", "heads", "hybrid")
+PASSES = ("forward", "forward+backward")
+
+
+def _check_number(name: str, value: object, *, positive: bool) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is an int or float > 0 (``positive``) or >= 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > 0 or not positive and value == 0)
+    if not ok:
+        raise ValueError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where the ranks sit and what links them: ``gpus_per_node`` consecutive ranks share a node
+    (NVLink, ``intra_gbps`` GB/s received per GPU), nodes are linked at ``inter_gbps`` GB/s per GPU
+    (its NIC); latencies per hop in microseconds, and ``call_us`` per collective or ring step, whatever
+    its size (its launch, its synchronisation and the copies around it)."""
+
+    gpus_per_node: int = 8
+    intra_gbps: float = 294.0
+    inter_gbps: float = 50.0
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 10.0
+    call_us: float = 254.0
+
+    def __post_init__(self) -> None:
+        check_int("gpus_per_node", self.gpus_per_node, minimum=1)
+        for f in dataclasses.fields(self)[1:]:
+            _check_number(f"Topology.{f.name}", getattr(self, f.name), positive=f.name.endswith("gbps"))
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+
+#: H200 nodes of 8 GPUs: NVLink as fitted to the cp=2 runs, and one 400 Gb/s NIC per GPU (assumed,
+#: typical of InfiniBand NDR or RoCE clusters, not measured here: docs/communication.md).
+H200 = Topology()
+#: Named topologies for ``--topology``.
+TOPOLOGIES = {
+    "h200": H200,
+    "h200-200g": dataclasses.replace(H200, inter_gbps=25.0),  # one 200 Gb/s NIC per GPU
+    "h200-4": dataclasses.replace(H200, gpus_per_node=4),  # 4 GPUs per node
+}
+
+
+def parse_topology(text: str) -> Topology:
+    """``NAME[,field=value...]``: a named topology (:data:`TOPOLOGIES`) with fields replaced, e.g.
+    ``h200,inter_gbps=25,gpus_per_node=4``; a ``ValueError`` naming what is accepted otherwise."""
+    name, *fields = text.split(",")
+    if name not in TOPOLOGIES:
+        raise ValueError(f"topology must start with one of {sorted(TOPOLOGIES)}, got {name!r} in {text!r}")
+    topology, known = TOPOLOGIES[name], {f.name: f.type for f in dataclasses.fields(Topology)}
+    for field in fields:
+        key, eq, value = field.partition("=")
+        if not eq or key not in known:
+            raise ValueError(f"topology fields are {sorted(known)} as field=value, got {field!r} in {text!r}")
+        try:
+            number = int(value) if key == "gpus_per_node" else float(value)
+        except ValueError:
+            raise ValueError(f"topology field {key} needs a number, got {value!r} in {text!r}") from None
+        topology = dataclasses.replace(topology, **{key: number})
+    return topology
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpeed:
+    """A rank's compute, per query head of 128 elements (time scales with ``dim / 128``): fitted to
+    the cp=2 runs and the single-GPU times beside them (FlashAttention-4 on H200, bf16).
+
+    ``token_ns``: a token's projections and MLP, forward and backward, per layer (0: attention alone,
+    as ``benchmarks/cp_step.py`` times it; :data:`LLAMA_8B_TOKEN_NS` for a Llama-3-8B-like layer)."""
+
+    forward_ps: float = 13_560.0  # per 128 x 128 tile and query head, forward
+    backward_ps: float = 33_330.0  # per tile and query head, backward
+    key_row_ps: float = 713.0  # per key row of the backward's pieces and query head (flash's copies)
+    memory_gbps: float = 2910.0  # local copies
+    ring_row_ps: float = 1820.0  # per ring step, row and head (query and key/value): merging, block copies
+    piece_ps: float = 86_300.0  # per piece, key/value head and pass: a kernel sequence's own first and last tiles
+    token_ns: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_number(f"KernelSpeed.{f.name}", getattr(self, f.name), positive=f.name.endswith("gbps"))
+
+
+#: Projections and MLP of a Llama-3-8B-like layer per token, forward and backward: 6 x 218M FLOP at the
+#: matmul throughput docs/cost-model.md assumes ("Where the default weights come from").
+LLAMA_8B_TOKEN_NS = 2180.0
+
+
+class Phase(NamedTuple):
+    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s``."""
+
+    passes: str  # "forward" or "backward"
+    kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
+    recv: list[list[int]]
+    count: int = 1  # collectives of this shape (their latency)
+
+
+class Layer(NamedTuple):
+    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path, its phases, and per rank
+    the local rows the plan reads (for copies)."""
+
+    spec: StrategySpec
+    path: str
+    phases: list[Phase]
+
+
+def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
+    """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
+    matrix, as :func:`cpcompile.plan.exchange.make_exchange` builds it on every rank)."""
+    layout = pack.layout
+    cp = layout.shape[0]
+    reader, lo, hi = read_ranges(pack, (-1, 0) if causal else (-1, -1))
+    idle = torch.bincount(reader, minlength=cp) == 0
+    if bool(idle.any()):  # as make_exchange: a rank that reads nothing reads physical row 0 of the first document
+        start = pack.cu_seqlens_padded[:-1].long()
+        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1
+        idlers = idle.nonzero().squeeze(1)
+        row = start[first_doc].expand(idlers.shape[0])
+        reader, lo, hi = (torch.cat(x) for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())
+    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first
+    return n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()
+
+
+def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:
+    """``recv[r][s] = nbytes`` for every ``s`` in ``peers(r)``."""
+    recv = [[0] * cp for _ in range(cp)]
+    for r in range(cp):
+        for s in peers(r):
+            recv[r][s] = nbytes
+    return recv
+
+
+def peer_bytes(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike,
+    heads: Heads,
+    causal: bool = True,
+    kv_exchange: str = "auto",
+) -> Layer:
+    """Every phase of one layer's attention with the bytes each rank receives from each other rank.
+
+    Summed over peers and phases of a pass, the bytes are :func:`cpcompile.advisor.comm_model.layer_bytes`'
+    (which the gloo tests check against the collectives), and for ``comm="ring"``: forward ``cp - 1``
+    K/V blocks from the previous rank, backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks.
+    """
+    check_cp(cp_size)
+    heads = check_heads(heads)
+    if kv_exchange not in SETTINGS:
+        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
+    cu = _host("cu_seqlens", cu_seqlens)
+    spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size)
+    u, cp = spec.head_parallel, cp_size
+    check_head_parallel(u, cp, heads.q)
+    pack = Pack.build(cu, None, spec=spec, cp_size=cp)
+    t_local = pack.layout.shape[1]
+    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
+    others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
+    if spec.comm == "ring":
+        if u != 1:
+            raise ValueError(f"comm='ring' runs sequence CP only (head_parallel 1), got head_parallel={u}")
+        prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
+        block = t_local * 2 * g
+        steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
+        phases = [
+            Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, (steps + 1) * block * a), steps + 1 if steps else 0),
+        ]
+        return Layer(spec, "ring", phases)
+    if u == 1:
+        matrix = exchange_matrix(pack, causal) if cp > 1 else None
+        if matrix is not None and use_exchange(matrix, t_local, kv_exchange):
+            row = 2 * g
+            recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
+            sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
+            phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
+            return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
+        kv = t_local * g  # K or V elements of one rank
+        phases = [
+            Phase("forward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * a), 2),
+        ]
+        return Layer(spec, "all-gather", phases)
+    f = kv_replication(heads.q, heads.kv, u)
+    hq, hkv = heads.q // u, heads.kv * f // u
+    slot = t_local * heads.dim  # elements of one head a rank sends to each group peer ((u - 1) of them)
+    group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
+    if u == cp:
+        lse = t_local * hq * a
+        fwd = [slot * (hq + 2 * hkv) * b, slot * hq * b + lse]  # q, k, v; back: out, lse
+        dkv = slot * 2 * hkv * (b if f == 1 else a)
+        bwd = [slot * (3 * hq + 2 * hkv) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
+        phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
+        return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
+    a2a = [slot * (hq + 2 * hkv) * b, slot * hq * b]
+    across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
+    kv = u * t_local * hkv * heads.dim
+    phases = [
+        *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("forward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * a), 2),
+    ]
+    return Layer(spec, "hybrid", phases)
+
+
+def _phase_us(phase: Phase, rank: int, topology: Topology) -> float:
+    """Microseconds ``rank`` spends in ``phase`` (module docstring), all its ``count`` collectives or steps."""
+    recv = phase.recv[rank]
+    peers = [s for s, n in enumerate(recv) if n]
+    if not peers or not phase.count:
+        return 0.0
+    node = topology.node(rank)
+    intra = sum(recv[s] for s in peers if topology.node(s) == node)
+    inter = sum(recv[s] for s in peers if topology.node(s) != node)
+    hop = topology.inter_latency_us if inter else topology.intra_latency_us
+    intra_us = intra / (topology.intra_gbps * 1e3)
+    if phase.kind == "ring":  # one block per step from the previous rank
+        bandwidth = topology.inter_gbps if inter else topology.intra_gbps
+        return phase.count * (topology.call_us + hop) + (intra + inter) / (bandwidth * 1e3)
+    if phase.kind == "all-to-all":
+        return phase.count * (topology.call_us + hop) + max(intra_us, inter / (topology.inter_gbps * 1e3))
+    # a ring collective over this rank and its peers: every byte arrives over NVLink within the node;
+    # those from other nodes enter the node once, through the NICs of the group's ranks on it
+    on_node = 1 + sum(topology.node(s) == node for s in peers)
+    inter_us = inter / (on_node * topology.inter_gbps * 1e3)
+    return phase.count * (topology.call_us + len(peers) * hop) + max(
+        (intra + inter) / (topology.intra_gbps * 1e3), inter_us
+    )
+
+
+def ring_step_tiles(cu: torch.Tensor, cp: int, spec: StrategySpec, causal: bool) -> list[list[int]]:
+    """``[cp][cp]``: kernel tiles rank ``r`` visits at ring step ``i`` (block of rank ``(r - i) % cp``): its
+    own block causal (bottom-right aligned), the others' full rows of the keys its pieces see there."""
+    tiles = []
+    for rank in range(cp):
+        plan = make_ring_plan(cu, None, cp_size=cp, rank=rank, strategy=spec)
+        n = plan.cu_q.diff().long()  # [P]
+        keys = plan.k_len(causal).long()  # [cp, P]
+        full = (n + 127) // 128 * ((keys + 127) // 128)
+        own = torch.where(keys[rank] > 0, causal_tiles(n, (keys[rank] - n).clamp(min=0)), 0) if causal else full[rank]
+        full[rank] = own
+        per_block = full.sum(1).tolist()
+        tiles.append([per_block[(rank - i) % cp] for i in range(cp)])
+    return tiles
+
+
+class LayerTerms(NamedTuple):
+    """What a layer's time is made of before the constants: per rank the kernel tiles, the backward's
+    key rows, the bytes copied locally, and the phases (:func:`layer_terms`)."""
+
+    spec: StrategySpec
+    path: str
+    heads: Heads
+    backward: bool
+    tokens: int  # rows per rank
+    tiles: list[int]
+    key_rows: list[int]  # 0 unless backward
+    pieces: list[int]  # kernel sequences
+    copied: list[int]  # bytes written by local copies
+    merges: int  # ring steps whose partial results are merged, both passes
+    phases: list[Phase]  # those of the passes
+    ring_tiles: list[list[int]] | None  # ring: [rank][step] tiles
+
+
+def layer_terms(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike,
+    heads: Heads,
+    passes: str = "forward+backward",
+    causal: bool = True,
+    kv_exchange: str = "auto",
+) -> LayerTerms:
+    """The terms of :func:`predict_time`, computed once (the plans): :func:`evaluate` prices them."""
+    if passes not in PASSES:
+        raise ValueError(f"passes must be one of {PASSES}, got {passes!r}")
+    heads = check_heads(heads)
+    cu = _host("cu_seqlens", cu_seqlens)
+    kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "kv_exchange": kv_exchange}
+    layer = peer_bytes(cu, strategy=strategy, **kw)
+    spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
+    costs = rank_costs(cu, cp, spec, None, CostModel(causal=causal))
+    backward = passes == "forward+backward"
+    b, a = heads.itemsize, heads.acc_itemsize
+    f = kv_replication(heads.q, heads.kv, u) if u > 1 else 1
+    kv_row = 2 * heads.kv * f // u * heads.dim  # elements of a K and a V row of the rank's heads
+    phases = [p for p in layer.phases if p.passes == "forward" or backward]
+    row_bytes = b + (b + a if backward else 0)  # K/V copied; in the backward again, and their dK/dV sums
+    copied = []
+    for r in range(cp):
+        # the keys the kernel reads, put into one buffer: the gathered pack, or the exchange's compact keys
+        rows = int(costs.keys_read[r]) if layer.path == "exchange" else 0
+        n = rows * kv_row * row_bytes if cp > 1 else 0
+        if layer.path in ("heads", "hybrid"):  # all-to-all packing: what a rank sends and receives
+            n += 2 * sum(sum(p.recv[r]) for p in phases if p.kind == "all-to-all")
+        copied.append(n)
+    ring = layer.path == "ring" and cp > 1
+    return LayerTerms(
+        spec=spec,
+        path=layer.path,
+        heads=heads,
+        backward=backward,
+        tokens=int(costs.tokens[0]),
+        tiles=costs.tiles.tolist(),
+        key_rows=costs.key_rows.tolist() if backward else [0] * cp,
+        pieces=costs.pieces.tolist(),
+        copied=copied,
+        merges=(cp - 1) * (2 if backward else 1) if ring else 0,
+        phases=phases,
+        ring_tiles=ring_step_tiles(cu, cp, spec, causal) if ring else None,
+    )
+
+
+class StepTime(NamedTuple):
+    """One option's predicted layer, microseconds; per rank lists of ``cp`` floats."""
+
+    spec: StrategySpec
+    path: str
+    compute: list[float]  # kernel tiles, key rows, local copies and ring merges (and the token term)
+    comm: list[float]  # every phase, not overlapped
+    received: list[int]  # bytes each rank receives
+    as_run: float  # the slowest rank as the path runs (module docstring)
+    overlapped: float  # the slowest rank's max(compute, comm)
+
+    @property
+    def serial(self) -> float:
+        """The slowest rank's compute + communication."""
+        return max(c + m for c, m in zip(self.compute, self.comm, strict=True))
+
+
+def evaluate(terms: LayerTerms, topology: Topology = H200, speed: KernelSpeed | None = None) -> StepTime:
+    """:class:`StepTime` of ``terms`` at ``topology`` and ``speed`` (cheap: no plans)."""
+    speed = KernelSpeed() if speed is None else speed
+    scale = terms.heads.q * terms.heads.dim / 128  # query heads of 128 elements
+    per_tile = speed.forward_ps + (speed.backward_ps if terms.backward else 0.0)
+    kv_scale = terms.heads.kv * terms.heads.dim / 128
+    passes = 2 if terms.backward else 1
+    merge = terms.merges * speed.ring_row_ps * (scale + kv_scale)
+    fixed = terms.tokens * (speed.token_ns * 1e3 + merge)  # ps
+    compute, comm = [], []
+    per_rank = zip(terms.tiles, terms.key_rows, terms.pieces, terms.copied, strict=True)
+    for r, (tiles, key_rows, pieces, copied) in enumerate(per_rank):
+        ps = (tiles * per_tile + key_rows * speed.key_row_ps) * scale + pieces * passes * speed.piece_ps * kv_scale
+        ps += fixed
+        compute.append(ps / 1e6 + copied / (speed.memory_gbps * 1e3))
+        comm.append(sum(_phase_us(p, r, topology) for p in terms.phases))
+    received = [sum(sum(p.recv[r]) for p in terms.phases) for r in range(len(compute))]
+    both = list(zip(compute, comm, strict=True))
+    as_run = max(c + m for c, m in both)
+    if terms.ring_tiles is not None:  # per step, the slowest rank's compute or its block's transfer
+        cp = len(compute)
+        shares = [[t / max(sum(row), 1) for t in row] for row in terms.ring_tiles]
+        as_run = sum(max(max(c * shares[r][i], m / cp) for r, (c, m) in enumerate(both)) for i in range(cp))
+        # the backward's last dK/dV block travels to its owner after the last step, hidden behind nothing
+        tail = [p for p in terms.phases if p.passes == "backward" and p.count == cp]
+        as_run += max((_phase_us(p, r, topology) / p.count for p in tail for r in range(cp)), default=0.0)
+    return StepTime(terms.spec, terms.path, compute, comm, received, as_run, max(max(c, m) for c, m in both))
+
+
+def predict_time(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike,
+    heads: Heads,
+    topology: Topology = H200,
+    speed: KernelSpeed | None = None,
+    passes: str = "forward+backward",
+    causal: bool = True,
+    kv_exchange: str = "auto",
+) -> StepTime:
+    """Each rank's predicted time of one layer (attention, plus ``speed.token_ns`` per token) under
+    ``strategy`` (its ``comm`` and ``head_parallel`` included) over ``topology`` (module docstring).
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads`.
+        passes: ``"forward"`` or ``"forward+backward"``.
+        kv_exchange: ``Config.kv_exchange`` (whether sequence CP takes the sparse exchange).
+    """
+    kw = {"heads": heads, "passes": passes, "causal": causal, "kv_exchange": kv_exchange}
+    return evaluate(layer_terms(cu_seqlens, cp_size=cp_size, strategy=strategy, **kw), topology, speed)

@@ -1,0 +1,171 @@
+"""The step-time model (``cpcompile.advisor.timing``): its per-peer bytes against the communication
+model's totals and, for the ring, against what the ring's point-to-point steps receive on gloo; its
+phase times over a topology by hand; and its compute and overlap rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import Strategy, StrategySpec
+from cpcompile.advisor.comm_model import Heads, layer_bytes
+from cpcompile.advisor.timing import (
+    H200,
+    KernelSpeed,
+    Phase,
+    Topology,
+    _phase_us,
+    evaluate,
+    layer_terms,
+    parse_topology,
+    peer_bytes,
+    predict_time,
+)
+from cpcompile.cost import predict_rank_costs
+from tests.advisor.test_comm_model import CASES, LENGTHS
+from tests.dist import run_ranks
+from tests.fixtures import attention_case, cu_seqlens
+
+RING = StrategySpec(Strategy.DUAL_CHUNK_SWAP, comm="ring")
+
+
+@pytest.mark.parametrize("spec, heads, path", CASES)
+@pytest.mark.parametrize("exchange", ["auto", "never"])
+def test_peer_bytes_add_up_to_layer_bytes(spec, heads, path, exchange):
+    cu = cu_seqlens(LENGTHS)
+    layer = peer_bytes(cu, cp_size=4, strategy=spec, heads=heads, kv_exchange=exchange)
+    want = layer_bytes(cu, cp_size=4, strategy=spec, heads=heads, kv_exchange=exchange)
+    names = {"all-to-all": "heads", "all-to-all + all-gather": "hybrid"}
+    assert layer.path == names.get(want.path, want.path)
+    for passes, total in (("forward", want.forward), ("backward", want.backward)):
+        got = [sum(sum(p.recv[r]) for p in layer.phases if p.passes == passes) for r in range(4)]
+        assert got == total.tolist(), (spec, passes)
+    assert all(p.recv[r][r] == 0 for p in layer.phases for r in range(4))  # nothing from itself
+
+
+def _count_ring(rank: int, world: int) -> None:
+    """What each ring step's receive brings this rank, forward and backward, against the model's."""
+    heads = Heads(4, 2, 8)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        received = [0]
+        batch_isend_irecv = torch.distributed.batch_isend_irecv
+
+        def counted(ops):
+            received[0] += sum(op.tensor.nbytes for op in ops if op.op is torch.distributed.irecv)
+            return batch_isend_irecv(ops)
+
+        monkeypatch.setattr(torch.distributed, "batch_isend_irecv", counted)
+        cu, _, q, k, v, dout = attention_case(LENGTHS, heads.q, heads.kv, heads.dim, dtype=torch.bfloat16)
+        batch = cpcompile.shard_batch(
+            {"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=RING
+        )
+        local = [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
+        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=batch.cu_seqlens_padded, strategy=batch)
+        forward, received[0] = received[0], 0
+        torch.autograd.grad(out, local, batch.tensors["dout"])
+        layer = peer_bytes(cu, cp_size=world, strategy=RING, heads=heads)
+        assert layer.path == "ring"
+        want = [sum(sum(p.recv[rank]) for p in layer.phases if p.passes == s) for s in ("forward", "backward")]
+        assert [forward, received[0]] == want, f"rank {rank}: {[forward, received[0]]} against {want}"
+        assert {s for p in layer.phases for s, n in enumerate(p.recv[rank]) if n} == {(rank - 1) % world}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_bytes_are_what_the_ring_receives(world):
+    run_ranks(_count_ring, world)
+
+
+def test_phase_times_by_hand():
+    topo = Topology(gpus_per_node=2, intra_gbps=100, inter_gbps=10, intra_latency_us=1, inter_latency_us=5, call_us=7)
+    mb = 10**6  # 1 MB at 100 GB/s is 10 us, at 10 GB/s 100 us
+    a2a = [[0, mb, 2 * mb, 0], [0] * 4, [0] * 4, [0] * 4]
+    # rank 0: 1 MB from rank 1 on its node, 2 MB from rank 2 on the other: the NIC's 200 us
+    assert _phase_us(Phase("forward", "all-to-all", a2a), 0, topo) == pytest.approx(7 + 5 + 200)
+    assert _phase_us(Phase("forward", "all-to-all", a2a), 1, topo) == 0  # receives nothing
+    gather = [[0 if s == r else mb for s in range(4)] for r in range(4)]
+    # 3 MB over NVLink (30 us), the 2 MB from the other node entering it through 2 NICs (100 us); 3 hops
+    assert _phase_us(Phase("forward", "gather", gather, 2), 0, topo) == pytest.approx(2 * (7 + 3 * 5) + 100)
+    one_node = dataclasses.replace(topo, gpus_per_node=4)
+    assert _phase_us(Phase("forward", "gather", gather), 3, one_node) == pytest.approx(7 + 3 * 1 + 30)
+    ring = [[0, 0, 0, 3 * mb], [3 * mb, 0, 0, 0], [0] * 4, [0] * 4]  # 3 steps of 1 MB from the previous rank
+    assert _phase_us(Phase("forward", "ring", ring, 3), 0, topo) == pytest.approx(3 * (7 + 5) + 300)
+    assert _phase_us(Phase("forward", "ring", ring, 3), 1, topo) == pytest.approx(3 * (7 + 1) + 30)
+
+
+def test_as_run_is_compute_plus_comm_and_overlapped_their_max():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    heads = Heads(16, 16)
+    for spec in ("balanced", "dual_chunk_swap", StrategySpec(Strategy.BALANCED, head_parallel=2)):
+        t = predict_time(cu, cp_size=4, strategy=spec, heads=heads)
+        assert t.as_run == pytest.approx(max(c + m for c, m in zip(t.compute, t.comm)))
+        assert t.overlapped == pytest.approx(max(max(c, m) for c, m in zip(t.compute, t.comm)))
+        assert t.overlapped < t.as_run
+    # compute: the cost model's tiles at the kernel's speed; no communication at cp=1
+    one = predict_time(cu, cp_size=1, strategy="no_load_balance", heads=heads, passes="forward")
+    tiles = predict_rank_costs(cu, cp_size=1, strategy="no_load_balance").tiles
+    speed = KernelSpeed()
+    pieces = 8 * speed.piece_ps * heads.kv
+    assert one.compute == [pytest.approx((int(tiles[0]) * speed.forward_ps * heads.q + pieces) / 1e6)]
+    assert one.comm == [0.0] and one.received == [0]
+    # the token term adds the same to every rank; the backward adds its tiles
+    terms = layer_terms(cu, cp_size=4, strategy="balanced", heads=heads)
+    plain, mlp = evaluate(terms), evaluate(terms, speed=KernelSpeed(token_ns=1000))
+    rows = terms.tokens
+    assert [m - p for m, p in zip(mlp.compute, plain.compute)] == pytest.approx([rows * 1.0] * 4)
+
+
+def test_ring_as_run_waits_for_each_steps_slowest_rank():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    ring = predict_time(cu, cp_size=4, strategy=RING, heads=Heads(8, 8))
+    assert ring.path == "ring"
+    # each step waits for its slowest rank, so the ring is no faster than its busiest rank's compute
+    assert ring.as_run >= max(ring.compute)
+    slow = predict_time(cu, cp_size=4, strategy=RING, heads=Heads(8, 8), topology=Topology(intra_gbps=0.01))
+    assert slow.as_run > ring.as_run  # a slow link is not hidden
+
+
+def test_inter_node_links_cost_more_and_the_model_is_deterministic():
+    cu = cu_seqlens([30000, 400, 7, 9000, 1, 2600, 50000, 120])
+    heads = Heads(32, 8)
+    kw = {"cp_size": 16, "strategy": "dual_chunk_swap", "heads": heads}
+    one_node = predict_time(cu, topology=dataclasses.replace(H200, gpus_per_node=16), **kw)
+    two = predict_time(cu, **kw)
+    assert two.as_run > one_node.as_run and two.received == one_node.received
+    again = predict_time(cu.clone(), **kw)
+    assert again == two  # same floats, bit for bit
+
+
+def test_parse_topology():
+    assert parse_topology("h200") == H200
+    assert parse_topology("h200,inter_gbps=25,gpus_per_node=4") == dataclasses.replace(
+        H200, inter_gbps=25.0, gpus_per_node=4
+    )
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("dgx", r"topology must start with one of \['h200', 'h200-200g', 'h200-4'\], got 'dgx'"),
+        ("h200,speed=3", r"topology fields are \[.*'inter_gbps'.*\] as field=value, got 'speed=3'"),
+        ("h200,inter_gbps=fast", "topology field inter_gbps needs a number, got 'fast'"),
+        ("h200,inter_gbps=0", "Topology.inter_gbps must be a number > 0, got 0.0"),
+        ("h200,gpus_per_node=0", "gpus_per_node must be"),
+    ],
+)
+def test_bad_topologies_name_themselves(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_topology(text)
+
+
+def test_bad_arguments():
+    cu = cu_seqlens([64])
+    with pytest.raises(ValueError, match="passes must be one of"):
+        predict_time(cu, cp_size=2, strategy="balanced", heads=Heads(4, 4), passes="backward")
+    with pytest.raises(ValueError, match="comm='ring' runs sequence CP only"):
+        peer_bytes(cu, cp_size=2, strategy=StrategySpec(comm="ring", head_parallel=2), heads=Heads(4, 4))
+    with pytest.raises(ValueError, match="KernelSpeed.memory_gbps must be a number > 0"):
+        KernelSpeed(memory_gbps=0)

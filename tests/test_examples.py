@@ -119,3 +119,31 @@ def test_hf_main_job_reports_rates_and_compiles_its_layer_once(loss):
 def test_hf_main_job_without_torchrun_says_how_to_start_it():
     run = run_example(str(TRAIN_HF), "--steps", "1")
     assert run.returncode == 1 and "start it with torchrun --nproc-per-node 2 examples/train_hf.py" in run.stderr
+
+
+TRAIN_TRAINER = ROOT / "examples" / "train_trainer.py"
+TRAIN_SFT = ROOT / "examples" / "train_sft.py"
+
+
+def _logged_losses(stdout: str) -> list[str]:
+    """The Trainer's per-step log lines (rank 0 prints them as dicts)."""
+    return [line for line in stdout.splitlines() if line.startswith("{'loss'")]
+
+
+@pytest.mark.distributed
+def test_trainer_example_trains_at_cp2_with_one_graph(tmp_path):
+    pytest.importorskip("accelerate", reason='needs the trainers extra: pip install "cpcompile[trainers]"')
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    args = ["--steps", "3", "--inner", "eager", "--docs-per-pack", "4", "--output-dir", str(tmp_path)]
+    run = run_example(*torchrun, str(TRAIN_TRAINER), *args)
+    assert run.returncode == 0, run.stderr
+    assert len(_logged_losses(run.stdout)) == 3, run.stdout
+    assert run.stdout.splitlines()[-1] == "compiled graphs: 1"
+
+
+def test_sft_example_trains_on_one_process(tmp_path):
+    pytest.importorskip("trl", reason='needs the trainers extra: pip install "cpcompile[trainers]"')
+    args = ["--steps", "2", "--inner", "eager", "--docs-per-pack", "4", "--output-dir", str(tmp_path)]
+    run = run_example(str(TRAIN_SFT), *args)
+    assert run.returncode == 0, run.stderr
+    assert len(_logged_losses(run.stdout)) == 2 and "'mean_token_accuracy'" in run.stdout, run.stdout

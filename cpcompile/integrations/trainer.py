@@ -128,7 +128,9 @@ class CPTrainerMixin:
         if strategy is None:
             strategy = StrategySpec("balanced", windows=cphf.layer_windows(model.config))
         self.cp_strategy = strategy
-        _compile_in_place(model, cpcompile.backend(group=self.cp_group, inner=config.inner), config.regional)
+        # one process without a process group has nothing to make CP: the inner compiler alone
+        backend = cpcompile.backend(group=self.cp_group, inner=config.inner) if world > 1 else config.inner
+        _compile_in_place(model, backend, config.regional)
 
     def _check_cp_settings(self) -> None:
         """Refuse what would silently compute something else under CP (every rank raises alike)."""

@@ -102,7 +102,7 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
     all-to-all (what it does after, adding the returned sums to the rank's own parts, is not
     timed, as no communication is); else over all the keys (all-gathered), the backward
     writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
-    k_start, k_len, _ = window_keys(*plan[1:], window)  # (w, 0): bottom-right aligned, no positions
+    k_start, k_len, _ = window_keys(*plan.pieces, window)  # (w, 0): bottom-right aligned, no positions
     kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window}
     bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
     if read is not None:
@@ -137,7 +137,7 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
 def rank_reads(plans: list, cp: int, window) -> list | None:
     """Each rank's keys read, where ``cp_attention`` would exchange them (the rule its ranks
     apply to the counts they all hold), else ``None``: the all-gather."""
-    read = [exchange.reads(p.gather_index, *window_keys(*p[1:], window)[:2], cp) for p in plans]
+    read = [exchange.reads(p.gather_index, *window_keys(*p.pieces, window)[:2], cp) for p in plans]
     counts = [r.counts.tolist() for r in read]
     return read if exchange.use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
 

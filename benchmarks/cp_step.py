@@ -45,7 +45,7 @@ def rank_plan(cu, padded, spec, comm: str, local_tokens: int, device):
     build = cpcompile.plan.ring.make_ring_plan if comm == "ring" else cpcompile.plan.make_plan
     cp, rank = dist.get_world_size(), dist.get_rank()
     plan = build(cu.cpu(), padded.cpu(), cp_size=cp, rank=rank, strategy=spec, num_tokens=local_tokens * cp)
-    # uploaded with host twins: the sparse exchange finds the pack the plan was made from through them
+    # uploaded with host twins: what derives from it (the sparse exchange's plan, kernel metadata) reads them, no sync
     return type(plan)(*(upload(t, device) for t in plan))
 
 

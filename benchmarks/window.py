@@ -50,7 +50,7 @@ def ring_blocks(cu: torch.Tensor, cp: int, spec: StrategySpec, window: tuple[int
     live = []
     for rank in range(cp):
         plan = cpcompile.plan.make_plan(cu, cp_size=cp, rank=rank, strategy=spec)
-        k_start, k_len, _ = window_keys(*plan[1:], window)
+        k_start, k_len, _ = window_keys(*plan.pieces, window)
         _, lengths, _ = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         live.append(int(lengths.gt(0).any(1).sum()))
     return live

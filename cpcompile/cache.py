@@ -40,11 +40,12 @@ derivation on the twins and uploads its results in turn. The data loader can
 upload ``cu_seqlens`` the same way (``shard_batch(..., device=...)``), and then a
 step reads nothing from the GPU at all.
 
-What a plan was made from: some derivations need more than a plan tensor's values.
-The sparse exchange needs every rank's reads, which follow from the whole pack's
-layout (which every rank holds) but not from one rank's plan. :func:`attach` remembers
-such a value with the tensor, and :func:`attached` finds it again, also through an
-uploaded tensor's twin.
+Nothing else is found through a tensor: what a derivation needs beyond a plan tensor's values
+travels as values (the plan carries the pack it was made from: ``plan.pieces.AttentionPlan``).
+This module holds the two tensor-keyed tables, each with its key and lifetime stated: the
+:func:`per_plan` caches (key: :func:`_key` of the argument tensors, and the values of CPU ones;
+an entry lives until one of its tensors is freed, at most :data:`ENTRIES` per function) and the host
+twins (key: the uploaded tensor's :func:`_key`; an entry lives as long as the uploaded tensor).
 
 Under a CUDA graph capture (a captured CP step: docs/cuda-graphs.md) nothing is cached or
 looked up: a capture records kernels, not host work, so a value found on the host would be
@@ -100,7 +101,7 @@ def _values_of(args) -> tuple:
 
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph: :func:`per_plan` then caches
-    nothing, :func:`twin` and :func:`attached` find nothing, and :func:`upload` raises."""
+    nothing, :func:`twin` finds nothing, and :func:`upload` raises."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
@@ -326,39 +327,3 @@ def twinned(fn):
         return up(result)
 
     return wrapper
-
-
-# --- what a plan tensor was made from ---------------------------------------------------
-
-_ATTACHED = _Cache(None)
-
-
-def _memory_key(t: torch.Tensor):
-    # Inference tensors have no version counter: known by their memory alone, which holds
-    # as long as nothing writes a plan tensor in place (nothing does).
-    if t.is_inference():
-        return (_storage(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
-    return _key(t)
-
-
-def attach(t: torch.Tensor, value) -> None:
-    """Remember ``value`` with ``t`` while ``t`` lives, unchanged: what a plan tensor was made
-    from, for derivations that need more than its values (:func:`attached`). ``value`` must
-    not hold ``t`` (the entry would keep it alive). Nothing is remembered of fake and meta
-    tensors, or while tracing: they have no memory to know them by."""
-    if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta" or replayed(t):
-        return
-    _ATTACHED.put(_memory_key(t), [t], value, _values_of((t,)))
-
-
-def attached(t: torch.Tensor):
-    """The value :func:`attach` gave ``t``, or else its twin (a plan made on the host and
-    uploaded carries what it was made from); ``None`` when there is none."""
-    if torch.compiler.is_compiling() or is_fake(t) or replayed(t) or capturing():
-        return None
-    for x in (t, twin(t)):
-        if x is not None and x.device.type != "meta":
-            hit, value = _ATTACHED.get(_memory_key(x), _values_of((x,)))
-            if hit:
-                return value
-    return None

@@ -15,8 +15,6 @@ import cpcompile
 from cpcompile.attention.api import _single_device_pieces
 from cpcompile.cache import (
     ENTRIES,
-    attach,
-    attached,
     on_host,
     per_plan,
     readable,
@@ -153,32 +151,13 @@ def test_an_entry_evicted_under_the_lock_may_free_another_entrys_tensor():
     assert not worker.is_alive(), "per_plan deadlocked evicting an entry"
 
 
-def test_attached_values_go_with_their_tensor_and_its_uploads():
-    """What a plan tensor was made from: found through the tensor and the copies uploaded from it,
-    lost with a change or a plain copy, gone with the tensor."""
-
-    class Made:  # a value that can be weakly referenced
-        pass
-
-    plan, made = torch.arange(4), Made()
-    attach(plan, made)
-    assert attached(plan) is made and attached(plan[:]) is made  # a view of the same memory
-    dev = upload(plan, "meta")  # meta stands for a device here: the value is found through the twin
-    assert attached(dev) is made
-    assert attached(plan.clone()) is None
-    gone = weakref.ref(made)
-    del made, dev
-    plan.add_(1)  # changed in place: no longer what it was made from
-    assert attached(plan) is None
-    del plan
-    gc.collect()
-    assert gone() is None  # the entry went with its tensor
+def test_an_inference_tensors_upload_has_no_twin():
+    """An inference tensor has no version counter to know it by: its upload is a plain copy, without
+    a host twin (derivations then read the copy)."""
     with torch.inference_mode():
         frozen = torch.arange(3)
-        frozen_dev = upload(frozen, "meta")  # a plain copy: no twin
-    attach(frozen, "inference tensors are known by their memory")
-    assert attached(frozen) == "inference tensors are known by their memory"
-    assert twin(frozen_dev) is None and attached(frozen_dev) is None
+        frozen_dev = upload(frozen, "meta")  # meta stands for a device here
+    assert twin(frozen_dev) is None and twin(upload(torch.arange(3), "meta")) is not None
 
 
 def test_another_tensor_over_the_same_memory_is_another_plan():
@@ -230,8 +209,7 @@ def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
         assert total(out) == 11 and total(out[1:]) == 11 and len(calls) == 2  # a view of it too
         out.numpy()[1] = 5  # the next replay's values, version unchanged
         assert out._version == 0 and total(out) == 13 and len(calls) == 3
-        attach(out, "a plan")
-        assert attached(out) is None and twin(out) is out  # on the CPU a tensor is its own twin
+        assert twin(out) is out  # on the CPU a tensor is its own twin
         assert not same_plan(token(out), out)  # the K/V gather's kept buffers are zeroed anew
     finally:
         torch._C._remove_cached_tensor(out)
@@ -253,7 +231,7 @@ def _refilled_packs(docs: int, dtype=np.int32):
 @pytest.mark.parametrize("docs, dtype", [(1100, np.int32), (5000, np.int32), (1100, np.int64)])
 def test_a_refilled_buffer_of_any_size_is_known_by_its_values(docs, dtype):
     """Offsets past 4 KiB (more than 1,023 documents) refilled through numpy, version unchanged:
-    the cache, the values attached and a kept token all see the new pack."""
+    the cache and a kept token both see the new pack."""
     calls = []
 
     @per_plan
@@ -267,15 +245,14 @@ def test_a_refilled_buffer_of_any_size_is_known_by_its_values(docs, dtype):
     assert cu.nbytes > 4096
     assert torch.equal(plan(cu, 2), torch.from_numpy(first) * 2) and len(calls) == 1
     assert torch.equal(plan(cu[1:], 2), torch.from_numpy(first[1:]) * 2) and len(calls) == 2  # a view
-    kept, made = token(cu), "the first pack"
-    attach(cu, made)
+    kept = token(cu)
     plan(cu, 2), plan(cu[1:], 2)  # the next layers: cached
-    assert len(calls) == 2 and attached(cu) is made and same_plan(kept, cu)
+    assert len(calls) == 2 and same_plan(kept, cu)
     buffer[:] = second
     assert cu._version == 0
     assert torch.equal(plan(cu, 2), torch.from_numpy(second) * 2) and len(calls) == 3
     assert torch.equal(plan(cu[1:], 2), torch.from_numpy(second[1:]) * 2) and len(calls) == 4
-    assert attached(cu) is None and not same_plan(kept, cu)
+    assert not same_plan(kept, cu)
     plan(cu, 2), plan(cu[1:], 2)  # cached again for the new pack's layers
     assert len(calls) == 4
     buffer[-1] += 1  # a single offset

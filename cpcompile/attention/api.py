@@ -51,12 +51,11 @@ from cpcompile.plan.pieces import (
     head_step_plan,
     hybrid_step_plan,
     max_piece_len,
-    origin,
     plan_extras,
     plan_of,
     step_plan,
 )
-from cpcompile.plan.ring import RingPlan, ring_plan_of, ring_window_plan
+from cpcompile.plan.ring import RingPlan, block_key_ranges, ring_plan_of, ring_window_plan
 from cpcompile.plan.window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from cpcompile.spec import (
     Strategy,
@@ -77,7 +76,8 @@ def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> Atten
         # No padding: the documents are the pieces, one kernel sequence each, keys
         # consecutive (what kernels' ``disjoint_keys`` means). No all-gather: no index.
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        return AttentionPlan(cu_seqlens.new_empty(0, dtype=torch.int64), cu_seqlens, cu_seqlens[:-1], lengths, lengths)
+        index = cu_seqlens.new_empty(0, dtype=torch.int64)
+        return AttentionPlan(index, cu_seqlens, cu_seqlens[:-1], lengths, lengths, cu_seqlens, cu_seqlens)
     return plan_of(
         cu_seqlens, cu_seqlens_padded, cp_size=1, rank=0, strategy=Strategy.NO_LOAD_BALANCE, num_tokens=num_tokens
     )
@@ -86,7 +86,7 @@ def _single_device_plan(cu_seqlens, cu_seqlens_padded, num_tokens: int) -> Atten
 def _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window) -> kernels.Pieces:
     """The kernel's pieces for single-device attention: the documents, or the padded plan's."""
     plan = _single_device_plan(cu_seqlens, cu_seqlens_padded, q.shape[0])
-    k_start, k_len, q_pos = window_keys(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full, window)
+    k_start, k_len, q_pos = window_keys(*plan.pieces, window)
     whole = cu_seqlens_padded is None  # each piece a whole document, reading its own rows
     bounds = {"max_q": max_seqlen, "max_k": max_seqlen, "disjoint_keys": whole}
     return kernels.Pieces(plan.cu_q, k_start, k_len, q_pos=None if whole or is_causal(window) else q_pos, **bounds)
@@ -274,12 +274,14 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv, window):
+def _cp_call(q, plan: tuple, group_name, scale, kernel_name, kv, window):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
-    :class:`~cpcompile.comm.exchange.Exchange` (``None``: all-gather) and the kernel keywords."""
+    :class:`~cpcompile.plan.exchange.Exchange` (``None``: all-gather) and the kernel keywords;
+    ``plan``: ``(gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)``, the last two the pack's
+    offsets the plan carries (``None`` where the op was not given them)."""
     group = resolve_group(group_name)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window))  # before any communication
-    ex = exchange_plan(gather_index, k_start, k_len, group_name, kv)  # kv: Config.kv_exchange
+    ex = exchange_plan(*plan, window, group_name, kv)  # kv: Config.kv_exchange
     return group, kern, ex, _kernel_keywords(q, scale, window)
 
 
@@ -304,9 +306,12 @@ def _cp_attention(
     q_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)  # the exchange's: the pack, this rank's keys
+    group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return _dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
@@ -316,8 +321,9 @@ def _cp_attention(
 @_cp_attention.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
     check_fake_qkv(q, k, v)
-    q_pos = config[3] if len(config) > 3 else None
+    q_pos, cu_seqlens, cu_seqlens_padded = (config[i] if len(config) > i else None for i in (3, 6, 7))
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     check_fake_gather(q, gather_index, resolve_group(group_name).size())
     return dense_out_and_lse(q)
 
@@ -346,9 +352,12 @@ def _cp_attention_backward(
     q_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    group, kern, ex, kw = _cp_call(q, gather_index, k_start, k_len, group_name, scale, kernel_name, kv_exchange, window)
+    plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)
+    group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return _dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
@@ -412,8 +421,8 @@ def cp_attention(
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
         plan: a prebuilt :func:`cpcompile.plan.make_plan` (all_gather) or
             :func:`cpcompile.plan.ring.make_ring_plan` (ring) for this rank, to share across layers;
-            moved to the GPU with :func:`cpcompile.cache.upload`, not copied, for the sparse
-            exchange (``comm.exchange.exchange_plan``: it needs the pack the plan was made from).
+            moved to the GPU with :func:`cpcompile.cache.upload` (host twins: what derives from it,
+            and the check that it is this call's plan, read no value from the GPU).
         config: kernel and K/V transport (:class:`cpcompile.Config`; default
             :func:`cpcompile.config.default_config`).
     Returns:
@@ -464,7 +473,7 @@ def cp_attention(
             if max_seqlen is not None:
                 bound = max_piece_len(spec, cp, max_seqlen)
         else:
-            _check_plan(plan, path, window, q.shape[0], cp, rank, cu_seqlens, spec)
+            _check_plan(plan, path, window, q.shape[0], cp, rank, cu_seqlens, cu_seqlens_padded, spec)
         return resolve_config(config), spec, path, window, made, bound
 
     def record(prepared) -> dict[str, object]:
@@ -484,14 +493,15 @@ def cp_attention(
     if comm == "ring" and isinstance(plan, RingPlan):
         args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
         return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
-    k_start, k_len, q_pos = window_keys(*plan[1:], window)
+    k_start, k_len, q_pos = window_keys(*plan.pieces, window)
     if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
         ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
         return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
     args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
     kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
-    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window)[0]
+    pack = (plan.cu_seqlens, plan.cu_seqlens_padded)  # for the sparse exchange
+    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack)[0]
 
 
 def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
@@ -518,12 +528,14 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, sca
     }
 
 
-def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, spec) -> None:
+def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, cu_seqlens_padded, spec):
     """A caller's plan must be of the kind ``comm`` runs (a windowed ring runs from an
-    :class:`AttentionPlan`), made for this rank's token count and cp, and, where it is known what
-    it was made from (:func:`cpcompile.plan.pieces.origin`: plans from ``make_plan`` and ``make_ring_plan``),
-    for this rank, ``strategy`` and ``cu_seqlens``: a plan of another rank, layout or pack would
-    compute other documents' attention without an error, or leave ranks in mismatched collectives."""
+    :class:`AttentionPlan`), made for this rank's token count and cp, and, where its values can be read
+    without a host sync (on the host, through host twins, or with data checks on:
+    ``checks.data_checks_enabled``), be the plan this call makes for ``rank``, ``strategy``,
+    ``cu_seqlens`` and ``cu_seqlens_padded`` (:func:`_plan_differs`): a plan of another rank, layout or
+    pack would compute other documents' attention without an error, or leave ranks in mismatched
+    collectives."""
     kind = RingPlan if comm == "ring" and window in UNBANDED else AttentionPlan
     if not isinstance(plan, kind):
         what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" and window not in UNBANDED else "")
@@ -532,26 +544,66 @@ def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, 
         raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")
     if kind is AttentionPlan and plan.gather_index.shape[0] != local_tokens * cp:
         raise ValueError(f"plan covers {plan.gather_index.shape[0]} tokens, q holds {local_tokens} x cp_size {cp}")
-    made = origin(plan.k_len_causal)
-    if made is None:
-        return
-    if made.rank != rank or made.pack.layout.shape[0] != cp:
-        raise ValueError(
-            f"plan was made for rank {made.rank} of cp_size {made.pack.layout.shape[0]}, but this is rank {rank} of a "
-            f"group of {cp}"
-        )
-    layout = None if made.spec is None else (made.spec.strategy, made.spec.stripe_size, made.spec.windows)
-    if layout and spec.strategy is not Strategy.AUTO and layout != (spec.strategy, spec.stripe_size, spec.windows):
-        raise ValueError(f"plan was made for the layout {layout_name(made.spec)}, but strategy is {layout_name(spec)}")
-    if data_checks_enabled(cu_seqlens) or twin(cu_seqlens) is not None:  # no host sync
-        (given,) = on_host(cu_seqlens)
-        if not torch.equal(given.to(made.pack.cu_seqlens.dtype), made.pack.cu_seqlens):
-            raise ValueError(f"plan was made from other cu_seqlens: {_first_difference(made.pack.cu_seqlens, given)}")
+    tensors = (*plan, cu_seqlens, *(() if cu_seqlens_padded is None else (cu_seqlens_padded,)))
+    if not data_checks_enabled(cu_seqlens) and any(twin(t) is None for t in tensors):
+        return  # reading the values would wait for the stream
+    layout = (spec.strategy.value, spec.stripe_size, *plan_extras(spec))
+    args = (local_tokens * cp, cp, rank, layout, layout_name(spec), kind is RingPlan)
+    problem = _plan_differs(cu_seqlens, cu_seqlens_padded, *args, *plan)
+    if problem is not None:
+        raise ValueError(problem)
 
 
-def _first_difference(made: torch.Tensor, given: torch.Tensor) -> str:
-    """Where the plan's ``cu_seqlens`` and the call's part, in a few words (a pack may hold thousands)."""
+@per_plan
+def _plan_differs(
+    cu_seqlens, cu_seqlens_padded, tokens: int, cp: int, rank: int, layout: tuple, name: str, ring: bool, *plan
+):
+    """How the plan of tensors ``plan`` (a :class:`RingPlan`'s where ``ring``, else an :class:`AttentionPlan`'s)
+    differs from the one this call makes (``step_plan`` of the arguments, ``layout`` its strategy, stripe
+    size and extras, ``name`` the layout's name), in a message, or ``None`` where it is that plan. Once
+    per plan, on the host: its twins, else its values (no call reaches here where reading them would
+    wait for the stream)."""
+    given = _live_pieces((RingPlan if ring else AttentionPlan)(*on_host(*plan)))
+
+    def made(r: int):
+        """This call's plan for rank ``r``, on the host (the step plan's twins)."""
+        p = AttentionPlan(*on_host(*step_plan(cu_seqlens, cu_seqlens_padded, tokens, cp, r, *layout)))
+        if ring:
+            ranges = block_key_ranges(p.gather_index, p.k_start, (p.k_len_causal, p.k_len_full), cp_size=cp)
+            p = RingPlan(p.cu_q, *ranges, p.cu_seqlens, p.cu_seqlens_padded)
+        return _live_pieces(p)
+
+    def same(a, b) -> bool:
+        return all(x.shape == y.shape and torch.equal(x, y.to(x.dtype)) for x, y in zip(a, b, strict=True))
+
+    want = made(rank)
+    if same(given, want):
+        return None
+    (cu,) = on_host(cu_seqlens)
+    if not same((given.cu_seqlens,), (cu,)):
+        return f"plan was made from other cu_seqlens: {_first_difference(given.cu_seqlens, cu)}"
+    for r in range(cp):
+        if r != rank and same(given, made(r)):
+            return f"plan was made for rank {r} of cp_size {cp}, but this is rank {rank} of a group of {cp}"
+    padded = "the given cu_seqlens_padded" if cu_seqlens_padded is not None else "the layout's padding"
+    detail = "has other pieces"
+    if not same((given.cu_seqlens_padded,), (want.cu_seqlens_padded,)):
+        detail = "differs: " + _first_difference(given.cu_seqlens_padded, want.cu_seqlens_padded, "cu_seqlens_padded")
+    return f"plan was made for another layout or padding: this call's is {name} with {padded}, and its plan {detail}"
+
+
+def _live_pieces(plan):
+    """``plan`` (on the host) without its trailing empty piece slots, whose number depends on how the plan
+    was made (``auto`` keeps slots for whichever layout it picks), not on what it computes."""
+    live = int((plan.cu_q[1:] > plan.cu_q[:-1]).sum())  # the pieces with queries come first
+    kept = {"cu_q": plan.cu_q[: live + 1]}
+    kept |= {f: getattr(plan, f)[..., :live] for f in ("k_start", "k_len_causal", "k_len_full")}
+    return plan._replace(**kept)
+
+
+def _first_difference(made: torch.Tensor, given: torch.Tensor, name: str = "cu_seqlens") -> str:
+    """Where the plan's offsets ``name`` and the call's part, in a few words (a pack may hold thousands)."""
     if made.shape != given.shape:
-        return f"the plan's pack holds {made.shape[0] - 1} document(s), cu_seqlens {given.shape[0] - 1}"
+        return f"the plan's pack holds {made.shape[0] - 1} document(s), {name} {given.shape[0] - 1}"
     i = int((made != given.to(made.dtype)).nonzero()[0, 0])
-    return f"cu_seqlens[{i}] is {int(given[i])}, the plan's {int(made[i])}"
+    return f"{name}[{i}] is {int(given[i])}, the plan's {int(made[i])}"

@@ -21,7 +21,7 @@ from cpcompile.checks import agreement_enabled, check_offsets, rows_are_real
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.kernels.metadata import scratch
 from cpcompile.layouts.partition import check_capacity_documents
-from cpcompile.plan.pieces import max_pieces, step_plan
+from cpcompile.plan.pieces import AttentionPlan, max_pieces, step_plan
 from cpcompile.plan.slots import note_plan, plan_in_capture
 from cpcompile.plan.window import narrow_keys
 from cpcompile.spec import Strategy, StrategySpec, current_rows
@@ -33,14 +33,15 @@ def _spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategyS
 
 def plan_op(name: str, make, parameters: str):
     """The step-plan function ``make`` (``-> AttentionPlan``) as the op ``cpcompile::<name>``,
-    returning the plan's five tensors; ``parameters``: its schema's parameter list, given as a
+    returning the plan's seven tensors; ``parameters``: its schema's parameter list, given as a
     string so that the op is ``make`` itself rather than a function restating its parameters.
 
     The op takes the keywords ``group_name`` and ``calls`` too (the compiler pass gives them: the CP
     group, and per attention call the plan feeds what it does: its op, mask, whether its backward runs,
     constant shapes, dtype, scale, kernel); where a group is given, its ranks agree on the plan and the
     calls, once per step (:func:`agree_on_plan`)."""
-    schema = f"({parameters}, *, str group_name='', str[]? calls=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    outputs = ", ".join(["Tensor"] * len(AttentionPlan._fields))
+    schema = f"({parameters}, *, str group_name='', str[]? calls=None) -> ({outputs})"
 
     def run(*args, group_name="", calls=None):
         args = tuple(tuple(a) if isinstance(a, list) else a for a in args)  # int[] as tuples: per_plan keys on values
@@ -96,9 +97,11 @@ def _is_default(value, default) -> bool:
 
 
 def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tensor, ...]:
-    """A plan op's fake outputs: ``gather_index [T]`` int64, ``cu_q [P + 1]``, and three ``[P]``."""
+    """A plan op's fake outputs: ``gather_index [T]`` int64, ``cu_q [P + 1]``, three ``[P]``, and the pack's
+    offsets ``[B + 1]``."""
     index = cu_seqlens.new_empty(num_tokens, dtype=torch.int64)
-    return index, cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3))
+    pieces = (cu_seqlens.new_empty(pieces + 1), *(cu_seqlens.new_empty(pieces) for _ in range(3)))
+    return index, *pieces, *(cu_seqlens.new_empty(cu_seqlens.shape) for _ in range(2))
 
 
 @per_plan
@@ -135,9 +138,9 @@ def step_plan_in_layers(
 
 
 #: :func:`cpcompile.plan.pieces.step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start, k_len_causal,
-#: k_len_full [P])`` for ``T = num_tokens`` padded tokens, made once per ``cu_seqlens`` (checkpointed
-#: layers' recomputations, each with a ``cp_plan`` of its own, share it); ``layers``: see
-#: :func:`step_plan_in_layers`.
+#: k_len_full [P], cu_seqlens, cu_seqlens_padded [B + 1])`` for ``T = num_tokens`` padded tokens, made once
+#: per ``cu_seqlens`` (checkpointed layers' recomputations, each with a ``cp_plan`` of its own, share it);
+#: ``layers``: see :func:`step_plan_in_layers`.
 cp_plan = plan_op(
     "cp_plan",
     step_plan_in_layers,

@@ -495,7 +495,7 @@ def rewrite_packed_attention(
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
-            gather_index, cu_q, k_start, k_len_causal, k_len_full = plans[key]
+            gather_index, cu_q, k_start, k_len_causal, k_len_full, pack_cu, pack_padded = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None
             if m.window not in UNBANDED:
@@ -515,6 +515,7 @@ def rewrite_packed_attention(
                         insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)
                     ]
                 k_start, k_len, q_pos = window_keys[window_key]
+            op_kwargs = None
             if hybrid:
                 name = "head_all_to_all + cp_attention (hybrid)"
                 cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
@@ -557,6 +558,8 @@ def rewrite_packed_attention(
                 config_args = (config.kernel, config.kv_exchange, config.kv_chunks)
                 if m.window not in UNBANDED:  # bottom-right aligned when causal: no positions
                     config_args += (None if m.causal else q_pos, *m.window)
+                # the pack the plan was made from: the sparse exchange derives every rank's reads from it
+                op_kwargs = {"cu_seqlens": pack_cu, "cu_seqlens_padded": pack_padded}
             if not heads:
                 cp = insert(
                     target,
@@ -574,6 +577,7 @@ def rewrite_packed_attention(
                     ),
                     name,
                     m.node,
+                    op_kwargs,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, config))
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs

@@ -3,10 +3,10 @@
 A rank's pieces read document prefixes, which under balanced and no_load_balance
 lie mostly on the rank itself (docs/communication.md: a small fraction of what an
 all-gather brings; under dual_chunk_swap all of it). So, per plan, each rank works out
-which rows every rank reads, from the pack every plan is made from, which all ranks hold
-alike (:func:`exchange_plan`: no communication, and no host sync where the plan was made
-on the host, as :func:`cpcompile.plan.pieces.step_plan` makes it). The all-gather path stays
-for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the same way on
+which rows every rank reads, from the pack the plan carries (its layout, ``gather_index``, and
+its offsets), which all ranks hold alike (:func:`exchange_plan`: no communication, and no host
+sync where the plan was made on the host, as :func:`cpcompile.plan.pieces.step_plan` makes it).
+The all-gather path stays for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the same way on
 every rank, from the count matrix they all hold; :data:`EXCHANGE_AT` keeps a margin for
 cp > 2, where the all-to-all spans more GPUs.
 
@@ -24,7 +24,7 @@ from cpcompile.cache import on_host, per_plan, twinned, upload
 from cpcompile.comm.groups import resolve_group
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import keys_read, read_ranges
-from cpcompile.plan.pieces import origin
+from cpcompile.plan.pieces import layout_of
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
 #: all-gather's ``(cp - 1) x T_local``; ``Config.kv_exchange`` overrides.
@@ -111,45 +111,61 @@ def reads(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor
 
 
 @per_plan
-def exchange_plan(gather_index: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, group_name: str, choice: str):
-    """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical
-    keys) over the layout ``gather_index [T]``, or ``None`` where the all-gather is used;
-    ``choice``: one of :data:`SETTINGS` (``Config.kv_exchange``).
+def exchange_plan(
+    gather_index: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_padded: torch.Tensor | None,
+    window: tuple[int, int],
+    group_name: str,
+    choice: str,
+):
+    """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical keys
+    under ``window``, ``(left, right)``) of the pack of ``cu_seqlens`` and ``cu_seqlens_padded``
+    (``[B + 1]`` int32, an :class:`~cpcompile.plan.pieces.AttentionPlan`'s) laid out as ``gather_index``
+    ``[T]`` says, or ``None`` where the all-gather is used; ``choice``: one of :data:`SETTINGS`
+    (``Config.kv_exchange``).
 
-    No communication: the plan knows the pack it was made from (:func:`cpcompile.plan.pieces.origin`),
-    which every rank holds, so each rank derives every rank's reads itself
-    (:func:`make_exchange`), and all reach the same answer to :func:`use_exchange`. Made once
-    per plan (``per_plan``) on the host, from the plan's host twins where it has them
-    (:func:`cpcompile.plan.pieces.step_plan`), else from a copy (one host sync), and uploaded with
-    twins. Ranks must agree on ``choice``: ``Config`` is one of what ranks compare where they
-    check agreement (``checks.agreement_enabled``: always on gloo).
+    No communication: the plan carries the whole pack, which every rank holds alike, so each rank
+    derives every rank's reads itself (:func:`make_exchange`), and all reach the same answer to
+    :func:`use_exchange`. Made once per plan and window (``per_plan``) on the host, from the plan's
+    host twins where it has them (:func:`cpcompile.plan.pieces.step_plan`), else from a copy (one
+    host sync), and uploaded with twins. Ranks must agree on ``choice``: ``Config`` is one of what
+    ranks compare where they check agreement (``checks.agreement_enabled``: always on gloo).
 
-    A plan whose origin is unknown (a copy, a plan changed or made by hand) uses the
-    all-gather for ``"auto"``, and is an error for ``"always"``.
+    Without the pack's offsets (``None``: an op called without them, as the hybrid's is) the
+    all-gather is used for ``"auto"``, and ``"always"`` is an error.
     """
     if choice not in SETTINGS:
         raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {choice!r}")
     if choice == "never":
         return None
-    made = origin(k_len)
-    if made is None:
+    if cu_seqlens is None or cu_seqlens_padded is None:
         if choice == "always":
             raise ValueError(
-                "kv_exchange='always' needs the plan as cpcompile.plan.make_plan made it (moved with "
-                "cpcompile.cache.upload, not copied): every rank's reads follow from the pack it knows"
+                "kv_exchange='always' needs the pack's offsets (the plan's cu_seqlens and cu_seqlens_padded): "
+                "every rank's reads follow from the pack"
             )
         return None
     group = resolve_group(group_name)
-    cp, rank = made.pack.layout.shape[0], made.rank
-    if (cp, rank) != (group.size(), group.rank()):
-        raise ValueError(f"the plan is rank {rank}'s of cp_size {cp}, this is rank {group.rank()} of {group.size()}")
-    pack = made.pack.on_host()
-    ex = make_exchange(*on_host(k_start, k_len), pack, read_ranges(pack, made.window), rank, choice)
+    cp, rank = group.size(), group.rank()
+    cu, padded, k_start, k_len = on_host(cu_seqlens, cu_seqlens_padded, k_start, k_len)
+    pack = Pack(_layout(gather_index, cp), cu, padded)
+    ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window), rank, choice)
     if ex is None:
         return None
     return ex._replace(
         **{f: upload(getattr(ex, f), k_len.device) for f in ("k_start", "gather", "send_rows", "recv_dst", "sums")}
     )
+
+
+@per_plan
+def _layout(gather_index: torch.Tensor, cp: int) -> torch.Tensor:
+    """:func:`cpcompile.plan.pieces.layout_of` on the host (from the host twin where there is one), once
+    per plan: the causal, full and windowed exchanges of a step share it."""
+    (index,) = on_host(gather_index)
+    return layout_of(index, cp)
 
 
 def make_exchange(
@@ -202,6 +218,7 @@ def make_exchange(
     # what each other rank requests, in rank order: its runs of this rank's rows
     send_rows = _runs(first[rank, ~mine], n[rank, ~mine])
     run = (torch.searchsorted(lo_mine, k_start.long(), right=True) - 1).clamp(min=0)  # [P] the run holding each
+    _check_runs(k_start, k_len, lo_mine[run], hi[mine][run], rank)
     return Exchange(
         k_start=torch.where(k_len > 0, offset[run] + k_start.long() - lo_mine[run], 0).to(torch.int32),
         gather=gather,
@@ -211,6 +228,22 @@ def make_exchange(
         recv_counts=recv_counts,
         send_counts=send_counts,
     )
+
+
+def _check_runs(k_start: torch.Tensor, k_len: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rank: int) -> None:
+    """Raise ``ValueError`` unless each piece that reads keys (``k_start``, ``k_len`` ``[P]``) reads them
+    inside the run ``[lo, hi)`` ``[P]`` of the rank's reads that the pack says holds it: pieces of
+    another rank's, pack's or layout's plan than the offsets and ``gather_index`` beside them would
+    exchange rows other ranks do not send."""
+    start, live = k_start.long(), k_len > 0
+    outside = live & ((start < lo) | (start + k_len.long() > hi))
+    if bool(outside.any()):
+        p = int(outside.nonzero()[0, 0])
+        raise ValueError(
+            f"the plan's piece {p} reads keys [{int(start[p])}, {int(start[p] + k_len[p])}), which rank {rank} of the "
+            "pack its gather_index, cu_seqlens and cu_seqlens_padded describe does not read: the pieces are of "
+            "another rank's, pack's or layout's plan (make them with cpcompile.plan.make_plan)"
+        )
 
 
 def _runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

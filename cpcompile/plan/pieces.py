@@ -12,21 +12,21 @@ build it once per step and share it across layers. Sizes are static given the
 shapes (unused piece slots are empty), so nothing is read on the host, except by
 balanced (its cuts are chosen on the host) and auto (resolved from ``cu_seqlens``).
 
-A plan also knows the pack it was made from (:func:`origin`): the layout of every
-rank, which every rank computes alike. From it any rank derives which keys every
-other rank reads (:mod:`cpcompile.layouts.reads`), without asking it: the sparse K/V exchange's
-plan needs that, and so needs no communication.
+A plan also carries the pack it was made from, as values: its ``gather_index`` is the layout
+of every rank (its inverse), and its ``cu_seqlens`` and ``cu_seqlens_padded`` are the pack's
+offsets, which every rank holds alike. From them any rank derives which keys every other rank
+reads (:mod:`cpcompile.layouts.reads`), without asking it: the sparse K/V exchange's plan needs
+that, and so needs no communication.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import torch
 
-from cpcompile.cache import attach, attached, on_host, per_plan, upload
+from cpcompile.cache import on_host, per_plan, upload
 from cpcompile.checks import check_cp, check_int, check_offsets
 from cpcompile.cost.model import auto_candidates, resolve_auto
 from cpcompile.layouts.pack import Pack
@@ -35,13 +35,18 @@ from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strateg
 
 
 class AttentionPlan(NamedTuple):
-    """What one rank needs to run CP attention (``P`` = piece slots, ``T`` = padded tokens).
+    """What one rank needs to run CP attention (``P`` = piece slots, ``T`` = padded tokens, ``B`` documents).
 
     - ``gather_index``: ``[T]`` int64, row of the all-gathered K/V holding physical position p.
     - ``cu_q``: ``[P + 1]`` int32, local query offsets of the pieces (trailing slots empty).
     - ``k_start``: ``[P]`` int32, physical position of each piece's first key (its document start).
     - ``k_len_causal``: ``[P]`` int32, keys a piece sees when causal (0 for padding pieces).
     - ``k_len_full``: ``[P]`` int32, keys a piece sees when not causal (its document's real length).
+    - ``cu_seqlens``: ``[B + 1]`` int32, the pack's real offsets the plan was made from.
+    - ``cu_seqlens_padded``: ``[B + 1]`` int32, its physical offsets (given, or the layout's padding).
+
+    The last two and ``gather_index`` (whose inverse is every rank's layout, :func:`layout_of`) are the
+    whole pack: the sparse exchange derives every rank's reads from them (:mod:`cpcompile.plan.exchange`).
     """
 
     gather_index: torch.Tensor
@@ -49,39 +54,16 @@ class AttentionPlan(NamedTuple):
     k_start: torch.Tensor
     k_len_causal: torch.Tensor
     k_len_full: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
 
     def k_len(self, causal: bool) -> torch.Tensor:
         return self.k_len_causal if causal else self.k_len_full
 
-
-class Origin(NamedTuple):
-    """What a plan's ``k_len_causal`` or ``k_len_full`` (or a windowed ``k_len``,
-    :func:`cpcompile.plan.window.window_keys`) was made from: rank ``rank``'s pieces of ``pack``
-    (laid out by ``pack.spec``) under ``window`` (``(-1, 0)`` causal, ``(-1, -1)`` full; :func:`origin`)."""
-
-    pack: Pack
-    rank: int
-    window: tuple[int, int]
-
     @property
-    def spec(self) -> StrategySpec | None:
-        return self.pack.spec
-
-
-def origin(k_len: torch.Tensor) -> Origin | None:
-    """The :class:`Origin` of a plan's ``k_len_causal`` or ``k_len_full`` as :func:`make_plan` or
-    :func:`step_plan` made it (uploaded with :func:`cpcompile.cache.upload` too); ``None``
-    for other tensors: copies, changed or hand-made plans, plans made while tracing."""
-    found = attached(k_len)
-    return found if isinstance(found, Origin) else None
-
-
-def attach_origin(plan, pack: Pack, rank: int) -> None:
-    """Remember with ``plan``'s ``k_len_causal`` and ``k_len_full`` what it was made from (:func:`origin`)."""
-    # the sparse exchange derives every rank's reads from the pack (comm.exchange.exchange_plan);
-    # cp_attention checks a caller's plan (AttentionPlan or RingPlan) against its arguments
-    attach(plan.k_len_causal, Origin(pack, rank, (-1, 0)))
-    attach(plan.k_len_full, Origin(pack, rank, (-1, -1)))
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        """``(cu_q, k_start, k_len_causal, k_len_full)``: what :func:`cpcompile.plan.window.window_keys` takes."""
+        return self.cu_q, self.k_start, self.k_len_causal, self.k_len_full
 
 
 def max_pieces(spec: StrategySpec, num_docs: int, t_local):
@@ -137,6 +119,12 @@ def _gather_index(layout: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
 
 
+def layout_of(gather_index: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``[cp, T_local]`` int64: every rank's physical positions, each row ascending: the inverse of
+    ``gather_index`` ``[T]`` (:func:`_gather_index`: all-gathered rows are rank-major)."""
+    return _gather_index(gather_index).view(cp_size, gather_index.shape[0] // cp_size)
+
+
 def check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens, *, per_rank: bool = True) -> None:
     """The checks of the public plan functions' arguments (the plan's internals check nothing again);
     ``per_rank``: the plan is one rank's, whose ``rank`` must be given."""
@@ -188,17 +176,24 @@ def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, stra
     live = (q_len > 0) & real[first]
     k_len_causal = torch.where(live, pos[first] + q_len, 0)
     k_len_full = torch.where(live, real_len[doc[first]], 0)
-    plan = AttentionPlan(
+    return AttentionPlan(
         gather_index=gather_index,
         cu_q=cu_q.to(torch.int32),
         k_start=cu_p[doc[first]].to(torch.int32),
         k_len_causal=k_len_causal.to(torch.int32),
         k_len_full=k_len_full.to(torch.int32),
+        **_offsets(cu_seqlens, cu_seqlens_padded),
     )
-    # copies of the offsets: the caller's, held here, would outlive the plans cached by them
-    own = dataclasses.replace(pack, cu_seqlens=cu_seqlens.clone(), cu_seqlens_padded=cu_seqlens_padded.clone())
-    attach_origin(plan, own, rank)
-    return plan
+
+
+def _offsets(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A plan's ``cu_seqlens`` and ``cu_seqlens_padded`` fields: int32 copies of the pack's offsets. Copies,
+    not the caller's tensors: a plan cached by them (``per_plan``) would keep them alive, and its entry
+    with them."""
+    return {
+        "cu_seqlens": cu_seqlens.to(torch.int32, copy=True),
+        "cu_seqlens_padded": cu_seqlens_padded.to(torch.int32, copy=True),
+    }
 
 
 def plan_extras(spec: StrategySpec) -> tuple:
@@ -211,14 +206,13 @@ def plan_extras(spec: StrategySpec) -> tuple:
 
 
 def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=(), **kw):
-    """``(plan, uploaded)``: ``make(cu, padded, strategy=..., **kw)`` run on host copies of the pack
+    """``make(cu, padded, strategy=..., **kw)`` (an :class:`AttentionPlan`) run on host copies of the pack
     (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
     host twins (:mod:`cpcompile.cache`), so that what derives from the plan reads sizes there."""
     padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
     cu, *padded = on_host(cu_seqlens, *padded)
     spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
-    plan = make(cu, *padded, strategy=spec, **kw)
-    return plan, AttentionPlan(*(upload(t, cu_seqlens.device) for t in plan))
+    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in make(cu, *padded, strategy=spec, **kw)))
 
 
 @per_plan
@@ -245,11 +239,7 @@ def step_plan(
     """
     kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
     kw |= {"windows": tuple(windows), "capacity": tuple(capacity)}
-    plan, uploaded = _made_on_host(plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
-    made = origin(plan.k_len_causal)
-    if made is not None:  # inference tensors travel without twins to find it through
-        attach_origin(uploaded, made.pack, rank)
-    return uploaded
+    return _made_on_host(plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
 
 
 def make_head_plan(
@@ -297,7 +287,7 @@ def head_step_plan(
 ) -> AttentionPlan:
     """:func:`make_head_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
     kw = {"cp_size": cp_size, "num_tokens": num_tokens}
-    return _made_on_host(head_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
+    return _made_on_host(head_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
 
 
 def make_hybrid_plan(
@@ -350,6 +340,7 @@ def hybrid_plan_of(
         k_start=cu_seqlens_padded.long()[doc[first]].to(torch.int32),
         k_len_causal=torch.where(live, pos[first] + q_len, 0).to(torch.int32),
         k_len_full=torch.where(live, real_len[doc[first]], 0).to(torch.int32),
+        **_offsets(cu_seqlens, cu_seqlens_padded),
     )
 
 
@@ -366,4 +357,4 @@ def hybrid_step_plan(
 ) -> AttentionPlan:
     """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
     kw = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "num_tokens": num_tokens}
-    return _made_on_host(hybrid_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)[1]
+    return _made_on_host(hybrid_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)

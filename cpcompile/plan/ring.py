@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from cpcompile.cache import per_plan
-from cpcompile.plan.pieces import attach_origin, check_plan_arguments, origin, plan_of
+from cpcompile.plan.pieces import check_plan_arguments, layout_of, plan_of
 from cpcompile.spec import StrategyLike
 
 
@@ -39,12 +39,16 @@ class RingPlan(NamedTuple):
     - ``k_len_causal``: ``[cp, P]`` int32, keys of block ``s`` piece ``p`` sees when causal
       (bottom-right aligned in the own block, all rows alike in the others).
     - ``k_len_full``: ``[cp, P]`` int32, keys of block ``s`` piece ``p`` sees when not causal.
+    - ``cu_seqlens``, ``cu_seqlens_padded``: ``[B + 1]`` int32, the pack's offsets the plan was made
+      from (as in :class:`AttentionPlan`: what ``cp_attention`` checks a caller's plan against).
     """
 
     cu_q: torch.Tensor
     k_start: torch.Tensor
     k_len_causal: torch.Tensor
     k_len_full: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
 
     def k_len(self, causal: bool) -> torch.Tensor:
         return self.k_len_causal if causal else self.k_len_full
@@ -52,10 +56,7 @@ class RingPlan(NamedTuple):
 
 def block_positions(gather_index: torch.Tensor, cp_size: int) -> torch.Tensor:
     """``[cp, T_local]`` int64: the physical positions of every rank's block, each row ascending."""
-    t = gather_index.shape[0]
-    # all-gather rows are rank-major, so inverting gather_index gives every rank's layout
-    layout = torch.empty_like(gather_index).scatter_(0, gather_index, torch.arange(t, device=gather_index.device))
-    return layout.view(cp_size, t // cp_size)
+    return layout_of(gather_index, cp_size)
 
 
 def block_key_ranges(
@@ -110,8 +111,4 @@ def ring_plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int,
     """:func:`make_ring_plan` of offsets a public entry checked."""
     plan = plan_of(cu_seqlens, cu_seqlens_padded, cp_size=cp_size, rank=rank, strategy=strategy, num_tokens=num_tokens)
     ranges = block_key_ranges(plan.gather_index, plan.k_start, (plan.k_len_causal, plan.k_len_full), cp_size=cp_size)
-    ring = RingPlan(plan.cu_q, *ranges)
-    made = origin(plan.k_len_causal)
-    if made is not None:  # what it was made from, for cp_attention's checks of a caller's plan
-        attach_origin(ring, made.pack, rank)
-    return ring
+    return RingPlan(plan.cu_q, *ranges, plan.cu_seqlens, plan.cu_seqlens_padded)

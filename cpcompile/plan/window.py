@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cpcompile.cache import attach, attached, per_plan, twinned
+from cpcompile.cache import per_plan, twinned
 
 #: The windows that need no band: full attention and causal attention.
 UNBANDED = ((-1, -1), (-1, 0))
@@ -58,7 +58,10 @@ def is_causal(window: tuple[int, int]) -> bool:
 
 @per_plan
 @twinned  # on the host where the plan has twins, uploaded with them: the exchange reads its sizes
-def _narrow(cu_q, k_start, k_len_causal, k_len_full, left: int, right: int):
+def narrow_keys(cu_q, k_start, k_len_causal, k_len_full, left: int, right: int):
+    """:func:`window_keys` of any window, as new tensors, once per plan and window (``per_plan``):
+    every layer gets the same tensors, and what the ops derive from them (the exchange's plan) is
+    derived once."""
     q_len = (cu_q[1:] - cu_q[:-1]).long()
     live = k_len_full > 0  # [P] real pieces (padding and empty slots read no key)
     end = k_len_causal.long()  # one past the piece's last position in its document: b
@@ -92,17 +95,6 @@ def window_keys(cu_q, k_start, k_len_causal, k_len_full, window: tuple[int, int]
     if window == (-1, -1):
         return k_start, k_len_full, None
     return narrow_keys(cu_q, k_start, k_len_causal, k_len_full, *window)
-
-
-def narrow_keys(cu_q, k_start, k_len_causal, k_len_full, left: int, right: int):
-    """:func:`window_keys` of any window, as new tensors, once per plan and window (``per_plan``):
-    every layer gets the same tensors, and what the ops derive from them (the exchange's plan,
-    which finds the plan's pack through them) is derived once."""
-    out = _narrow(cu_q, k_start, k_len_causal, k_len_full, left, right)
-    made = attached(k_len_causal)
-    if made is not None and attached(out[1]) is None:  # the plan's origin, for the sparse exchange
-        attach(out[1], made._replace(window=(left, right)))
-    return out
 
 
 def beyond_gpu(window: tuple[int, int], *, whole_documents: bool = False, ring: bool = False) -> str | None:

@@ -153,8 +153,10 @@ def _check_exchange_rows(rank: int, world: int) -> None:
     plan = step_plan(cu, None, 40 * world, world, rank, "no_load_balance", 1)
     received = {}
     for window in ((-1, 0), (2, 0)):
-        k_start, k_len, _ = window_keys(*plan[1:], window)
-        ex = exchange_plan(plan.gather_index, k_start, k_len, "0", "always")
+        k_start, k_len, _ = window_keys(*plan.pieces, window)
+        ex = exchange_plan(
+            plan.gather_index, k_start, k_len, plan.cu_seqlens, plan.cu_seqlens_padded, window, "0", "always"
+        )
         received[window] = sum(ex.recv_counts)
     # no_load_balance: rank r reads all of ranks < r causally, and 2 rows of rank r - 1 with the window
     assert received == {(-1, 0): 40 * rank, (2, 0): 2 * min(rank, 1)}, received

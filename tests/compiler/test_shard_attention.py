@@ -86,13 +86,15 @@ class GraphModule(torch.nn.Module):
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
-        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3]
+        cu_seqlens: "i32[s40]" = cp_plan[5]
+        cu_seqlens_padded: "i32[s40]" = cp_plan[6];  cp_plan = None
         add: "Sym(s7 + 4)" = l_max_seqlen_ + 4
         sub: "Sym(s7 + 3)" = add - 1;  add = None
         floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
         mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1, cu_seqlens = cu_seqlens, cu_seqlens_padded = cu_seqlens_padded);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = cu_seqlens = cu_seqlens_padded = None
         getitem_1: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
         return (getitem_1,)
 """,
@@ -136,13 +138,15 @@ class GraphModule(torch.nn.Module):
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         k_start: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
-        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        k_len_causal: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3]
+        cu_seqlens: "i32[s40]" = cp_plan[5]
+        cu_seqlens_padded: "i32[s40]" = cp_plan[6];  cp_plan = None
         add: "Sym(s7 + 4)" = l_max_seqlen_ + 4
         sub: "Sym(s7 + 3)" = add - 1;  add = None
         floordiv: "Sym(((s7 + 3)//4))" = sub // 4;  sub = None
         mul: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = None
+        cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_max_seqlen_, mul, None, 'auto', 1, cu_seqlens = cu_seqlens, cu_seqlens_padded = cu_seqlens_padded);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_max_seqlen_ = mul = cu_seqlens = cu_seqlens_padded = None
         out: "f32[s85, s34, s0]" = cp_attention[0];  cp_attention = None
         return (out,)
 """,
@@ -160,8 +164,8 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(
             "\n".join(plans),
             """\
-%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
-%cp_plan : [num_users=4] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
         )
 
     def test_layers_share_one_plan(self):
@@ -182,31 +186,33 @@ class GraphModule(torch.nn.Module):
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
-        getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
+        getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3]
+        getitem_5: "i32[s40]" = cp_plan[5]
+        getitem_6: "i32[s40]" = cp_plan[6];  cp_plan = None
 
-        add_10: "Sym(s7 + 4)" = primals_10 + 4
-        sub_5: "Sym(s7 + 3)" = add_10 - 1;  add_10 = None
-        floordiv: "Sym(((s7 + 3)//4))" = sub_5 // 4;  sub_5 = None
-        mul_6: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
+        add_14: "Sym(s7 + 4)" = primals_10 + 4
+        sub_7: "Sym(s7 + 3)" = add_14 - 1;  add_14 = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub_7 // 4;  sub_7 = None
+        mul_8: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6, None, 'auto', 1)
-        getitem_5: "f32[s85, s34, s0]" = cp_attention[0]
-        getitem_6: "f32[s34, s85]" = cp_attention[1];  cp_attention = None
-        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_5)
-        return (getitem_5, primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, getitem_6, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_6)
+        cp_attention = torch.ops.cpcompile.cp_attention.default(primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_8, None, 'auto', 1, None, -1, -1, getitem_5, getitem_6)
+        getitem_7: "f32[s85, s34, s0]" = cp_attention[0]
+        getitem_8: "f32[s34, s85]" = cp_attention[1];  cp_attention = None
+        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_7)
+        return (getitem_7, primals_4, primals_6, primals_7, getitem, getitem_1, getitem_2, getitem_3, getitem_5, getitem_6, getitem_8, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_8)
 """,
         )
         self.assertExpectedInline(
             graphs["backward"],
             """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_6: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_6: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
+    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_8: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem: "i64[2*s85]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_2: "i32[Min(s85, 3*s40 - 3)]", getitem_3: "i32[Min(s85, 3*s40 - 3)]", getitem_5: "i32[s40]", getitem_6: "i32[s40]", getitem_8: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
         detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
-        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_6, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_6, None, 'auto', 1);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_6 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = mul_6 = None
-        getitem_7: "f32[s85, s34, s0]" = cp_attention_backward[0]
-        getitem_8: "f32[s85, s25, s0]" = cp_attention_backward[1]
-        getitem_9: "f32[s85, s25, s0]" = cp_attention_backward[2];  cp_attention_backward = None
-        return (None, None, None, getitem_7, None, getitem_8, getitem_9, None, None, None)
+        cp_attention_backward = torch.ops.cpcompile.cp_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_8, getitem, getitem_1, getitem_2, getitem_3, '0', True, None, primals_10, mul_8, None, 'auto', 1, None, -1, -1, getitem_5, getitem_6);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_8 = getitem = getitem_1 = getitem_2 = getitem_3 = primals_10 = mul_8 = getitem_5 = getitem_6 = None
+        getitem_9: "f32[s85, s34, s0]" = cp_attention_backward[0]
+        getitem_10: "f32[s85, s25, s0]" = cp_attention_backward[1]
+        getitem_11: "f32[s85, s25, s0]" = cp_attention_backward[2];  cp_attention_backward = None
+        return (None, None, None, getitem_9, None, getitem_10, getitem_11, None, None, None)
 """,
         )
 
@@ -379,32 +385,32 @@ class GraphModule(torch.nn.Module):
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
         getitem_3: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[3];  cp_plan = None
         ring_key_ranges = torch.ops.cpcompile.ring_key_ranges.default(getitem, getitem_2, getitem_3, 2);  getitem = getitem_2 = getitem_3 = None
-        getitem_5: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[0]
-        getitem_6: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[1];  ring_key_ranges = None
+        getitem_7: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[0]
+        getitem_8: "i32[2, Min(s85, 3*s40 - 3)]" = ring_key_ranges[1];  ring_key_ranges = None
 
-        add_16: "Sym(s7 + 4)" = primals_10 + 4
-        sub_7: "Sym(s7 + 3)" = add_16 - 1;  add_16 = None
-        floordiv: "Sym(((s7 + 3)//4))" = sub_7 // 4;  sub_7 = None
-        mul_8: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
+        add_20: "Sym(s7 + 4)" = primals_10 + 4
+        sub_9: "Sym(s7 + 3)" = add_20 - 1;  add_20 = None
+        floordiv: "Sym(((s7 + 3)//4))" = sub_9 // 4;  sub_9 = None
+        mul_10: "Sym(2*(((s7 + 3)//4)))" = floordiv * 2;  floordiv = None
 
-        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8, None)
-        getitem_7: "f32[s85, s34, s0]" = cp_ring_attention[0]
-        getitem_8: "f32[s34, s85]" = cp_ring_attention[1];  cp_ring_attention = None
-        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_7)
-        return (getitem_7, primals_4, primals_6, primals_7, getitem_1, getitem_5, getitem_6, getitem_8, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_8)
+        cp_ring_attention = torch.ops.cpcompile.cp_ring_attention.default(primals_4, primals_6, primals_7, getitem_1, getitem_7, getitem_8, '0', True, None, primals_10, mul_10, None)
+        getitem_9: "f32[s85, s34, s0]" = cp_ring_attention[0]
+        getitem_10: "f32[s34, s85]" = cp_ring_attention[1];  cp_ring_attention = None
+        detach: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(getitem_9)
+        return (getitem_9, primals_4, primals_6, primals_7, getitem_1, getitem_7, getitem_8, getitem_10, detach, primals_10, primals_3, primals_2, primals_1, primals_5, primals_8, mul_10)
 """,
         )
         self.assertExpectedInline(
             graphs["backward"],
             """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_8: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_5: "i32[2, Min(s85, 3*s40 - 3)]", getitem_6: "i32[2, Min(s85, 3*s40 - 3)]", getitem_8: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
+    def forward(self, primals_10: "Sym(s7)", primals_3: "Sym(s0)", primals_2: "Sym(s34)", primals_1: "Sym(s85)", primals_5: "Sym(s25)", primals_8: "Sym(s40)", mul_10: "Sym(2*(((s7 + 3)//4)))", primals_4: "f32[s85, s34, s0]", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]", getitem_7: "i32[2, Min(s85, 3*s40 - 3)]", getitem_8: "i32[2, Min(s85, 3*s40 - 3)]", getitem_10: "f32[s34, s85]", detach: "f32[s85, s34, s0]", tangents_1: "f32[s85, s34, s0]"):
         detach_1: "f32[s85, s34, s0]" = torch.ops.aten.detach.default(detach);  detach = None
-        cp_ring_attention_backward = torch.ops.cpcompile.cp_ring_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_8, getitem_1, getitem_5, getitem_6, '0', True, None, primals_10, mul_8, None);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_8 = getitem_1 = getitem_5 = getitem_6 = primals_10 = mul_8 = None
-        getitem_9: "f32[s85, s34, s0]" = cp_ring_attention_backward[0]
-        getitem_10: "f32[s85, s25, s0]" = cp_ring_attention_backward[1]
-        getitem_11: "f32[s85, s25, s0]" = cp_ring_attention_backward[2];  cp_ring_attention_backward = None
-        return (None, None, None, getitem_9, None, getitem_10, getitem_11, None, None, None)
+        cp_ring_attention_backward = torch.ops.cpcompile.cp_ring_attention_backward.default(tangents_1, primals_4, primals_6, primals_7, detach_1, getitem_10, getitem_1, getitem_7, getitem_8, '0', True, None, primals_10, mul_10, None);  tangents_1 = primals_4 = primals_6 = primals_7 = detach_1 = getitem_10 = getitem_1 = getitem_7 = getitem_8 = primals_10 = mul_10 = None
+        getitem_11: "f32[s85, s34, s0]" = cp_ring_attention_backward[0]
+        getitem_12: "f32[s85, s25, s0]" = cp_ring_attention_backward[1]
+        getitem_13: "f32[s85, s25, s0]" = cp_ring_attention_backward[2];  cp_ring_attention_backward = None
+        return (None, None, None, getitem_11, None, getitem_12, getitem_13, None, None, None)
 """,
         )
 

@@ -89,7 +89,7 @@ def test_simulated_ranks_sliding_window_bf16(strategy, kernel):
             *(t.cuda() for t in cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy))
         )
         idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=strategy).cuda()
-        k_start, k_len, _ = window_keys(*plan[1:], window)  # right = 0: bottom-right, no positions
+        k_start, k_len, _ = window_keys(*plan.pieces, window)  # right = 0: bottom-right, no positions
         pieces = Pieces(plan.cu_q, k_start, k_len)
         o, lse = kern.forward(q[idx], k, v, pieces, **kw)
         gq, gk, gv = kern.backward(dout[idx], q[idx], k, v, o, lse, pieces, **kw)

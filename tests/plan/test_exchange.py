@@ -134,23 +134,39 @@ def test_the_plan_is_the_one_ranks_agreed_by_collectives(lengths, cp, spec, caus
     tokens = int(padded[-1])
     plans = [step_plan(cu, padded, tokens, cp, r, spec.strategy.value, spec.stripe_size) for r in range(cp)]
     want = _as_ranks_told_each_other(plans, causal, choice)
+    window = (-1, 0) if causal else (-1, -1)
     for rank, plan in enumerate(plans):
         with _rank_that_cannot_communicate(cp, rank):
-            got = exchange_plan(plan.gather_index, plan.k_start, plan.k_len(causal), "group", choice)
+            got = exchange_plan(*_keys(plan, causal), *_pack(plan), window, "group", choice)
         _assert_same(got, want[rank], f"rank {rank} of {cp}, {spec}, causal={causal}, {choice}, docs {lengths}")
 
 
-def test_a_plan_of_unknown_origin_gathers_or_is_refused():
-    """A plan copied by hand no longer knows the pack it was made from, which the exchange needs:
-    ``auto`` uses the all-gather, ``always`` says what to do."""
+def _keys(plan, causal: bool) -> tuple[torch.Tensor, ...]:
+    return plan.gather_index, plan.k_start, plan.k_len(causal)
+
+
+def _pack(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    return plan.cu_seqlens, plan.cu_seqlens_padded
+
+
+def test_a_plan_carries_its_pack_as_values():
+    """The exchange derives every rank's reads from the pack the plan carries, so a copy of a plan
+    (or one made by hand) exchanges as the plan does; an op given no offsets (the hybrid's) uses the
+    all-gather for ``auto``, and ``always`` says what it lacks; pieces of another rank's plan beside
+    this rank's pack are refused, not exchanged."""
     cu = cu_seqlens([5, 11])
     plan = cpcompile.plan.make_plan(cu, cp_size=2, rank=1, strategy="no_load_balance")
-    copied = [t.clone() for t in (plan.gather_index, plan.k_start, plan.k_len_causal)]
+    copied = type(plan)(*(t.clone() for t in plan))
+    causal = (-1, 0)
     with _rank_that_cannot_communicate(2, 1):
-        assert exchange_plan(plan.gather_index, plan.k_start, plan.k_len_causal, "group", "always") is not None
-        assert exchange_plan(*copied, "group", "auto") is None
-        with pytest.raises(ValueError, match="kv_exchange='always' needs the plan as cpcompile.plan.make_plan made it"):
-            exchange_plan(*copied, "group", "always")
-        with pytest.raises(ValueError, match=r"the plan is rank 1's of cp_size 2, this is rank 0 of 2"):
-            with _rank_that_cannot_communicate(2, 0):
-                exchange_plan(plan.gather_index, plan.k_start, plan.k_len_full, "group", "always")
+        made = exchange_plan(*_keys(plan, True), *_pack(plan), causal, "group", "always")
+        _assert_same(exchange_plan(*_keys(copied, True), *_pack(copied), causal, "group", "always"), made, "copy")
+        assert exchange_plan(*_keys(plan, True), None, None, causal, "group", "auto") is None
+        with pytest.raises(ValueError, match=r"kv_exchange='always' needs the pack's offsets \(the plan's cu_seqlens"):
+            exchange_plan(*_keys(plan, True), None, None, causal, "group", "always")
+    with (
+        _rank_that_cannot_communicate(2, 0),
+        pytest.raises(ValueError, match=r"piece 0 reads keys \[5, 16\), which rank 0"),
+    ):
+        other = type(plan)(*(t.clone() for t in plan))  # not the plan whose exchange rank 1 cached
+        exchange_plan(*_keys(other, True), *_pack(other), causal, "group", "always")

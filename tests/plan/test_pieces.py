@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 import cpcompile
 from cpcompile.batch import _to_documents
 from cpcompile.kernels import Pieces, reference
+from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import padding_multiple
 from cpcompile.layouts.reads import keys_read, read_lengths, read_ranges
-from cpcompile.plan.pieces import origin, step_plan
+from cpcompile.plan.pieces import layout_of, pack_of, step_plan
 from cpcompile.plan.window import window_keys
 from tests.fixtures import LAYOUT_CASE, cu_seqlens, pack_lengths_st
 from tests.fixtures import LAYOUT_SPECS as SPECS
@@ -129,16 +130,18 @@ def test_opcheck_cp_plan():
 @given(lengths=pack_lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), spec=st.sampled_from(SPECS))
 def test_every_ranks_reads_follow_from_the_pack(lengths, cp, spec):
     """The keys each rank's pieces read, from the pack alone (``read_lengths``), are those its own
-    plan's pieces read; every plan knows the pack it was made from."""
+    plan's pieces read; every plan carries the pack it was made from (its offsets, and its layout
+    as ``gather_index``)."""
     cu = cu_seqlens(lengths)
     padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     plans = [cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     total = plans[0].gather_index.shape[0]
+    pack = _pack(plans[0], cp)
+    assert torch.equal(pack.layout, pack_of(cu, padded, cp, spec, None)[1].layout)
+    for plan in plans:
+        assert torch.equal(plan.cu_seqlens, cu) and torch.equal(plan.cu_seqlens_padded, padded)
     for causal in (True, False):
-        made = [origin(p.k_len(causal)) for p in plans]
-        window = (-1, 0) if causal else (-1, -1)
-        assert [(m.rank, m.window) for m in made] == [(r, window) for r in range(cp)]
-        read_len = read_lengths(made[0].pack, causal)  # [cp, B]
+        read_len = read_lengths(pack, causal)  # [cp, B]
         for rank, plan in enumerate(plans):
             want = keys_read(plan.k_start, plan.k_len(causal), total)
             got = torch.zeros(total, dtype=torch.bool)
@@ -161,10 +164,9 @@ def test_every_ranks_windowed_reads_follow_from_the_pack(lengths, cp, spec, wind
     padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
     plans = [cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
     total = plans[0].gather_index.shape[0]
-    reader, lo, hi = read_ranges(origin(plans[0].k_len_causal).pack, window)
+    reader, lo, hi = read_ranges(_pack(plans[0], cp), window)
     for rank, plan in enumerate(plans):
-        k_start, k_len, _ = window_keys(*plan[1:], window)
-        assert origin(k_len) == origin(plan.k_len_causal)._replace(window=window)
+        k_start, k_len, _ = window_keys(*plan.pieces, window)
         mine = reader == rank
         assert bool((lo[mine][1:] >= hi[mine][:-1]).all()), "runs not disjoint and ascending"  # may touch
         got = torch.zeros(total, dtype=torch.bool)
@@ -173,16 +175,20 @@ def test_every_ranks_windowed_reads_follow_from_the_pack(lengths, cp, spec, wind
         assert torch.equal(got, keys_read(k_start, k_len, total)), f"rank {rank} window={window}"
 
 
-def test_a_step_plan_knows_its_pack_without_keeping_the_step_alive():
-    """The pack a step's plan was made from holds copies of the offsets: the step's ``cu_seqlens``,
-    when dropped, still frees its plan (the plan cache keys on it)."""
+def _pack(plan, cp: int) -> Pack:
+    """The pack a plan carries: its layout (the inverse of ``gather_index``) and offsets."""
+    return Pack(layout_of(plan.gather_index, cp), plan.cu_seqlens, plan.cu_seqlens_padded)
+
+
+def test_a_step_plan_carries_its_pack_without_keeping_the_step_alive():
+    """The offsets a step's plan carries are copies: the step's ``cu_seqlens``, when dropped, still
+    frees its plan (the plan cache keys on it)."""
     cu = cu_seqlens([5, 1, 30, 7])
     plan = step_plan(cu, None, 44, 4, 2, "balanced", 1)
-    made = origin(plan.k_len_full)
-    assert (made.rank, made.window, made.pack.layout.shape) == (2, (-1, -1), (4, 11))
-    assert origin(plan.k_len_full.clone()) is None  # a copy: not known
+    assert torch.equal(plan.cu_seqlens, cu) and plan.cu_seqlens.untyped_storage()._cdata != cu.untyped_storage()._cdata
+    assert plan.cu_seqlens_padded[-1] == 44 and layout_of(plan.gather_index, 4).shape == (4, 11)
     freed = weakref.ref(cu)
     plan_freed = weakref.ref(plan.k_len_causal)
-    del cu, plan, made
+    del cu, plan
     gc.collect()
     assert freed() is None and plan_freed() is None

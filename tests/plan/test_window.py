@@ -56,7 +56,7 @@ def test_window_keys_are_the_union_of_the_rows_windows(lengths, cp, spec, left, 
     for rank in range(cp):
         plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=spec)
         idx = cpcompile.layouts.partition_indices(padded, cp_size=cp, rank=rank, strategy=spec).tolist()
-        k_start, k_len, q_pos = window_keys(*plan[1:], (left, right))
+        k_start, k_len, q_pos = window_keys(*plan.pieces, (left, right))
         for p, (a, b) in enumerate(zip(plan.cu_q[:-1].tolist(), plan.cu_q[1:].tolist())):
             if a == b:
                 continue
@@ -126,8 +126,9 @@ def test_auto_weighs_the_layers_windows(lengths, cp, windows):
     direct = cpcompile.plan.make_plan(cu, cp_size=cp, rank=cp - 1, strategy=want)
     p = direct.k_start.shape[0]
     assert torch.equal(resolved.gather_index, direct.gather_index) and torch.equal(resolved.cu_q[: p + 1], direct.cu_q)
-    for a, b in zip(resolved[2:], direct[2:], strict=True):
+    for a, b in zip(resolved.pieces[1:], direct.pieces[1:], strict=True):
         assert torch.equal(a[:p], b)
+    assert torch.equal(resolved.cu_seqlens_padded, direct.cu_seqlens_padded)
     assert not resolved.k_len_causal[p:].any() and not resolved.k_len_full[p:].any()
     assert bool((resolved.cu_q[p:] == direct.cu_q[-1]).all())
 

@@ -1,7 +1,7 @@
 """Strategy advisor: which CP strategy suits a document-length mix, from the cost model alone.
 
     python -m cpcompile.advisor [--doclens lengths.json] --pack 131072 --cp 8 [--packs 4] [--plot out.png]
-        [--heads 32/8] [--head-dim 128] [--bandwidth 300]
+        [--heads 32/8] [--head-dim 128] [--bandwidth 300] [--topology h200[,field=value...]]
 
 It samples packs from the length file as a data loader packs them (documents drawn
 until the pack is full, the last one cut), runs :func:`cpcompile.cost.predict_rank_costs`
@@ -16,6 +16,11 @@ divides both ``--cp`` and the query heads) beside those strategies, for the mode
 and their modelled time at ``--bandwidth`` GB/s (:mod:`cpcompile.advisor.comm_model`), and the
 step with that communication added; its recommendation is what
 :func:`cpcompile.advisor.comm_model.choose_spec` (the opt-in that weighs ``u``) would pick.
+
+``--topology`` adds a third table: every layout with every K/V path (all-gather, sparse
+exchange, ring, the hybrid of each ``u``, pure head parallelism) and its predicted layer in
+milliseconds over that topology, as run and overlapped (:mod:`cpcompile.advisor.timing`), and
+what :func:`cpcompile.advisor.timing.decide` picks on each pack.
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from cpcompile.advisor.comm_model import Heads, Link, StepPrediction, candidates_with_heads, check_heads, predict_step
+from cpcompile.advisor.timing import Option, StepTime, Topology, decide, parse_topology
 from cpcompile.cost.model import CostModel, RankCosts, auto_candidates, predict_rank_costs
 from cpcompile.spec import Strategy, StrategySpec
 
@@ -228,6 +234,19 @@ class HeadAdvice:
 
 
 @dataclasses.dataclass
+class TopologyAdvice:
+    """The third table: every option :func:`cpcompile.advisor.timing.decide` weighs, its predicted layer
+    on each pack over a topology."""
+
+    topology: Topology
+    heads: Heads
+    options: tuple[Option, ...]  # decide's order
+    times: list[list[StepTime]]  # [option][pack]
+    picks: list[str]  # per pack: what decide picks
+    recommended: str  # the lowest total as run
+
+
+@dataclasses.dataclass
 class Advice:
     pack: int
     cp: int
@@ -237,6 +256,17 @@ class Advice:
     recommended: str
     reason: str
     heads: HeadAdvice | None = None
+    topology: TopologyAdvice | None = None
+
+
+def advise_topology(packs: list[torch.Tensor], *, cp_size: int, heads: Heads, topology: Topology) -> TopologyAdvice:
+    """:func:`cpcompile.advisor.timing.decide` on every pack, with every option's predicted layer kept."""
+    decisions = [decide(cu, cp_size=cp_size, heads=heads, topology=topology) for cu in packs]
+    choices = decisions[0].options
+    times = [[d.times[i] for d in decisions] for i in range(len(choices))]
+    totals = [sum(t.as_run for t in per_pack) for per_pack in times]
+    best = choices[totals.index(min(totals))].name(cp_size)
+    return TopologyAdvice(topology, heads, choices, times, [d.option.name(cp_size) for d in decisions], best)
 
 
 def advise_heads(
@@ -264,6 +294,7 @@ def advise(
     model: CostModel | None = None,
     heads: Heads | None = None,
     link: Link | None = None,
+    topology: Topology | None = None,
 ) -> Advice:
     """Predict every candidate strategy on ``packs`` and recommend one.
 
@@ -272,6 +303,8 @@ def advise(
         model: cost constants (default :class:`cpcompile.cost.CostModel`).
         heads: the model's :class:`~cpcompile.advisor.comm_model.Heads`: also weigh head parallelism and
             every option's communication at ``link`` (:func:`advise_heads`); ``None``: not.
+        topology: also predict every layout, K/V path and ``u`` over it in milliseconds
+            (:func:`advise_topology`; needs ``heads``); ``None``: not.
     Returns:
         :class:`Advice`: the fixed strategy with the lowest total predicted step, or
         ``auto`` when picking per pack saves more than ``AUTO_MARGIN`` of it.
@@ -302,7 +335,10 @@ def advise(
             reason += f"; auto would save only {100 * saving:.1f}%"
     pack = int(packs[0][-1])
     with_heads = None if heads is None else advise_heads(packs, cp_size=cp_size, heads=heads, model=model, link=link)
-    return Advice(pack, cp_size, packs, reports, picks, recommended, reason, with_heads)
+    if topology is not None and heads is None:
+        raise ValueError("topology needs heads: the time of each path depends on what it moves")
+    timed = None if topology is None else advise_topology(packs, cp_size=cp_size, heads=heads, topology=topology)
+    return Advice(pack, cp_size, packs, reports, picks, recommended, reason, with_heads, timed)
 
 
 def format_table(advice: Advice) -> str:
@@ -336,7 +372,46 @@ def format_table(advice: Advice) -> str:
     ]
     if advice.heads is not None:
         lines += ["", *format_heads(advice.heads, advice.cp)]
+    if advice.topology is not None:
+        lines += ["", *format_topology(advice.topology, advice.cp)]
     return "\n".join(lines)
+
+
+def format_topology(advice: TopologyAdvice, cp: int) -> list[str]:
+    """The third table: every option's predicted layer over the topology, milliseconds (mean over packs)."""
+    t, h = advice.topology, advice.heads
+    nodes = -(-cp // t.gpus_per_node)
+    lines = [
+        f"predicted layer over the topology (cpcompile.advisor.timing): {nodes} node(s) of {t.gpus_per_node} GPUs, "
+        f"NVLink {t.intra_gbps:g} GB/s, across nodes {t.inter_gbps:g} GB/s per GPU; heads {h.q}/{h.kv} x {h.dim}, "
+        "forward+backward of attention:",
+        "",
+        f"{'option':<30} {'as run ms':>9} {'overlapped':>10} {'compute':>8} {'comm':>7} {'MB/rank':>8} {'/best':>6} "
+        f"{'picks':>5}",
+    ]
+    n = len(advice.times[0])
+    best = min(sum(x.as_run for x in per_pack) for per_pack in advice.times)
+    for option, per_pack in zip(advice.options, advice.times, strict=True):
+        name = option.name(cp)
+        run, over = (sum(getattr(x, a) for x in per_pack) / n / 1e3 for a in ("as_run", "overlapped"))
+        compute, comm = (sum(max(getattr(x, a)) for x in per_pack) / n / 1e3 for a in ("compute", "comm"))
+        mb = sum(max(x.received) for x in per_pack) / n / 1e6
+        total = sum(x.as_run for x in per_pack)
+        lines.append(
+            f"{name:<30} {run:>9.2f} {over:>10.2f} {compute:>8.2f} {comm:>7.2f} {mb:>8.0f} {total / best:>6.3f} "
+            f"{advice.picks.count(name):>5}"
+        )
+    return [
+        *lines,
+        "",
+        "as run: the slowest rank's compute + communication (the ring: each step its slowest rank's, its next block",
+        "in flight); overlapped: the slowest rank's max(compute, communication), what hiding the traffic would give;",
+        "compute, comm: the busiest rank's; MB/rank: the most a rank receives; picks: packs on which",
+        "cpcompile.advisor.timing.decide picks it. The constants are fitted to cp=2 on 2 x H200; the inter-node link",
+        "is assumed (docs/communication.md, 'The step-time model').",
+        "",
+        f"over this topology: {advice.recommended} (lowest predicted layer over {n} packs)",
+    ]
 
 
 def format_heads(advice: HeadAdvice, cp: int) -> list[str]:
@@ -458,6 +533,14 @@ def heads_pair(text: str) -> tuple[int, int]:
     return heads
 
 
+def topology_option(text: str) -> Topology:
+    """argparse type: :func:`cpcompile.advisor.timing.parse_topology`, its error as argparse's."""
+    try:
+        return parse_topology(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def plot_path_error(path: Path) -> str | None:
     """Why a plot cannot be written to ``path``, or ``None``; checked before any work."""
     if path.is_dir():
@@ -503,6 +586,14 @@ def main(argv: list[str] | None = None) -> Advice:
     parser.add_argument(
         "--bandwidth", type=positive_int, default=Link().bandwidth_gbps, help="GB/s per GPU, assumed (default 300)"
     )
+    parser.add_argument(
+        "--topology",
+        type=topology_option,
+        default=None,
+        metavar="NAME[,FIELD=VALUE...]",
+        help="also predict every layout, K/V path and u in milliseconds over this topology (h200, h200-200g, "
+        "h200-4; fields of cpcompile.advisor.timing.Topology replaced, e.g. h200,inter_gbps=25)",
+    )
     args = parser.parse_args(argv)
     if args.pack < args.cp:
         parser.error(f"--pack {args.pack} must be at least --cp {args.cp} (one token per rank)")
@@ -524,6 +615,7 @@ def main(argv: list[str] | None = None) -> Advice:
         cp_size=args.cp,
         heads=heads,
         link=Link(bandwidth_gbps=args.bandwidth),
+        topology=args.topology,
     )
     print(format_table(advice))
     if args.plot is not None:

@@ -41,16 +41,16 @@ from typing import NamedTuple
 
 import torch
 
-from cpcompile.advisor.comm_model import Heads, check_heads
+from cpcompile.advisor.comm_model import Heads, check_heads, head_parallel_options
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
-from cpcompile.cost.model import CostModel, _host, rank_costs, resolve_auto
+from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.partition import piece_marks
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.plan.exchange import SETTINGS, use_exchange
-from cpcompile.plan.ring import make_ring_plan
-from cpcompile.spec import StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
 #: (``comm="ring"``), pure head parallelism (``head_parallel == cp``) and the hybrid (``1 < u < cp``).
@@ -162,6 +162,19 @@ class Layer(NamedTuple):
     phases: list[Phase]
 
 
+def _layout_key(spec: StrategySpec) -> StrategySpec:
+    """What a spec's layout, plans and costs depend on: all of it but ``comm``."""
+    return dataclasses.replace(spec, comm="all_gather")
+
+
+def _memoized(memo: dict | None, key: tuple, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
     """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
     matrix, as :func:`cpcompile.plan.exchange.make_exchange` builds it on every rank)."""
@@ -197,6 +210,7 @@ def peer_bytes(
     heads: Heads,
     causal: bool = True,
     kv_exchange: str = "auto",
+    _memo: dict | None = None,
 ) -> Layer:
     """Every phase of one layer's attention with the bytes each rank receives from each other rank.
 
@@ -212,7 +226,7 @@ def peer_bytes(
     spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size)
     u, cp = spec.head_parallel, cp_size
     check_head_parallel(u, cp, heads.q)
-    pack = Pack.build(cu, None, spec=spec, cp_size=cp)
+    pack = _memoized(_memo, ("pack", _layout_key(spec)), lambda: Pack.build(cu, None, spec=spec, cp_size=cp))
     t_local = pack.layout.shape[1]
     b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
     others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
@@ -292,20 +306,38 @@ def _phase_us(phase: Phase, rank: int, topology: Topology) -> float:
     )
 
 
-def ring_step_tiles(cu: torch.Tensor, cp: int, spec: StrategySpec, causal: bool) -> list[list[int]]:
-    """``[cp][cp]``: kernel tiles rank ``r`` visits at ring step ``i`` (block of rank ``(r - i) % cp``): its
-    own block causal (bottom-right aligned), the others' full rows of the keys its pieces see there."""
-    tiles = []
-    for rank in range(cp):
-        plan = make_ring_plan(cu, None, cp_size=cp, rank=rank, strategy=spec)
-        n = plan.cu_q.diff().long()  # [P]
-        keys = plan.k_len(causal).long()  # [cp, P]
-        full = (n + 127) // 128 * ((keys + 127) // 128)
-        own = torch.where(keys[rank] > 0, causal_tiles(n, (keys[rank] - n).clamp(min=0)), 0) if causal else full[rank]
-        full[rank] = own
-        per_block = full.sum(1).tolist()
-        tiles.append([per_block[(rank - i) % cp] for i in range(cp)])
-    return tiles
+def ring_step_tiles(cu: torch.Tensor, cp: int, spec: StrategySpec, causal: bool, pack: Pack | None = None):
+    """``[cp][cp]``: kernel tiles rank ``r`` visits at ring step ``i`` (block of rank ``(r - i) % cp``), as
+    the ring plans (:func:`cpcompile.plan.ring.make_ring_plan`) lay them out, for every rank at once: a
+    piece (consecutive physical positions of one document) sees in another rank's block, causal, the
+    block's rows of its document before its first row (non-causal: all of the document's), every query
+    row alike; in its own block those up to its last row, bottom-right aligned."""
+    pack = Pack.build(cu, None, spec=spec, cp_size=cp) if pack is None else pack
+    layout, padded = pack.layout, pack.cu_seqlens_padded.long()  # [cp, T_local], each row ascending
+    t_local = layout.shape[1]
+    doc, _, real, start = piece_marks(layout, cu, padded)
+    rank, row = start.nonzero(as_tuple=True)  # [P]
+    first = rank * t_local + row
+    q_len = torch.diff(first, append=first.new_full((1,), cp * t_local))
+    live = real.reshape(-1)[first]
+    where, d = layout.reshape(-1)[first], doc.reshape(-1)[first]  # physical first row, document
+    lo = padded[d]
+    hi = where if causal else lo + (cu[1:] - cu[:-1]).long()[d]
+
+    def rows(bound: torch.Tensor) -> torch.Tensor:  # [cp, P]: each block's rows below each piece's bound
+        return torch.searchsorted(layout, bound.expand(cp, -1).contiguous())
+
+    keys = rows(hi) - rows(lo)  # [cp, P]
+    if causal:  # the own block: its rows of the document up to the piece's last
+        keys.scatter_(0, rank[None], rows(where + q_len).gather(0, rank[None]) - rows(lo).gather(0, rank[None]))
+    tiles = (q_len + 127) // 128 * ((keys + 127) // 128)
+    if causal:
+        own = keys.gather(0, rank[None]).squeeze(0)
+        tiles.scatter_(0, rank[None], causal_tiles(q_len, own - q_len)[None])
+    tiles = torch.where(live & (keys > 0), tiles, 0)  # [block, piece]
+    by_rank = torch.zeros(cp, cp, dtype=torch.long).index_add_(1, rank, tiles)  # [block, rank]
+    steps = (torch.arange(cp)[:, None] - torch.arange(cp)[None, :]) % cp  # [rank, step]: the block at that step
+    return by_rank.T.gather(1, steps).tolist()
 
 
 class LayerTerms(NamedTuple):
@@ -335,16 +367,20 @@ def layer_terms(
     passes: str = "forward+backward",
     causal: bool = True,
     kv_exchange: str = "auto",
+    _memo: dict | None = None,
 ) -> LayerTerms:
-    """The terms of :func:`predict_time`, computed once (the plans): :func:`evaluate` prices them."""
+    """The terms of :func:`predict_time`, computed once (the plans): :func:`evaluate` prices them.
+
+    ``_memo``: a dict that options of one pack share (:func:`decide`): packs, costs and ring steps by layout."""
     if passes not in PASSES:
         raise ValueError(f"passes must be one of {PASSES}, got {passes!r}")
     heads = check_heads(heads)
     cu = _host("cu_seqlens", cu_seqlens)
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "kv_exchange": kv_exchange}
-    layer = peer_bytes(cu, strategy=strategy, **kw)
+    layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
-    costs = rank_costs(cu, cp, spec, None, CostModel(causal=causal))
+    key = _layout_key(spec)
+    costs = _memoized(_memo, ("costs", key, causal), lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal)))
     backward = passes == "forward+backward"
     b, a = heads.itemsize, heads.acc_itemsize
     f = kv_replication(heads.q, heads.kv, u) if u > 1 else 1
@@ -372,7 +408,13 @@ def layer_terms(
         copied=copied,
         merges=(cp - 1) * (2 if backward else 1) if ring else 0,
         phases=phases,
-        ring_tiles=ring_step_tiles(cu, cp, spec, causal) if ring else None,
+        ring_tiles=_memoized(
+            _memo,
+            ("ring", key, causal),
+            lambda: ring_step_tiles(cu, cp, spec, causal, (_memo or {}).get(("pack", key))),
+        )
+        if ring
+        else None,
     )
 
 
@@ -445,3 +487,127 @@ def predict_time(
     """
     kw = {"heads": heads, "passes": passes, "causal": causal, "kv_exchange": kv_exchange}
     return evaluate(layer_terms(cu_seqlens, cp_size=cp_size, strategy=strategy, **kw), topology, speed)
+
+
+class Option(NamedTuple):
+    """A choice ``decide`` weighs: the spec (layout, ``comm``, ``head_parallel``) and ``Config.kv_exchange``
+    for it (``"always"``: the sparse exchange; ``"never"``: the all-gather; the others ignore it)."""
+
+    spec: StrategySpec
+    kv_exchange: str
+
+    def name(self, cp_size: int) -> str:
+        """``balanced exchange``, ``dual_chunk_swap ring``, ``no_load_balance heads u=8``, ``balanced hybrid u=2``."""
+        layout, u = self.spec.strategy.value, self.spec.head_parallel
+        if self.spec.strategy is Strategy.STRIPED and self.spec.stripe_size != 1:
+            layout = f"striped_{self.spec.stripe_size}"
+        if self.spec.comm == "ring":
+            return f"{layout} ring"
+        if u > 1:
+            return f"{layout} {'heads' if u == cp_size else 'hybrid'} u={u}"
+        return f"{layout} {'exchange' if self.kv_exchange == 'always' else 'all-gather'}"
+
+
+def options(cp_size: int, heads: Heads, paths: tuple[str, ...] = PATHS) -> tuple[Option, ...]:
+    """The options :func:`decide` weighs, in tie-breaking order: each of ``auto``'s layouts with the
+    all-gather, then the exchange, then the ring; pure head parallelism (``u == cp``) on no_load_balance
+    (every layout gives it the same attention); the hybrid for each ``1 < u < cp`` that divides ``cp`` and
+    the query heads, on each layout. ``paths``: those of :data:`PATHS` to include."""
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"paths must be among {PATHS}, got {sorted(unknown)}")
+    layouts = auto_candidates()
+    found = []
+    if cp_size == 1:
+        return (Option(layouts[0], "never"),)
+    for path, exchange in (("all-gather", "never"), ("exchange", "always")):
+        if path in paths:
+            found += [Option(s, exchange) for s in layouts]
+    if "ring" in paths:
+        found += [Option(dataclasses.replace(s, comm="ring"), "never") for s in layouts]
+    for u in head_parallel_options(cp_size, check_heads(heads).q):
+        if u == cp_size and "heads" in paths:
+            found.append(Option(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=u), "never"))
+        elif u < cp_size and "hybrid" in paths:
+            found += [Option(dataclasses.replace(s, head_parallel=u), "never") for s in layouts]
+    return tuple(found)
+
+
+class Decision(NamedTuple):
+    """What :func:`decide` chose, and every option's predicted layer (``times``, in :func:`options`' order)."""
+
+    option: Option
+    time: StepTime
+    options: tuple[Option, ...]
+    times: list[StepTime]
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self.option.spec
+
+    @property
+    def kv_exchange(self) -> str:
+        return self.option.kv_exchange
+
+
+def decide(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    heads: Heads,
+    topology: Topology = H200,
+    speed: KernelSpeed | None = None,
+    causal: bool = True,
+    paths: tuple[str, ...] = PATHS,
+) -> Decision:
+    """The layout, K/V path and head parallelism ``u`` with the lowest predicted layer as it runs
+    (:func:`predict_time`'s ``as_run``, forward and backward) for this pack over ``topology``; ties go to
+    the earlier option (:func:`options`).
+
+    A pure function of its arguments, computed on the host in a fixed order: every rank that calls it
+    with the same ``cu_seqlens`` gets the same :class:`Decision`, without communicating. Run it in the data
+    loader and pass the choice on: ``shard_batch(..., strategy=decision.spec)`` and
+    ``Config(kv_exchange=decision.kv_exchange)``.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads` (what head parallelism moves,
+            which ``u`` divide).
+        paths: the paths to weigh (default all of :data:`PATHS`).
+    """
+    check_cp(cp_size)
+    cu = _host("cu_seqlens", cu_seqlens)
+    choices = options(cp_size, heads, paths)
+    if not choices:
+        raise ValueError(f"paths={paths} leave no option at cp_size={cp_size} with {heads.q} query heads")
+    memo: dict = {}  # the options share layouts: each built once
+    kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "_memo": memo}
+    times = [
+        evaluate(layer_terms(cu, strategy=o.spec, kv_exchange=o.kv_exchange, **kw), topology, speed) for o in choices
+    ]
+    steps = [t.as_run for t in times]
+    best = steps.index(min(steps))
+    return Decision(choices[best], times[best], choices, times)
+
+
+def resolve(
+    spec: StrategyLike,
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    heads: Heads,
+    topology: Topology = H200,
+    speed: KernelSpeed | None = None,
+) -> Option:
+    """``auto`` resolved with communication: :func:`decide`'s layout, path and ``u`` for ``auto`` (its
+    ``kv_exchange`` the setting for ``Config.kv_exchange``); any other spec itself, with ``"auto"`` (the
+    runtime's own exchange rule). Where the model does not reach, ``auto`` keeps the cost model's rule
+    (:func:`cpcompile.cost.model.resolve_auto`, the requested ``comm`` and ``head_parallel``): under
+    sliding ``windows`` (the step-time model counts causal layers) and under a ``capacity`` (sequence
+    layouts that fit it). The hook the runtime's ``auto`` needs (docs/cost-model.md, "Communication")."""
+    spec = resolve_strategy(spec)
+    if spec.strategy is not Strategy.AUTO:
+        return Option(spec, "auto")
+    if spec.windows or spec.capacity is not None:
+        return Option(resolve_auto(spec, cu_seqlens, cp_size=cp_size), "auto")
+    return decide(cu_seqlens, cp_size=cp_size, heads=heads, topology=topology, speed=speed).option

@@ -51,7 +51,9 @@ compared as sequence CP; the pick keeps the requested ``head_parallel``
 has no communication and no head count, which head parallelism trades against (its
 all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and
 ``head_parallel`` changes the collectives a compiled graph runs. Weighing ``u`` is an
-opt-in given the heads: :func:`cpcompile.advisor.comm_model.choose_spec`.
+opt-in given the heads: :func:`cpcompile.advisor.comm_model.choose_spec`, and with the K/V path
+over a topology :func:`cpcompile.advisor.timing.decide` (its hook for ``auto``:
+:func:`cpcompile.advisor.timing.resolve`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import torch
 import cpcompile
 from cpcompile.advisor import advise
 from cpcompile.advisor.comm_model import Heads, choose_spec
+from cpcompile.advisor.timing import decide, parse_topology
 from tests.fixtures import cu_seqlens
 
 
@@ -119,6 +120,11 @@ def test_bad_length_files_are_one_line_errors(tmp_path, capsys, name, text, expe
         (["--plot", "no/such/dir/advice.png"], "--plot no/such/dir/advice.png: directory no/such/dir does not exist"),
         (["--heads", "32/6"], "argument --heads: must be Q/KV, positive ints with Q a multiple of KV, got '32/6'"),
         (["--heads", "32"], "argument --heads: must be Q/KV, positive ints with Q a multiple of KV, got '32'"),
+        (
+            ["--topology", "dgx"],
+            "argument --topology: topology must start with one of ['h200', 'h200-200g', 'h200-4'], got 'dgx' in 'dgx'",
+        ),
+        (["--topology", "h200,inter_gbps=0"], "argument --topology: Topology.inter_gbps must be a number > 0, got 0.0"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
@@ -145,6 +151,24 @@ def test_head_parallel_options_stand_beside_the_strategies(capsys):
     packs = advice.packs
     assert advice.heads.picks == [advise.spec_name(choose_spec(cu, cp_size=4, heads=Heads(8, 2, 16))) for cu in packs]
     assert f"with communication: {advice.heads.recommended}" in out
+
+
+def test_topology_shows_the_predicted_layer_of_every_option(capsys):
+    """The third table: every option decide weighs, its predicted layer, and decide's pick per pack."""
+    argv = ["--pack", "8192", "--cp", "4", "--packs", "2", "--heads", "8/2", "--head-dim", "64"]
+    advice = advise.main([*argv, "--topology", "h200,gpus_per_node=2"])
+    out = capsys.readouterr().out
+    topology, heads = parse_topology("h200,gpus_per_node=2"), Heads(8, 2, 64)
+    assert "2 node(s) of 2 GPUs, NVLink 294 GB/s, across nodes 50 GB/s per GPU" in out
+    decisions = [decide(cu, cp_size=4, heads=heads, topology=topology) for cu in advice.packs]
+    assert advice.topology.picks == [d.option.name(4) for d in decisions]
+    table = out.split("predicted layer over the topology")[1].split("\n\n")[1].splitlines()[1:]
+    assert [row[:30].strip() for row in table] == [o.name(4) for o in decisions[0].options]
+    for row, i in zip(table, range(len(table))):
+        as_run = sum(d.times[i].as_run for d in decisions) / 2 / 1e3
+        assert float(row[30:].split()[0]) == pytest.approx(as_run, abs=0.006)  # printed to 0.01 ms
+        assert int(row.split()[-1]) == advice.topology.picks.count(row[:30].strip())
+    assert f"over this topology: {advice.topology.recommended} (lowest predicted layer over 2 packs)" in out
 
 
 def test_plot_path_is_checked_before_work(tmp_path):

@@ -18,13 +18,20 @@ from cpcompile.advisor.timing import (
     Phase,
     Topology,
     _phase_us,
+    decide,
     evaluate,
     layer_terms,
+    options,
     parse_topology,
     peer_bytes,
     predict_time,
+    resolve,
+    ring_step_tiles,
 )
 from cpcompile.cost import predict_rank_costs
+from cpcompile.cost.model import auto_candidates, resolve_auto
+from cpcompile.layouts.balanced import causal_tiles
+from cpcompile.plan.ring import make_ring_plan
 from tests.advisor.test_comm_model import CASES, LENGTHS
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, cu_seqlens
@@ -169,3 +176,77 @@ def test_bad_arguments():
         peer_bytes(cu, cp_size=2, strategy=StrategySpec(comm="ring", head_parallel=2), heads=Heads(4, 4))
     with pytest.raises(ValueError, match="KernelSpeed.memory_gbps must be a number > 0"):
         KernelSpeed(memory_gbps=0)
+
+
+def test_decide_takes_the_lowest_layer_as_run_first_on_ties():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    heads = Heads(8, 2, 64)
+    decision = decide(cu, cp_size=4, heads=heads)
+    assert decision.options == options(4, heads)
+    names = [o.name(4) for o in decision.options]
+    assert names[:4] == [f"{s} all-gather" for s in ("no_load_balance", "dual_chunk_swap", "striped_128", "balanced")]
+    assert names[4:12] == [n.replace("all-gather", p) for p in ("exchange", "ring") for n in names[:4]]
+    assert names[12:] == [n.replace("all-gather", "hybrid u=2") for n in names[:4]] + ["no_load_balance heads u=4"]
+    steps = [t.as_run for t in decision.times]
+    assert decision.option == decision.options[steps.index(min(steps))]
+    want = predict_time(cu, cp_size=4, strategy=decision.spec, heads=heads, kv_exchange=decision.kv_exchange)
+    assert decision.time == want
+    # restricted paths; one rank has one option
+    assert {o.spec.comm for o in options(4, heads, ("ring",))} == {"ring"}
+    assert decide(cu, cp_size=1, heads=heads).option.name(1) == "no_load_balance all-gather"
+    with pytest.raises(ValueError, match=r"paths must be among .*, got \['tree'\]"):
+        options(4, heads, ("tree",))
+
+
+def test_decide_weighs_communication():
+    """Over a link slow enough that bytes decide, the choice receives the fewest bytes on its busiest rank."""
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12, 700, 64])
+    heads = Heads(8, 8, 64)
+    slow = Topology(intra_gbps=0.001, inter_gbps=0.001, intra_latency_us=0, inter_latency_us=0, call_us=0)
+    decision = decide(cu, cp_size=4, heads=heads, topology=slow)
+    least = min(max(t.received) for t in decision.times)
+    assert max(decision.time.received) == least
+    # and over a fast link compute decides: not necessarily the same option
+    fast = decide(cu, cp_size=4, heads=heads, topology=dataclasses.replace(slow, intra_gbps=1e6, inter_gbps=1e6))
+    assert max(fast.time.compute) == pytest.approx(min(max(t.compute) for t in fast.times), rel=1e-3)
+
+
+def _decide_on_rank(rank: int, world: int) -> None:
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    picked = decide(cu, cp_size=4, heads=Heads(8, 2, 64), topology=parse_topology("h200,gpus_per_node=2"))
+    found = [None] * world
+    torch.distributed.all_gather_object(found, (picked.option, [t.as_run for t in picked.times]))
+    assert all(f == found[0] for f in found), f"rank {rank}: {found}"
+
+
+@pytest.mark.distributed
+def test_decide_is_the_same_on_every_rank():
+    run_ranks(_decide_on_rank, 2)
+
+
+def test_ring_step_tiles_match_the_ring_plans():
+    """Every rank's tiles per ring step, from one pack, against each rank's ring plan."""
+    cu = cu_seqlens([2230, 2026, 39, 92, 190, 147, 2268, 136, 18, 104, 12])
+    for cp, causal in ((2, True), (3, True), (4, False)):
+        for spec in auto_candidates():
+            want = []
+            for rank in range(cp):
+                plan = make_ring_plan(cu, None, cp_size=cp, rank=rank, strategy=spec)
+                n, keys = plan.cu_q.diff().long(), plan.k_len(causal).long()
+                tiles = (n + 127) // 128 * ((keys + 127) // 128)
+                if causal:
+                    tiles[rank] = torch.where(keys[rank] > 0, causal_tiles(n, (keys[rank] - n).clamp(min=0)), 0)
+                per_block = tiles.sum(1).tolist()
+                want.append([per_block[(rank - i) % cp] for i in range(cp)])
+            assert ring_step_tiles(cu, cp, spec, causal) == want, (cp, spec, causal)
+
+
+def test_resolve_decides_auto_and_keeps_everything_else():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    heads = Heads(8, 2, 64)
+    assert resolve("auto", cu, cp_size=4, heads=heads) == decide(cu, cp_size=4, heads=heads).option
+    fixed = StrategySpec(Strategy.DUAL_CHUNK_SWAP, comm="ring")
+    assert resolve(fixed, cu, cp_size=4, heads=heads) == (fixed, "auto")
+    windowed = StrategySpec(Strategy.AUTO, windows=(64,))
+    picked = resolve(windowed, cu, cp_size=4, heads=heads)
+    assert picked.kv_exchange == "auto" and picked.spec == resolve_auto(windowed, cu, cp_size=4)

@@ -10,7 +10,7 @@ on the whole pack.
     torchrun --nproc-per-node 4 examples/train_sft.py --cp 2        # dp=2 x cp=2
 
 Runs on GPUs with nccl (bf16) when CUDA is available, else on CPU with gloo (float32). The model and the
-word-level tokenizer are made here (no hub download); the documents repeat a short random pattern.
+word-level tokenizer are made here (no hub download); the documents are train_trainer.py's.
 """
 
 from __future__ import annotations

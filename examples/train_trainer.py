@@ -10,7 +10,7 @@ data-parallel groups with packs of their own; the loss is logged as one process 
     torchrun --nproc-per-node 2 examples/train_trainer.py --save-steps 5 --resume   # from the last checkpoint
 
 Runs on GPUs with nccl (bf16) when CUDA is available, else on CPU with gloo (float32). The documents repeat a
-short random pattern, so the loss falls within a few steps.
+short random pattern (learnable by attending back).
 """
 
 from __future__ import annotations

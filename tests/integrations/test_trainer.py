@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tests.dist import run_ranks
+from tests.dist import compiled_graphs, run_ranks
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the trainers extra: pip install "cpcompile[trainers]"')
@@ -124,6 +124,8 @@ def _cp2_and_resume(rank: int, world: int, kind: str, want: dict, out: str) -> N
     cp = cpt.CPConfig(cp_size=2, inner="eager")
     full = train(kind, f"{out}/full", batch=BATCH, cp=cp, save_steps=1)
     assert_same_training(full, want, kind, f"{kind} cp=2 rank {rank}")
+    # every decoder layer and every pack (their lengths and document counts vary) run one graph
+    assert compiled_graphs() == 1, compiled_graphs()
     # a new trainer and model, resumed from the first step's checkpoint (model, optimizer, scheduler, RNG, data)
     resumed = train(kind, f"{out}/resumed", batch=BATCH, cp=cp, resume=f"{out}/full/checkpoint-1")
     assert_same_training(resumed, full, kind, f"{kind} resumed at step 1, rank {rank}")

@@ -6,7 +6,8 @@ varying length and count, on gloo ranks as torchrun starts them (dp x cp, CP gro
 ``CPTrainer`` / ``CPSFTTrainer(cp=CPConfig(...))``. The reference is the stock trainer on one process (this
 pytest process, no process group) with transformers' SDPA attention, fed the packs of every DP group as one
 batch: its logged loss per step, final weights and AdamW moments must equal every rank's. A run resumed from a
-step's checkpoint must continue as the uninterrupted run did. The logged loss is float32 in the trainers, and
+step's checkpoint must continue as the uninterrupted run did. The Trainer's cp=2 run accumulates two packs per
+optimizer step. The logged loss is float32 in the trainers, and
 TRL's fused log-probability head computes in float32: their tolerances say so.
 """
 
@@ -64,12 +65,15 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=made, pad_token="t0", eos_token="t1")
 
 
-def train(kind: str, out: str, *, batch: int, steps: int = STEPS, cp=None, resume=None, save_steps=None) -> dict:
-    """Train with the stock ``kind`` ("trainer" or "sft") trainer, or its CP subclass when ``cp`` is given;
-    returns the logged losses, the final weights and AdamW's moments."""
+def train(
+    kind: str, out: str, *, batch: int, steps: int = STEPS, cp=None, resume=None, save_steps=None, accumulate=1
+) -> dict:
+    """Train with the stock ``kind`` ("trainer" or "sft") trainer, or its CP subclass when ``cp`` is given,
+    ``accumulate`` packs per optimizer step; returns the logged losses, the final weights and AdamW's moments."""
     common = dict(
         output_dir=out,
         per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulate,
         max_steps=steps,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
@@ -119,22 +123,28 @@ def as_torchrun(rank: int, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 
 
+#: Packs per optimizer step at cp=2: the Trainer's gradient accumulation (its token count covers both packs).
+ACCUMULATE = {"trainer": 2, "sft": 1}
+
+
 def _cp2_and_resume(rank: int, world: int, kind: str, want: dict, out: str) -> None:
     as_torchrun(rank, world)
     cp = cpt.CPConfig(cp_size=2, inner="eager")
-    full = train(kind, f"{out}/full", batch=BATCH, cp=cp, save_steps=1)
+    full = train(kind, f"{out}/full", batch=BATCH, cp=cp, save_steps=1, accumulate=ACCUMULATE[kind])
     assert_same_training(full, want, kind, f"{kind} cp=2 rank {rank}")
     # every decoder layer and every pack (their lengths and document counts vary) run one graph
     assert compiled_graphs() == 1, compiled_graphs()
     # a new trainer and model, resumed from the first step's checkpoint (model, optimizer, scheduler, RNG, data)
-    resumed = train(kind, f"{out}/resumed", batch=BATCH, cp=cp, resume=f"{out}/full/checkpoint-1")
+    resumed = train(
+        kind, f"{out}/resumed", batch=BATCH, cp=cp, resume=f"{out}/full/checkpoint-1", accumulate=ACCUMULATE[kind]
+    )
     assert_same_training(resumed, full, kind, f"{kind} resumed at step 1, rank {rank}")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
 def test_cp2_trains_as_one_process_and_resumes_identically(kind, tmp_path):
-    want = train(kind, str(tmp_path / "reference"), batch=BATCH)
+    want = train(kind, str(tmp_path / "reference"), batch=BATCH, accumulate=ACCUMULATE[kind])
     run_ranks(_cp2_and_resume, 2, kind, want, str(tmp_path))
 
 

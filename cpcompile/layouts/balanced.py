@@ -64,7 +64,16 @@ tiles and it counts pairs (``s = 1``).
    tokens, a document's splits nest, and no back cut falls in a moved cut's
    document.
    Back cuts, in light documents, move by tokens only: they are not put on tiles.
-5. Each rank stores its runs in physical order.
+5. Where step 4 runs: the backward. A rank's kernel runs a forward and a backward, and the backward
+   costs more than ``BACKWARD_PER_PAIR`` times the forward's tiles where a rank's pieces read more key
+   blocks than their tiles suggest: a piece reads its document's keys from the start, so a tail (or
+   middle) piece of a long document pays for every key block before it (and the backward's
+   ``BWD_ROWS``-row tiles waste less on a partial block than the forward's). Each rank's overhead
+   (:func:`backward_overhead`, summed over its pieces) is priced on the layout of steps 0-4, and steps
+   3-4 run again with each rank's share of the sequence's work moved by its distance from the mean, as
+   forward and backward work: ranks whose pieces read more keys take fewer forward tiles, so that
+   forward + backward is even, not the forward alone.
+6. Each rank stores its runs in physical order.
 
 A document thus lands on a rank whole (one piece) or, where a cut falls in it, as
 a head and a tail piece (four pieces for the one document that can lie in both
@@ -92,6 +101,17 @@ _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] he
 #: Step 4 tries this many of a front cut's candidates, nearest the share first.
 _SNAP_TRIES = 32
 _SEARCH_WAYS = 64
+#: Step 5: query rows of a backward tile (FlashAttention-4's backward runs ``BWD_ROWS x TILE`` tiles).
+BWD_ROWS = 64
+#: Step 5: what the backward pays per key block a piece reads (loading its keys, writing its dK/dV), in
+#: backward tiles (docs/attention-kernels.md, "Where the per-rank gap is": between the two head layouts'
+#: fits). A pair's backward costs ``BACKWARD_PER_PAIR = 5 / 2`` of its forward (the cost model's FLOP split,
+#: ``cpcompile.advisor.comm_model.comm_pairs``; ``cpcompile.advisor.timing.KernelSpeed`` fits about as much).
+KEY_BLOCK = 3
+#: Step 5 re-cuts at most this many times, keeping the layout whose busiest rank's forward + backward work
+#: is least among those whose busiest rank's forward is within 1 / FORWARD_SLACK of steps 0-4's.
+BACKWARD_PASSES = 3
+FORWARD_SLACK = 100
 
 
 def causal_tiles(rows, offset, block_q: int = TILE, block_k: int = TILE):
@@ -336,6 +356,7 @@ def balanced_layout(
     cp_size: int,
     windows: tuple[int, ...] = (),
     cu_seqlens: torch.Tensor | None = None,
+    backward: bool = True,
 ) -> torch.Tensor:
     """Every rank's physical positions under BALANCED, computed on the host.
 
@@ -348,6 +369,7 @@ def balanced_layout(
             document of its own (:func:`free_padding`), dealt evenly before the real documents are laid
             out (step 0): a capacity's padding can be most of a rank, and counted as a document's causal
             work it left the ranks' real work uneven. ``None``: padded lengths are the documents' lengths.
+        backward: step 5, forward + backward work even (the default); ``False``: steps 0-4, the forward's.
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
@@ -358,7 +380,7 @@ def balanced_layout(
         else:  # one copy to the host for both
             both = torch.cat([cu_padded, cu_seqlens.detach().to(cu_padded)]).cpu().long()
             cu, free = free_padding(both[: cu_padded.shape[0]], both[cu_padded.shape[0] :])
-        layout = _host_layout(cu, cp_size, tuple(windows), free)
+        layout = _host_layout(cu, cp_size, tuple(windows), free, backward)
     # copied outside inference mode: the layout indexes tensors that autograd may save
     return layout.to(cu_seqlens_padded.device, copy=True)
 
@@ -379,14 +401,35 @@ def free_padding(cu_padded: torch.Tensor, cu_real: torch.Tensor) -> tuple[torch.
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), free
 
 
+def backward_overhead(offset: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of a piece of ``rows`` query rows, its first ``offset`` tokens into its document (int64 ``[P]``
+    each): its forward tiles' area, and what its backward costs beyond ``BACKWARD_PER_PAIR`` times that,
+    in attention pairs of the forward (``[P]`` int64 each; step 5): the backward's ``BWD_ROWS x TILE``
+    tiles against the forward's ``TILE x TILE`` ones, and ``KEY_BLOCK`` per key block the piece reads,
+    from its document's start."""
+    blocks = (rows + BWD_ROWS - 1) // BWD_ROWS  # [P] query blocks of the backward
+    piece = torch.repeat_interleave(torch.arange(rows.shape[0]), blocks)
+    b = torch.arange(piece.shape[0]) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+    end = offset[piece] + torch.minimum((b + 1) * BWD_ROWS, rows[piece])  # each block's last row + 1
+    bwd = torch.zeros_like(rows).index_add_(0, piece, (end + TILE - 1) // TILE) * (BWD_ROWS * TILE)
+    fwd = causal_tiles(rows, offset) * (TILE * TILE)
+    key_blocks = torch.where(rows > 0, (offset + rows + TILE - 1) // TILE, 0)  # an empty run reads nothing
+    # BACKWARD_PER_PAIR = 5 / 2: in halves, so that everything stays integer
+    return fwd, (5 * (bwd - fwd + key_blocks * KEY_BLOCK * BWD_ROWS * TILE) + 1) // 2
+
+
 def _host_layout(
-    cu: torch.Tensor, cp_size: int, windows: tuple[int, ...] = (), free: torch.Tensor | None = None
+    cu: torch.Tensor,
+    cp_size: int,
+    windows: tuple[int, ...] = (),
+    free: torch.Tensor | None = None,
+    backward: bool = True,
 ) -> torch.Tensor:
     """:func:`balanced_layout` on the host: ``cu`` ``[D + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64.
 
     ``free``: ``[D]`` bool, the documents that are padding (:func:`free_padding`; ``None``: none). They
     are dealt first, so that every rank holds as many real tokens as without them (give or take one),
-    and the steps lay out the real documents alone.
+    and the steps lay out the real documents alone. ``backward``: step 5 (``False``: steps 0-4 alone).
     """
     lengths = cu[1:] - cu[:-1]
     total = int(cu[-1])
@@ -421,15 +464,44 @@ def _host_layout(
     total2 = int(seq.work2_before[-1] + dealt_work2.sum())
     target2 = total2 - cp * dealt_work2
     skip = seq.tokens - torch.cat([take.new_zeros(1), take.cumsum(0)])  # [cp + 1] G_r - F_r: every rank gets `take`
-    front, splits = _front_cuts(seq, cp, take, skip, target2), None
-    if on_tiles and seq.tokens:
-        front, splits = _align(seq, cp, take, skip, target2, front, total2 // (cp * SNAP_SLACK))
-    back = front + skip
 
-    # ranges in the order (rank 0 front, rank 0 back, rank 1 front, ...)
-    starts = torch.stack([front[:-1], back[1:]], 1).reshape(-1)
-    ends = torch.stack([front[1:], back[:-1]], 1).reshape(-1)
-    seg, doc, run_first, run_len = seq.runs(starts, ends, splits)
+    def cut(target2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Steps 3 and 4 for ``target2``: the runs ``(segment, document, first, length)`` of the sequence."""
+        front, splits = _front_cuts(seq, cp, take, skip, target2), None
+        if on_tiles and seq.tokens:
+            front, splits = _align(seq, cp, take, skip, target2, front, total2 // (cp * SNAP_SLACK))
+        back = front + skip
+        # ranges in the order (rank 0 front, rank 0 back, rank 1 front, ...)
+        starts = torch.stack([front[:-1], back[1:]], 1).reshape(-1)
+        ends = torch.stack([front[1:], back[:-1]], 1).reshape(-1)
+        return seq.runs(starts, ends, splits)
+
+    seg, doc, run_first, run_len = cut(target2)
+    if backward and on_tiles and seq.tokens and cp > 1:  # step 5
+
+        def priced(seg: torch.Tensor, run_first: torch.Tensor, run_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """Per rank ``[cp]``: twice its forward + backward work (7 / 2 its forward tiles' area and the
+            backward's overhead), and its forward tiles' area."""
+            fwd, over = backward_overhead(torch.cat([run_first, zero_offsets]), torch.cat([run_len, dealt_len]))
+            ranks, per_rank = torch.cat([seg // 2, dealt_rank]), torch.zeros(cp, dtype=torch.long)
+            return per_rank.index_add(0, ranks, 7 * fwd + 2 * over), per_rank.index_add(0, ranks, fwd)
+
+        zero_offsets = torch.zeros_like(dealt_len)
+        best = (seg, doc, run_first, run_len)
+        cost, fwd = priced(seg, run_first, run_len)
+        least, moved = int(cost.max()), target2
+        fwd_cap = int(fwd.max()) * (FORWARD_SLACK + 1) // FORWARD_SLACK  # the forward may not get slower
+        for _ in range(BACKWARD_PASSES):
+            if bool((cost == cost[0]).all()):
+                break
+            # each rank's share of the forward work moves by its distance from the mean forward + backward
+            # work, priced as that: 2 cp (mean - cost_r) / 2 / (7 / 2), exact in int64
+            moved = moved + 2 * (int(cost.sum()) - cp * cost) // 7
+            runs = cut(moved)
+            cost, fwd = priced(runs[0], runs[2], runs[3])
+            if int(cost.max()) < least and int(fwd.max()) <= fwd_cap:
+                best, least = runs, int(cost.max())
+        seg, doc, run_first, run_len = best
     run_rank = torch.cat([seg // 2, dealt_rank, pad_rank])
     run_start = torch.cat([cu[rest[doc]] + run_first, cu[dealt], pad_start])
     run_len = torch.cat([run_len, dealt_len, pad_len])

@@ -181,6 +181,14 @@ class CPTrainerMixin:
             batch_samples = [_with_shift_labels(b) for b in batch_samples]
         return super()._get_num_items_in_batch(batch_samples, device)
 
+    def _track_num_input_tokens(self, inputs):
+        """The Trainer's ``num_input_tokens_seen``, gathered from every rank: each CP rank holds the whole pack, so
+        the sum counts it once per CP rank."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        counted = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + counted // self.cp_config.cp_size
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's step on this rank's share of the pack, under its strategy block."""
         local, sharded = self.shard_inputs(inputs)

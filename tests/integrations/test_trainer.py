@@ -84,6 +84,7 @@ def train(
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        include_num_input_tokens_seen="all",
     )
     if kind == "trainer":
         args = transformers.TrainingArguments(**common)
@@ -104,11 +105,13 @@ def train(
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "moments": [state[i][m].clone() for i in sorted(state) for m in ("exp_avg", "exp_avg_sq")],
+        "tokens_seen": trainer.state.num_input_tokens_seen,
     }
 
 
 def assert_same_training(got: dict, want: dict, kind: str, label: str) -> None:
     assert len(got["losses"]) == len(want["losses"]), (label, got["losses"], want["losses"])
+    assert got["tokens_seen"] == want["tokens_seen"], (label, got["tokens_seen"], want["tokens_seen"])
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
         assert abs(a - b) <= LOSS * abs(b), f"{label}: loss of step {step + 1} {a} vs one process's {b}"
     for name, w in want["weights"].items():

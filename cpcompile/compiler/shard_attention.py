@@ -391,7 +391,7 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     if f > 1:
         qkv[1:] = [insert(torch.ops.aten.repeat_interleave.self_int, (x, f, 1), "kv_copies", m.node) for x in qkv[1:]]
     qkv = [insert(a2a, (x, heads, True), "heads_to_tokens", m.node) for x in qkv]
-    kv = (config.kernel, "never", 1)  # the all-gather: the exchange needs a plan's origin
+    kv = (config.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
     cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)

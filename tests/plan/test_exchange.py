@@ -62,6 +62,22 @@ def test_each_setting_runs(single_rank_group, kv_exchange):
     torch.testing.assert_close(out, want)
 
 
+def test_a_copied_plan_exchanges(single_rank_group):
+    """A plan is values: a copy of it (as ``.to(device)`` makes) runs the sparse exchange as the plan
+    does, and ``cp_attention`` checks it against its arguments by value."""
+    cu = torch.tensor([0, 3, 12, 16], dtype=torch.int32)
+    q = torch.randn(16, 4, 8)
+    k, v = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    copied = type(plan)(*(t.clone() for t in plan))
+    config = cpcompile.Config(kv_exchange="always")
+    out = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", plan=copied, config=config)
+    torch.testing.assert_close(out, cpcompile.packed_attention(q, k, v, cu))
+    other = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"plan was made from other cu_seqlens: cu_seqlens\[1\] is 4, the plan's 3"):
+        cpcompile.cp_attention(q, k, v, other, strategy="no_load_balance", plan=copied, config=config)
+
+
 # --- the plan, made without communication -------------------------------------------------
 
 

@@ -11,11 +11,16 @@ rank (its tokens, labels shifted on the whole pack, ``cu_seq_lens`` kept global)
 
 What a rank cannot compute from its own tokens raises (on every rank, naming the config field): LFM2's
 convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, soft-capping, sinks,
-and Llama 4's chunked attention under CP for documents longer than a chunk.
+and Llama 4's chunked attention under CP for documents longer than a chunk. A model whose layers compute
+attention themselves, outside transformers' attention interface (Falcon, Bloom, GPT-J, GPT-Neo, CodeGen, MPT,
+XGLM), would never call this implementation: it is refused when built (:func:`check_attention_interface`).
 
 Design constraint: the model code stays stock. No attention mask is built (custom
 implementations get ``attention_mask=None`` from transformers), so nothing of size
-``T x T`` exists, and rotary embeddings follow the sharded ``position_ids``.
+``T x T`` exists, and rotary embeddings follow the sharded ``position_ids``. The one change to transformers
+is a check: ``PreTrainedModel.get_correct_attn_implementation``, which validates a model's
+``attn_implementation`` while the model is built, first calls :func:`check_attention_interface` for
+``"cpcompile"``.
 
     import cpcompile.integrations.hf as cphf
 
@@ -28,6 +33,8 @@ implementations get ``attention_mask=None`` from transformers), so nothing of si
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cpcompile.attention import packed_attention
@@ -36,7 +43,7 @@ from cpcompile.checks import check_cu_seqlens, data_checks_enabled
 from cpcompile.spec import StrategyLike, current_rows
 
 try:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
 except ImportError as e:  # the extra is optional: say how to get it
     raise ImportError(
         'cpcompile.integrations.hf needs transformers: pip install "cpcompile[hf]" (or transformers>=5)'
@@ -121,9 +128,9 @@ def cpcompile_attention_forward(
                 + _config_field_hint(config, name, value_)
             )
     if dropout != 0.0:
+        field = next((f for f in _DROPOUT_FIELDS if getattr(config, f, None) == dropout), _DROPOUT_FIELDS[0])
         raise ValueError(
-            f"{layer} does not support attention dropout: dropout must be 0.0, got {dropout!r} "
-            "(set config.attention_dropout=0.0)"
+            f"{layer} does not support attention dropout: dropout must be 0.0, got {dropout!r} (set config.{field}=0.0)"
         )
     _check_batch_of_one("query", query)
     causal = module.is_causal if is_causal is None else is_causal
@@ -254,6 +261,10 @@ def _check_cp_computable(module: torch.nn.Module, config: object, cp_size: int, 
         )
 
 
+#: the config fields that give attention its dropout, transformers' name first (GPT-2's, BERT-style names)
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
 def _config_field_hint(config: object, argument: str, value: object) -> str:
     """`` (set config.X=None ...)``: the config field that gave ``argument`` its ``value``, where one is known."""
     fields = {"softcap": ("attn_logit_softcapping",)}.get(argument, ())
@@ -337,6 +348,48 @@ def _cut_in_chunks(cu_seqlens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, 
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpcompile_attention_forward)
+
+
+def check_attention_interface(model_class: type) -> None:
+    """Raise ``ValueError`` where ``model_class`` (a transformers model) computes attention in its own layers
+    rather than through transformers' ``AttentionInterface``: such a model never calls the function of
+    ``attn_implementation="cpcompile"``, so it would attend across the documents of a flattened batch (and,
+    under CP, over the rank's own tokens alone) without an error, or fail inside transformers (Falcon's
+    ``KeyError: 'cpcompile'``).
+
+    transformers' own test decides (``PreTrainedModel._can_set_attn_implementation``: a modeling module that
+    defines attention layers and does not dispatch through the interface); a transformers release without that
+    method checks nothing."""
+    follows_interface = getattr(model_class, "_can_set_attn_implementation", None)
+    if follows_interface is None or follows_interface():
+        return
+    raise ValueError(
+        f"{model_class.__name__} computes attention in its own layers ({model_class.__module__}), not through "
+        f"transformers' AttentionInterface, so attn_implementation={ATTN_IMPLEMENTATION!r} would never be called: "
+        "its layers would attend across the documents of a flattened batch, and under context parallelism over "
+        "each rank's own tokens alone. cpcompile cannot run this model; it runs models whose attention goes "
+        "through the interface (Llama, Qwen, Mistral, Gemma, Phi, OLMo, GPT-NeoX, GPTBigCode and others)"
+    )
+
+
+def _checking_attention_interface(get_correct_attn_implementation):
+    """``PreTrainedModel.get_correct_attn_implementation`` that first refuses, for ``"cpcompile"``, the models
+    :func:`check_attention_interface` refuses."""
+
+    @functools.wraps(get_correct_attn_implementation)
+    def checked(self, requested_attention, *args, **kwargs):
+        if requested_attention == ATTN_IMPLEMENTATION:
+            check_attention_interface(type(self))
+        return get_correct_attn_implementation(self, requested_attention, *args, **kwargs)
+
+    checked._cpcompile_checks_interface = True
+    return checked
+
+
+if not getattr(PreTrainedModel.get_correct_attn_implementation, "_cpcompile_checks_interface", False):  # once
+    PreTrainedModel.get_correct_attn_implementation = _checking_attention_interface(
+        PreTrainedModel.get_correct_attn_implementation
+    )
 
 
 def flattened_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ cannot be split over CP ranks: given a batch cut for CP (``shard_flattened_batch
 attention function raises naming the config field, eagerly and while Dynamo traces the model (so a
 compiled model raises before it runs; every rank raises alike, from its config and the batch's CP size).
 Gemma 2's soft-capping names ``config.attn_logit_softcapping``; StableLM's decoder layer, which drops the
-batch's offsets, is named. Llama 4's chunked layers attend within ``attention_chunk_size`` chunks of each
-document: exact uncompiled (the offsets cut per chunk), refused compiled for documents longer than a chunk;
+batch's offsets, is named; attention dropout names the config field that gives it. Models that compute
+attention in their own layers (Falcon, Bloom, GPT-J), which would never call the implementation, are refused
+when built. Llama 4's chunked layers attend within ``attention_chunk_size`` chunks of each document: exact
+uncompiled (the offsets cut per chunk), refused compiled for documents longer than a chunk;
 its NoPE layers' temperature tuning is refused under CP.
 """
 
@@ -102,6 +104,34 @@ def test_gemma2_softcapping_names_the_config_field():
 def test_stablelm_that_drops_the_offsets_is_named():
     model = _model("StableLmConfig", "StableLmForCausalLM", num_hidden_layers=1)
     with pytest.raises(ValueError, match=r"the model dropped them: StableLmDecoderLayer.forward does not pass"):
+        model(**flattened_batch(PACK, seed=1))
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "kwargs"),
+    [
+        ("FalconConfig", "FalconForCausalLM", dict(hidden_size=32, num_attention_heads=4)),  # was KeyError: 'cpcompile'
+        ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_head=4)),  # ran its own attention over the pack
+        ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=32, n_head=4, rotary_dim=4)),
+    ],
+    ids=["falcon", "bloom", "gptj"],
+)
+def test_models_that_compute_attention_themselves_are_refused_when_built(config_class, model_class, kwargs):
+    config = getattr(transformers, config_class)(
+        vocab_size=48, num_hidden_layers=1, **kwargs, attn_implementation=cphf.ATTN_IMPLEMENTATION
+    )
+    with pytest.raises(ValueError, match=model_class + r" computes attention in its own layers .*AttentionInterface"):
+        getattr(transformers, model_class)(config)
+    stock = getattr(transformers, config_class)(vocab_size=48, num_hidden_layers=1, **kwargs)
+    getattr(transformers, model_class)(stock)  # with its own attention: built as before
+
+
+def test_attention_dropout_names_the_config_field():
+    config = transformers.GPT2Config(
+        vocab_size=48, n_embd=32, n_head=4, n_layer=1, attn_pdrop=0.25, attn_implementation=cphf.ATTN_IMPLEMENTATION
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    with pytest.raises(ValueError, match=r"dropout must be 0.0, got 0.25 \(set config.attn_pdrop=0.0\)"):
         model(**flattened_batch(PACK, seed=1))
 
 

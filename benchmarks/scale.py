@@ -1,6 +1,18 @@
 """CP at scale on paper (CPU): the step-time model (``cpcompile.advisor.timing``) calibrated against the
 measured cp=2 runs, then per-GPU efficiency, bytes and host planning time from cp=8 to 256.
 
+Scale: packs of ProLong's document lengths (``--doclens``; ``--cpu-smoke``: the advisor's built-in
+synthetic mix), heads 32/8 of 128 in bf16, over 8-GPU H200 nodes (``Topology`` ``h200``: NVLink as
+fitted, 50 GB/s per GPU across nodes, assumed). Per CP size, :func:`cpcompile.advisor.timing.decide`
+picks among dual_chunk_swap and balanced with the all-gather, the exchange and (up to cp 64) the ring,
+the hybrid with heads inside a node (``u = 8``) and pure head parallelism where ``cp`` divides the
+heads; efficiency = one GPU's attention time for the pack / (cp x the slowest rank's predicted
+time), forward and backward of one layer, as run and with all communication hidden (overlapped). Two
+series: tokens per rank fixed, and total tokens fixed. Then dp x cp: the same GPUs as ``dp`` groups of
+``cp``, each with its own pack cut from the same documents, against one group over all of them. Host
+time (measured here, one thread, median of 3): rank 0's plan for the pick (``make_plan``, with the
+exchange's plan where it exchanges), and ``decide`` itself.
+
 Calibration: the cp=2 rows of BENCHMARKS.md's "CP step with communication" section (2 x H200, NCCL,
 one ProLong pack rebuilt here as ``benchmarks/cp_step.py`` draws it: ``--doclens`` must hold
 ``prolong.json``) against the model's prediction with its default constants, each row's error;
@@ -18,14 +30,31 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+import cpcompile
 from cpcompile import Strategy, StrategySpec
+from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler
 from cpcompile.advisor.comm_model import Heads
-from cpcompile.advisor.timing import H200, KernelSpeed, LayerTerms, Phase, Topology, _phase_us, evaluate, layer_terms
+from cpcompile.advisor.timing import (
+    H200,
+    KernelSpeed,
+    LayerTerms,
+    Option,
+    Phase,
+    Topology,
+    _phase_us,
+    decide,
+    evaluate,
+    layer_terms,
+)
+from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.reads import read_ranges
+from cpcompile.plan.exchange import make_exchange
 from cpcompile.testing import sample_lengths
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -166,6 +195,180 @@ def calibration(doclens: Path | None, refit: bool) -> tuple[str, list[str]]:
     return summary, lines
 
 
+# --- scale ---------------------------------------------------------------------------------
+
+HEADS = Heads(32, 8)
+DCS, BAL = StrategySpec(Strategy.DUAL_CHUNK_SWAP), StrategySpec(Strategy.BALANCED)
+RING_UP_TO = 64  # the ring's steps grow with cp and it loses at every measured size: priced up to here
+
+
+class Setup(NamedTuple):
+    cp_sizes: tuple[int, ...]
+    per_rank: int  # tokens per rank, the first series
+    total: int  # tokens per pack, the second series
+    gpus: int  # dp x cp over this many GPUs
+    mix: str
+
+
+FULL = Setup((8, 16, 32, 64, 128, 256), 16384, 1 << 20, 64, "prolong.json")
+SMOKE = Setup((8, 16), 2048, 32768, 16, "the built-in synthetic mix")
+
+
+def choices(cp: int) -> tuple[Option, ...]:
+    """What decide weighs at ``cp`` (module docstring)."""
+    found = [Option(DCS, "never"), Option(BAL, "never"), Option(BAL, "always")]  # DCS exchanges as much
+    if cp <= RING_UP_TO:
+        found.append(Option(dataclasses.replace(DCS, comm="ring"), "never"))
+    if cp > 8:
+        found += [Option(dataclasses.replace(s, head_parallel=8), "never") for s in (DCS, BAL)]
+    if HEADS.q % cp == 0:
+        found.append(Option(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=cp), "never"))
+    return tuple(found)
+
+
+def median_ms(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def plan_ms(cu: torch.Tensor, cp: int, option: Option) -> float:
+    """Rank 0's host plan for ``option`` from scratch: its layout and plan, and the exchange's plan."""
+    spec = dataclasses.replace(option.spec, comm="all_gather", head_parallel=1)
+
+    def plan() -> None:
+        p = cpcompile.plan.make_plan(cu, cp_size=cp, rank=0, strategy=spec)
+        if option.kv_exchange == "always":
+            pack = Pack.build(cu, None, spec=spec, cp_size=cp)
+            make_exchange(p.k_start, p.k_len(True), pack, read_ranges(pack, (-1, 0)), 0, "always")
+
+    return median_ms(plan)
+
+
+class Row(NamedTuple):
+    cp: int
+    documents: int
+    pick: str
+    efficiency: float
+    overlapped: float
+    megabytes: float
+    gather: float  # the best all-gather option's efficiency
+    plan_ms: float
+    decide_ms: float
+    step_ms: float
+    single_us: float
+    pairs: int
+
+
+def single_us(cu: torch.Tensor) -> float:
+    return evaluate(layer_terms(cu, cp_size=1, strategy="no_load_balance", heads=HEADS)).as_run
+
+
+def scale_row(cu: torch.Tensor, cp: int) -> Row:
+    start = time.perf_counter()
+    d = decide(cu, cp_size=cp, heads=HEADS, choices=choices(cp))
+    decide_ms = 1e3 * (time.perf_counter() - start)
+    one = single_us(cu)
+    gather = min(t.as_run for t in d.times if t.path == "all-gather")
+    lengths = cu.diff().long()
+    return Row(
+        cp=cp,
+        documents=lengths.numel(),
+        pick=d.option.name(cp),
+        efficiency=one / (cp * d.time.as_run),
+        overlapped=one / (cp * d.time.overlapped),
+        megabytes=max(d.time.received) / 1e6,
+        gather=one / (cp * gather),
+        plan_ms=plan_ms(cu, cp, d.option),
+        decide_ms=decide_ms,
+        step_ms=d.time.as_run / 1e3,
+        single_us=one,
+        pairs=int((lengths * (lengths + 1) // 2).sum()),
+    )
+
+
+SHORT = {"balanced": "bal", "dual_chunk_swap": "dcs", "no_load_balance": "nlb", "exchange": "ex",
+         "all-gather": "ag", "hybrid": "hyb", "heads": "heads", "ring": "ring"}  # fmt: skip
+
+
+def short(pick: str) -> str:
+    """``balanced exchange`` -> ``bal ex``, ``balanced hybrid u=8`` -> ``bal hyb8``."""
+    words = pick.split()
+    name = " ".join(SHORT.get(w, w) for w in words if not w.startswith("u="))
+    return name + "".join(w[2:] for w in words if w.startswith("u="))
+
+
+def scale_table(per_rank: list[Row], fixed: list[Row]) -> list[str]:
+    """Both series side by side, one row per cp."""
+    lines = [
+        "| cp | pick | eff | ovl | MB | ag eff | plan / decide ms | pick | eff | ovl | MB | plan ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for a, b in zip(per_rank, fixed, strict=True):
+        lines.append(
+            f"| {a.cp} | {short(a.pick)} | {a.efficiency:.2f} | {a.overlapped:.2f} | {a.megabytes:.0f} | "
+            f"{a.gather:.2f} | {a.plan_ms:.0f} / {a.decide_ms:.0f} | {short(b.pick)} | {b.efficiency:.2f} | "
+            f"{b.overlapped:.2f} | {b.megabytes:.0f} | {b.plan_ms:.0f} |"
+        )
+    return lines
+
+
+def split(cu: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``cu`` cut into ``parts`` consecutive packs of equal tokens, documents cut at their edges."""
+    total = int(cu[-1])
+    size = total // parts
+    packs = []
+    for g in range(parts):
+        lo, hi = g * size, (g + 1) * size
+        inner = cu[(cu > lo) & (cu < hi)].long()
+        packs.append(torch.cat([torch.tensor([0]), inner - lo, torch.tensor([size])]).to(torch.int32))
+    return packs
+
+
+def dp_table(cu: torch.Tensor, gpus: int) -> list[str]:
+    """dp x cp over ``gpus``: each group's own pack, the step the slowest group's."""
+    lines = ["| dp x cp | pick | step ms | eff | pairs | plan ms |", "| --- | --- | --- | --- | --- | --- |"]
+    whole = None
+    dp = 1
+    while gpus // dp >= 8:
+        rows = [scale_row(p, gpus // dp) for p in split(cu, dp)]
+        step = max(r.step_ms for r in rows)
+        pairs = sum(r.pairs for r in rows)
+        whole = pairs if whole is None else whole
+        efficiency = sum(r.single_us for r in rows) / 1e3 / (gpus * step)
+        lines.append(
+            f"| {dp} x {gpus // dp} | {short(rows[0].pick)} | {step:.1f} | {efficiency:.2f} | {pairs / whole:.3f} | "
+            f"{max(r.plan_ms for r in rows):.0f} |"
+        )
+        dp *= 2
+    return lines
+
+
+def scale_section(setup: Setup, draw) -> list[str]:
+    per_rank = [scale_row(cut_pack(draw, setup.per_rank * cp), cp) for cp in setup.cp_sizes]
+    fixed = [scale_row(cut_pack(draw, setup.total), cp) for cp in setup.cp_sizes]
+    dp = dp_table(cut_pack(draw, setup.per_rank * setup.gpus), setup.gpus)
+    top = per_rank[-1]
+    return [
+        f"A pack per row from {setup.mix}, heads {HEADS.q}/{HEADS.kv}, 8-GPU H200 nodes; a layer's attention fwd+bwd,"
+        " predicted. eff: one GPU / (cp x slowest rank), as run; ovl: traffic hidden; ag: best all-gather; MB:"
+        " most a rank receives; plan, decide: host ms here (module docstring).",
+        "",
+        f"Left {setup.per_rank // 1024}K tokens per rank, right {setup.total // 1024}K per pack:",
+        "",
+        *scale_table(per_rank, fixed),
+        "",
+        f"dp x cp over {setup.gpus} GPUs, {setup.per_rank // 1024}K tokens each; pairs: attention the cut packs keep:",
+        "",
+        *dp,
+        "",
+        f"cp={top.cp}: {top.pick} {top.efficiency:.2f}, a {top.step_ms:.1f} ms layer.",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doclens", type=Path, default=None, help="folder of length mixes (or prolong.json)")
@@ -180,10 +383,20 @@ def main() -> None:
         summary, table = calibration(args.doclens, args.fit)
         print("\n".join([f"Model {summary}.", "", *table]))
         return
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
     lines = [*header(SECTION)]
-    if not args.cpu_smoke:
-        lines += [f"Model {calibration(args.doclens, args.fit)[0]} (per figure: docs/communication.md).", ""]
-    publish(SECTION, lines, args.output)
+    if args.cpu_smoke:
+        setup, draw = SMOKE, BUILTIN_MIX.sampler(generator)
+    else:
+        path = None if args.doclens is None else (args.doclens / FULL.mix if args.doclens.is_dir() else args.doclens)
+        if path is None or not path.is_file():
+            parser.error(f"--doclens must hold {FULL.mix} (or use --cpu-smoke)")
+        setup, draw = FULL, length_sampler(path, generator)
+        summary = calibration(args.doclens, args.fit)[0]
+        lines += [f"Model {summary.split(' (2 x H200)')[0]}{summary.split(' (2 x H200)')[-1].split(', largest')[0]}"
+                  " (docs/communication.md).", ""]  # fmt: skip
+    publish(SECTION, [*lines, *scale_section(setup, draw)], args.output)
 
 
 if __name__ == "__main__":

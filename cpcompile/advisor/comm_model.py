@@ -26,8 +26,8 @@ float64):
   and the output; backward the output's gradient and q's, K's and V's), and the all-gather
   path between the ``cp / u`` groups over ``u T_l`` tokens of ``Hkv f / u`` heads.
 
-Not counted: the small cross-rank agreement (``checks``), the ring (``comm="ring"``:
-``benchmarks/ring_cost.py``).
+Not counted: the small cross-rank agreement (``checks``), the ring (``comm="ring"``: its bytes per
+peer and step are :func:`cpcompile.advisor.timing.peer_bytes`').
 
 :func:`choose_spec` is the opt-in that lets head parallelism compete: given the heads,
 each candidate's step is the cost model's (:func:`cpcompile.cost.predict_rank_costs`, compute

@@ -163,8 +163,9 @@ class Layer(NamedTuple):
 
 
 def _layout_key(spec: StrategySpec) -> StrategySpec:
-    """What a spec's layout, plans and costs depend on: all of it but ``comm``."""
-    return dataclasses.replace(spec, comm="all_gather")
+    """What a spec's layout depends on: all of it but ``comm`` and ``head_parallel`` (head parallelism
+    runs a head group's layouts one after the other)."""
+    return dataclasses.replace(spec, comm="all_gather", head_parallel=1)
 
 
 def _memoized(memo: dict | None, key: tuple, make):
@@ -243,7 +244,10 @@ def peer_bytes(
         ]
         return Layer(spec, "ring", phases)
     if u == 1:
-        matrix = exchange_matrix(pack, causal) if cp > 1 else None
+        if cp > 1 and kv_exchange != "never":
+            matrix = _memoized(_memo, ("matrix", _layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
+        else:
+            matrix = None
         if matrix is not None and use_exchange(matrix, t_local, kv_exchange):
             row = 2 * g
             recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
@@ -380,7 +384,12 @@ def layer_terms(
     layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
     key = _layout_key(spec)
-    costs = _memoized(_memo, ("costs", key, causal), lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal)))
+    pack = (_memo or {}).get(("pack", key))  # peer_bytes laid it out
+    costs = _memoized(
+        _memo,
+        ("costs", dataclasses.replace(spec, comm="all_gather"), causal),
+        lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal), pack),
+    )
     backward = passes == "forward+backward"
     b, a = heads.itemsize, heads.acc_itemsize
     f = kv_replication(heads.q, heads.kv, u) if u > 1 else 1
@@ -411,7 +420,7 @@ def layer_terms(
         ring_tiles=_memoized(
             _memo,
             ("ring", key, causal),
-            lambda: ring_step_tiles(cu, cp, spec, causal, (_memo or {}).get(("pack", key))),
+            lambda: ring_step_tiles(cu, cp, spec, causal, pack),
         )
         if ring
         else None,
@@ -559,6 +568,7 @@ def decide(
     speed: KernelSpeed | None = None,
     causal: bool = True,
     paths: tuple[str, ...] = PATHS,
+    choices: tuple[Option, ...] | None = None,
 ) -> Decision:
     """The layout, K/V path and head parallelism ``u`` with the lowest predicted layer as it runs
     (:func:`predict_time`'s ``as_run``, forward and backward) for this pack over ``topology``; ties go to
@@ -574,10 +584,11 @@ def decide(
         heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads` (what head parallelism moves,
             which ``u`` divide).
         paths: the paths to weigh (default all of :data:`PATHS`).
+        choices: the options to weigh instead (default :func:`options` of ``paths``).
     """
     check_cp(cp_size)
     cu = _host("cu_seqlens", cu_seqlens)
-    choices = options(cp_size, heads, paths)
+    choices = options(cp_size, heads, paths) if choices is None else tuple(choices)
     if not choices:
         raise ValueError(f"paths={paths} leave no option at cp_size={cp_size} with {heads.q} query heads")
     memo: dict = {}  # the options share layouts: each built once

@@ -164,13 +164,15 @@ def rank_costs(
     spec: StrategySpec,
     cu_seqlens_padded: torch.Tensor | None,
     model: CostModel,
+    pack: Pack | None = None,
 ) -> RankCosts:
-    """:func:`predict_rank_costs` of offsets a public entry checked."""
+    """:func:`predict_rank_costs` of offsets a public entry checked; ``pack``: the pack already laid out by
+    ``spec`` (``auto`` resolved), if a caller has it."""
     cu = _host("cu_seqlens", cu_seqlens)
     spec = resolve_auto(spec, cu, cp_size=cp_size, model=model)
     padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
     u = spec.head_parallel
-    pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size)
+    pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size) if pack is None else pack
     layout, padded = pack.layout, pack.cu_seqlens_padded  # [cp, T_local], [B + 1]
     tokens = torch.full((cp_size,), layout.shape[1], dtype=torch.long)
     # the rows one kernel call runs over, one row per head group: the pack in physical order (u == cp),
@@ -201,10 +203,14 @@ def rank_costs(
     # its sorted rows that fall in it
     held = layout.sort(dim=1).values  # [cp, T_local]: what a rank (head group) holds, ascending
     reader, lo, hi = read_ranges(Pack(held, cu, padded), (w, 0) if model.causal else (-1, -1))  # [M] each
-    run = torch.arange(reader.shape[0])
+    # every row's positions, shifted by its row times past the pack's end: one ascending sequence, so each
+    # bound is searched in its reader's row alone
+    span = int(padded[-1]) + 1
+    shift = torch.arange(cp_size)[:, None] * span
+    flat = (held + shift).reshape(-1)
 
     def rows_below(x: torch.Tensor) -> torch.Tensor:  # [M]: the reader's rows below each run bound
-        return torch.searchsorted(held, x.expand(cp_size, -1).contiguous())[reader, run]
+        return torch.searchsorted(flat, x + reader * span) - reader * t_local
 
     by_reader = torch.zeros(cp_size, dtype=torch.long)
     keys_read = by_reader.index_add(0, reader, hi - lo)

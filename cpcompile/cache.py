@@ -261,7 +261,7 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if capturing():
         raise RuntimeError(
             "a plan derivation uploaded host values while a CUDA graph was captured: every replay would read the "
-            "captured pack's values; derive it on the device (per_plan.capturing)"
+            "captured pack's values; derive it on the device (cache.capturing)"
         )
     if host.is_inference():  # no version counter to key a twin by: a plain copy
         return host.to(device)

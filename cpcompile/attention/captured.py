@@ -15,7 +15,7 @@ of the bucket (docs/cuda-graphs.md). What it gives up for that:
   buffers of the capture rather than the read rows into kept ones;
 - no window (a window's keys come from ``window_keys``, not captured yet), no head parallelism.
 
-Nothing derived from the plan is cached across calls (``per_plan.uncached``): each capture derives
+Nothing derived from the plan is cached across calls (``cache.uncached``): each capture derives
 its own on the device, and cudagraph trees' first call of a part, run in the graphs' memory pool
 without a capture, may leave nothing alive there. The plan op (``cp_plan``) stays outside the
 capture, on the host, once per step: the compiler places it at the start of the graph

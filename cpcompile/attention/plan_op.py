@@ -107,7 +107,7 @@ def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tenso
 @per_plan
 def check_layers(cu_q, k_start, k_len_causal, k_len_full, layers: int, rank: int) -> None:
     """Raise ``ValueError`` unless the plan's live pieces fit ``layers`` layers, with key starts that
-    never fall (what the captured attention's backward runs: ``ops.captured``), under both masks.
+    never fall (what the captured attention's backward runs: ``attention.captured``), under both masks.
     On the host twins; once per plan."""
     cu_q, k_start, *lens = readable(cu_q, k_start, k_len_causal, k_len_full)
     q_len = cu_q[1:] - cu_q[:-1]

@@ -1,6 +1,6 @@
 """Rings of row chunks between ranks: the CP ring's K/V rotation (:func:`rotate`, for
-``ops/ring.py``) and the TP overlap's transports on capacity buffers (:func:`gather_ring`,
-:func:`reduce_scatter_ring`, for ``ops/overlap.py``), all built on one p2p step (:func:`shift`).
+``attention/ring.py``) and the TP overlap's transports on capacity buffers (:func:`gather_ring`,
+:func:`reduce_scatter_ring`, for ``tp/ops.py``), all built on one p2p step (:func:`shift`).
 
 Design constraint: the token count ``t`` changes every microbatch and stays symbolic
 in compiled graphs, so the communication buffer can neither be registered at one

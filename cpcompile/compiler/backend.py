@@ -50,7 +50,7 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
     ``backend="inductor"``; other inner compilers take neither. With CUDA graphs on
     (``mode="reduce-overhead"``, ``triton.cudagraphs`` in ``options`` or inductor's config), inductor's
     graph partitions are turned on: the attention calls that can be captured become
-    ``cp_attention_captured`` (``ops.captured``), and cpcompile's other ops (``ops.common.NOT_CAPTURED``:
+    ``cp_attention_captured`` (``attention.captured``), and cpcompile's other ops (``cache.NOT_CAPTURED``:
     the plan, attention that sizes its work on the host) run between the captured parts, which
     cudagraph trees replay (docs/cuda-graphs.md)."""
     if inner != "inductor":
@@ -82,7 +82,7 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
             )
         if not trees:
             # the plain cudagraphify hands back the same output tensors unmarked: a plan op reading one
-            # could be served the previous pack's plan from the per-plan caches (per_plan.replayed)
+            # could be served the previous pack's plan from the per-plan caches (cache.replayed)
             raise ValueError(
                 f"{on} need inductor's cudagraph trees (triton.cudagraph_trees=True), got False: leave "
                 "triton.cudagraph_trees on, or CUDA graphs off"
@@ -272,13 +272,13 @@ def backend(
             :func:`cpcompile.config.default_config`, as the environment seeded it at import).
         captured_step: the compiled model runs inside :class:`cpcompile.CapturedStep` (a whole step
             captured as one CUDA graph by hand): attention becomes the captured op where it can
-            (``ops.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
+            (``attention.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
             capacity); attention that cannot be captured raises when the step is captured.
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
     (``mode="reduce-overhead"``, ``triton.cudagraphs``) the forward and the backward are each
     captured once per bucket of packs and replayed, attention included where it can be
-    (``ops.captured``: FA4, all-gather, balanced, dual_chunk_swap or no_load_balance, no window);
+    (``attention.captured``: FA4, all-gather, balanced, dual_chunk_swap or no_load_balance, no window);
     the plan op, and attention that cannot, run between the replays. They need
     ``dynamic=False`` and, under CP, packs padded to a capacity (``StrategySpec.capacity``); else the
     first call fails with Dynamo's ``BackendCompilerFailed`` around a ``ValueError`` saying so

@@ -5,7 +5,7 @@ graphs (cudagraph trees: one per compiled function) and leaves the rest of the s
 it is not compiled, the optimizer) outside. :class:`CapturedStep` captures whatever a step function
 does, forward, loss, backward and optimizer alike, as one graph with ``torch.cuda.graph``, and
 replays it for every pack of the bucket: the model is compiled by cpcompile's backend with
-``captured_step=True``, so that its attention is the captured op (``ops.captured``).
+``captured_step=True``, so that its attention is the captured op (``attention.captured``).
 
 What a hand-made capture cannot do by itself is the plan: the plan op (``cp_plan``) makes a pack's
 plan on the host, which a capture would record once and replay for every pack. Inside a
@@ -13,7 +13,7 @@ plan on the host, which a capture would record once and replay for every pack. I
 step fills before each replay from the new pack's plan (made on the host ahead of the step, from
 its host twins: ``shard_batch(..., device=...)``), the same way it copies the pack's tensors into
 the graph's input buffers. cpcompile's ops that size their work on the host raise inside a capture
-rather than replay one pack's sizes for every other (``per_plan.refuse_capture``).
+rather than replay one pack's sizes for every other (``cache.refuse_capture``).
 """
 
 from __future__ import annotations

@@ -419,7 +419,7 @@ def rewrite_packed_attention(
     ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``.
 
     ``captured`` (CUDA graphs on, packs padded to a capacity): calls that can be captured become
-    ``cp_attention_captured`` (``ops.captured.capturable``; the others stay as above, between the
+    ``cp_attention_captured`` (``attention.captured.capturable``; the others stay as above, between the
     captured parts), and their plans are made at the start of the graph, right after their inputs,
     so that the plan op (kept out of CUDA graphs) does not cut the captured forward in two."""
     graph = gm.graph

@@ -285,15 +285,23 @@ def peer_bytes(
     return Layer(spec, "hybrid", phases)
 
 
-def _phase_us(phase: Phase, rank: int, topology: Topology) -> float:
-    """Microseconds ``rank`` spends in ``phase`` (module docstring), all its ``count`` collectives or steps."""
-    recv = phase.recv[rank]
-    peers = [s for s, n in enumerate(recv) if n]
-    if not peers or not phase.count:
-        return 0.0
-    node = topology.node(rank)
-    intra = sum(recv[s] for s in peers if topology.node(s) == node)
-    inter = sum(recv[s] for s in peers if topology.node(s) != node)
+def phase_times(phase: Phase, topology: Topology) -> list[float]:
+    """Microseconds each rank spends in ``phase`` (module docstring), all its ``count`` collectives or steps."""
+    recv = torch.tensor(phase.recv, dtype=torch.long)  # [cp, cp]
+    cp = recv.shape[0]
+    node = torch.arange(cp) // topology.gpus_per_node
+    same, has = node[:, None] == node[None, :], recv > 0
+    # per rank, exact integers: bytes from its node and from others, its peers and those on its node
+    columns = (torch.where(same, recv, 0).sum(1), torch.where(same, 0, recv).sum(1), has.sum(1), (has & same).sum(1))
+    times = []
+    for intra, inter, peers, near in zip(*(c.tolist() for c in columns), strict=True):
+        times.append(_rank_us(phase, topology, intra, inter, peers, near) if peers and phase.count else 0.0)
+    return times
+
+
+def _rank_us(phase: Phase, topology: Topology, intra: int, inter: int, peers: int, near: int) -> float:
+    """One rank's time in ``phase``: ``intra`` and ``inter`` bytes from its node and from others, from
+    ``peers`` ranks, ``near`` of them on its node."""
     hop = topology.inter_latency_us if inter else topology.intra_latency_us
     intra_us = intra / (topology.intra_gbps * 1e3)
     if phase.kind == "ring":  # one block per step from the previous rank
@@ -303,11 +311,13 @@ def _phase_us(phase: Phase, rank: int, topology: Topology) -> float:
         return phase.count * (topology.call_us + hop) + max(intra_us, inter / (topology.inter_gbps * 1e3))
     # a ring collective over this rank and its peers: every byte arrives over NVLink within the node;
     # those from other nodes enter the node once, through the NICs of the group's ranks on it
-    on_node = 1 + sum(topology.node(s) == node for s in peers)
-    inter_us = inter / (on_node * topology.inter_gbps * 1e3)
-    return phase.count * (topology.call_us + len(peers) * hop) + max(
-        (intra + inter) / (topology.intra_gbps * 1e3), inter_us
-    )
+    inter_us = inter / ((1 + near) * topology.inter_gbps * 1e3)
+    return phase.count * (topology.call_us + peers * hop) + max((intra + inter) / (topology.intra_gbps * 1e3), inter_us)
+
+
+def _phase_us(phase: Phase, rank: int, topology: Topology) -> float:
+    """:func:`phase_times` of one rank."""
+    return phase_times(phase, topology)[rank]
 
 
 def ring_step_tiles(cu: torch.Tensor, cp: int, spec: StrategySpec, causal: bool, pack: Pack | None = None):
@@ -454,12 +464,13 @@ def evaluate(terms: LayerTerms, topology: Topology = H200, speed: KernelSpeed | 
     merge = terms.merges * speed.ring_row_ps * (scale + kv_scale)
     fixed = terms.tokens * (speed.token_ns * 1e3 + merge)  # ps
     compute, comm = [], []
+    phases = [phase_times(p, topology) for p in terms.phases]  # [phase][rank]
     per_rank = zip(terms.tiles, terms.key_rows, terms.pieces, terms.copied, strict=True)
     for r, (tiles, key_rows, pieces, copied) in enumerate(per_rank):
         ps = (tiles * per_tile + key_rows * speed.key_row_ps) * scale + pieces * passes * speed.piece_ps * kv_scale
         ps += fixed
         compute.append(ps / 1e6 + copied / (speed.memory_gbps * 1e3))
-        comm.append(sum(_phase_us(p, r, topology) for p in terms.phases))
+        comm.append(sum(times[r] for times in phases))
     received = [sum(sum(p.recv[r]) for p in terms.phases) for r in range(len(compute))]
     both = list(zip(compute, comm, strict=True))
     as_run = max(c + m for c, m in both)
@@ -469,7 +480,7 @@ def evaluate(terms: LayerTerms, topology: Topology = H200, speed: KernelSpeed | 
         as_run = sum(max(max(c * shares[r][i], m / cp) for r, (c, m) in enumerate(both)) for i in range(cp))
         # the backward's last dK/dV block travels to its owner after the last step, hidden behind nothing
         tail = [p for p in terms.phases if p.passes == "backward" and p.count == cp]
-        as_run += max((_phase_us(p, r, topology) / p.count for p in tail for r in range(cp)), default=0.0)
+        as_run += max((t / p.count for p in tail for t in phase_times(p, topology)), default=0.0)
     return StepTime(terms.spec, terms.path, compute, comm, received, as_run, max(max(c, m) for c, m in both))
 
 

@@ -201,7 +201,8 @@ def rank_costs(
     key_rows = per_rank(live_keys)
     # the runs of keys each rank reads (document prefixes, or windows); of each, it holds those of
     # its sorted rows that fall in it
-    held = layout.sort(dim=1).values  # [cp, T_local]: what a rank (head group) holds, ascending
+    # [cp, T_local]: what a rank (head group) holds, ascending (a rank's own layout row already is)
+    held = layout if u == 1 else layout.sort(dim=1).values
     reader, lo, hi = read_ranges(Pack(held, cu, padded), (w, 0) if model.causal else (-1, -1))  # [M] each
     # every row's positions, shifted by its row times past the pack's end: one ascending sequence, so each
     # bound is searched in its reader's row alone

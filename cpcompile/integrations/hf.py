@@ -34,6 +34,7 @@ is a check: ``PreTrainedModel.get_correct_attn_implementation``, which validates
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -359,9 +360,21 @@ def check_attention_interface(model_class: type) -> None:
 
     transformers' own test decides (``PreTrainedModel._can_set_attn_implementation``: a modeling module that
     defines attention layers and does not dispatch through the interface); a transformers release without that
-    method checks nothing."""
+    method checks nothing. A model whose modeling module has no attention function to dispatch to (a state-space
+    model) is refused too: it has nothing for the implementation to replace."""
     follows_interface = getattr(model_class, "_can_set_attn_implementation", None)
     if follows_interface is None or follows_interface():
+        modeling = sys.modules.get(model_class.__module__)
+        if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+            # no layer dispatches through the interface (Mamba, Mamba2, FalconMamba): the state-space layers would
+            # carry their state from one document into the next of a flattened batch, and under CP see only the
+            # rank's own tokens
+            raise ValueError(
+                f"{model_class.__name__} has no attention layer going through transformers' AttentionInterface "
+                f"({model_class.__module__}), so attn_implementation={ATTN_IMPLEMENTATION!r} has nothing to replace: "
+                "its layers would mix the documents of a flattened batch, and under context parallelism see each "
+                "rank's own tokens alone. cpcompile cannot run this model"
+            )
         return
     raise ValueError(
         f"{model_class.__name__} computes attention in its own layers ({model_class.__module__}), not through "

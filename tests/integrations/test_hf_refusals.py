@@ -176,3 +176,14 @@ def test_llama4_temperature_tuning_is_refused_under_cp():
     model = tiny_model("llama4", cphf.ATTN_IMPLEMENTATION, attn_temperature_tuning=True)
     with pytest.raises(ValueError, match=r"config.attn_temperature_tuning=True.*cp_size=2"):
         _attention_under_cp(model, 1)
+
+
+def test_models_without_attention_layers_are_refused_when_built():
+    """A state-space model (Mamba) has no attention to replace: it would mix the documents of a flattened
+    batch (its state carries over), and under CP see each rank's tokens alone; it was built without an error."""
+    config = transformers.MambaConfig(
+        vocab_size=48, hidden_size=16, num_hidden_layers=1, attn_implementation=cphf.ATTN_IMPLEMENTATION
+    )
+    with pytest.raises(ValueError, match=r"MambaForCausalLM has no attention layer going through .*AttentionInterface"):
+        transformers.MambaForCausalLM(config)
+    transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=48, hidden_size=16, num_hidden_layers=1))

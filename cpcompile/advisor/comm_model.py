@@ -120,6 +120,17 @@ def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool, choice
     return [sum(e.recv_counts) for e in exchanges], [sum(e.send_counts) for e in exchanges]
 
 
+def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads, kv_exchange: str):
+    """``(cu, spec, heads)``: the checked arguments of a layer's model (:func:`layer_bytes`,
+    ``advisor.timing.peer_bytes``): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
+    check_cp(cp_size)
+    heads = check_heads(heads)
+    if kv_exchange not in SETTINGS:
+        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
+    cu = _host("cu_seqlens", cu_seqlens)
+    return cu, resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size), heads
+
+
 def layer_bytes(
     cu_seqlens: torch.Tensor,
     *,
@@ -141,12 +152,7 @@ def layer_bytes(
         kv_exchange: ``Config.kv_exchange`` (one of ``comm.exchange.SETTINGS``): whether sequence CP
             exchanges K/V rows where it pays (``"auto"``), always or never; the hybrid never does.
     """
-    check_cp(cp_size)
-    heads = check_heads(heads)
-    if kv_exchange not in SETTINGS:
-        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
-    cu = _host("cu_seqlens", cu_seqlens)
-    spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size)
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
     if spec.comm != "all_gather":
         raise ValueError(f"layer_bytes models comm='all_gather' (with the exchange), got comm={spec.comm!r}")
     u = spec.head_parallel

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from cpcompile.advisor.comm_model import Heads, check_heads, head_parallel_options
+from cpcompile.advisor.comm_model import Heads, check_heads, head_parallel_options, layer_arguments
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
 from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
@@ -49,7 +49,7 @@ from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import piece_marks
 from cpcompile.layouts.reads import read_ranges
-from cpcompile.plan.exchange import SETTINGS, use_exchange
+from cpcompile.plan.exchange import use_exchange
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
@@ -219,12 +219,7 @@ def peer_bytes(
     (which the gloo tests check against the collectives), and for ``comm="ring"``: forward ``cp - 1``
     K/V blocks from the previous rank, backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks.
     """
-    check_cp(cp_size)
-    heads = check_heads(heads)
-    if kv_exchange not in SETTINGS:
-        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
-    cu = _host("cu_seqlens", cu_seqlens)
-    spec = resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size)
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
     u, cp = spec.head_parallel, cp_size
     check_head_parallel(u, cp, heads.q)
     pack = _memoized(_memo, ("pack", _layout_key(spec)), lambda: Pack.build(cu, None, spec=spec, cp_size=cp))

@@ -4,11 +4,13 @@
 ``attn_implementation="cpcompile"`` takes packed (flattened) batches as
 ``cpcompile.integrations.hf.shard_flattened_batch`` makes them. At cp=1 it runs under
 plain ``torch.compile(dynamic=True)`` (inductor, no CP pass; attention is
-``cpcompile.packed_attention``, whose CUDA kernel is cuDNN's via ``auto`` with the ``gpu``
-extra, else torch's flash). At cp=N it runs under ``torch.compile(backend=cpcompile.backend())``:
-on one GPU every rank in turn on the fake process group, whose collectives cost nothing
-and return garbage (per-rank times exclude all communication; the sparse K/V exchange,
-which sends data-dependent sizes, is turned off), or under ``torchrun`` on real ranks (NCCL).
+``cpcompile.packed_attention``, whose CUDA kernel is the default of ``cpcompile.Config``: cuDNN's
+via ``auto`` with the ``gpu`` extra, else FlashAttention-4 where installed, else torch's flash).
+At cp=N it runs under ``torch.compile(backend=cpcompile.backend())``: on one GPU every rank in
+turn on the fake process group, whose collectives cost nothing (their outputs filled once with
+the bytes NCCL would write: ``filled_collectives``; per-rank times exclude all communication; the
+sparse K/V exchange, which sends data-dependent sizes, is turned off), or under ``torchrun`` on
+real ranks (NCCL).
 
     python benchmarks/e2e.py [--layers 8] [--tokens 131072] [--cp 1,2,8] [--doclens FILE] [--output BENCHMARKS.md]
     torchrun --nproc-per-node 8 benchmarks/e2e.py --cp 1,8

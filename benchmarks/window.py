@@ -122,7 +122,8 @@ def main() -> None:
         "the exchange's bytes fall to a few windows' worth where pieces are long (no_load_balance, balanced), and",
         "the ring's far blocks are read by no piece. `balanced` cuts for causal work, which a window flattens (a",
         "long document's tokens all cost about `w` pairs); told the window (`balanced_w`), it cuts for windowed",
-        "work, reading documents in order, and evens the ranks again. `auto` does not yet consider `balanced_w`.",
+        "work, reading documents in order, and evens the ranks again. The `auto` column is not told the window;",
+        "told it (`StrategySpec.windows`), `auto` lays balanced out as `balanced_w`.",
     ]
     publish(SECTION, lines, args.output)
 

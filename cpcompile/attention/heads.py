@@ -42,7 +42,8 @@ from cpcompile.plan.pieces import head_step_plan, max_pieces
 from cpcompile.spec import Strategy, StrategySpec
 
 #: :func:`cpcompile.plan.pieces.head_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-#: k_len_causal, k_len_full [P])``, the pieces whole documents over the physical buffer.
+#: k_len_causal, k_len_full [P], cu_seqlens, cu_seqlens_padded [B + 1])``, the pieces whole documents over
+#: the physical buffer.
 cp_head_plan = plan_op(
     "cp_head_plan",
     head_step_plan,

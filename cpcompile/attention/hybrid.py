@@ -60,13 +60,14 @@ def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *,
     a2a = torch.ops.cpcompile.head_all_to_all
     qh, kh, vh = (a2a(x, heads.group_name, True) for x in (q, replicate(k, f), replicate(v, f)))
     args = (qh, kh, vh, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), sequence.group_name)
-    # the all-gather path: the exchange's plan needs a plan's origin, which this one has none of
+    # the all-gather path: the sparse exchange's plan is made from one rank's pieces, not a head group's
     out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1)[0]
     return a2a(out, heads.group_name, False)
 
 
 #: :func:`cpcompile.plan.pieces.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
-#: k_len_causal, k_len_full [P])``, the pieces those of the rank's head group.
+#: k_len_causal, k_len_full [P], cu_seqlens, cu_seqlens_padded [B + 1])``, the pieces those of the rank's
+#: head group.
 cp_hybrid_plan = plan_op(
     "cp_hybrid_plan",
     hybrid_step_plan,

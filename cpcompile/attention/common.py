@@ -99,7 +99,7 @@ def communicates(op: str, phase: str | None = "forward"):
             name = argument("group_name", args, kwargs) or next(a for a in args if isinstance(a, str))
             group = resolve_group(name)
             if phase == "backward" and agreement_enabled(group, argument("q", args, kwargs)):
-                _agree_once_per_backward(group, step)
+                agree_once_per_backward(group, step)
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
@@ -120,7 +120,7 @@ def communicates(op: str, phase: str | None = "forward"):
 _backward_agreed: dict[str, int] = {}  # group name -> the autograd graph task whose ranks agreed
 
 
-def _agree_once_per_backward(group, step: str) -> None:
+def agree_once_per_backward(group, step: str) -> None:
     """:func:`agree` at the first backward op of a backward pass on ``group``; the pass's later ops
     (its other layers) run where the ranks already met."""
     task = torch._C._current_graph_task_id()

@@ -14,26 +14,41 @@ from __future__ import annotations
 
 import torch
 
-from cpcompile.attention.common import NOT_CAPTURED, check_fake_tokens, communicates
+from cpcompile.attention.common import NOT_CAPTURED, agree_once_per_backward, check_fake_tokens, communicates
 from cpcompile.attention.plan_op import fake_plan, plan_op
+from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
 from cpcompile.plan.pieces import AttentionPlan, hybrid_step_plan, max_pieces
 from cpcompile.spec import Strategy, StrategySpec
 
+#: the step named in the backward's agreement
+_BACKWARD = "backward of head_all_to_all (the hybrid's)"
+
 
 @torch.library.custom_op("cpcompile::head_all_to_all", mutates_args=(), tags=NOT_CAPTURED)
 @communicates("head_all_to_all (the hybrid's)", None)
-def head_all_to_all(x: torch.Tensor, group_name: str, to_tokens: bool) -> torch.Tensor:
+def head_all_to_all(
+    x: torch.Tensor, group_name: str, to_tokens: bool, cp_group_name: str = "", backward: bool = False
+) -> torch.Tensor:
     """``to_tokens``: ``[T_local, H, D]`` -> ``[u * T_local, H / u, D]`` over the group of ``u`` ranks
-    (``comm.heads.heads_to_tokens``); else the mirror."""
+    (``comm.heads.heads_to_tokens``); else the mirror.
+
+    ``cp_group_name``: the whole CP group, which a ``backward`` call first agrees on, once per backward
+    pass (:func:`cpcompile.attention.common.communicates`): the hybrid's backward begins with this
+    all-to-all inside a head group, and a rank that skipped the backward (its next forward agrees on the
+    whole group) would otherwise leave the others of its head group waiting in it until the timeout."""
+    if backward and cp_group_name:
+        cp_group = resolve_group(cp_group_name)
+        if agreement_enabled(cp_group, x):
+            agree_once_per_backward(cp_group, _BACKWARD)
     move = heads_to_tokens if to_tokens else tokens_to_heads
     (out,) = move([x], resolve_group(group_name))
     return out.contiguous()
 
 
 @head_all_to_all.register_fake
-def _(x, group_name, to_tokens):
+def _(x, group_name, to_tokens, cp_group_name="", backward=False):
     u = resolve_group(group_name).size()
     if to_tokens:
         torch._check(x.shape[1] % u == 0, lambda: f"{u} ranks cannot split {x.shape[1]} heads")
@@ -42,11 +57,12 @@ def _(x, group_name, to_tokens):
 
 
 def _backward(ctx, grad):
-    return torch.ops.cpcompile.head_all_to_all(grad.contiguous(), ctx.group_name, not ctx.to_tokens), None, None
+    a2a = torch.ops.cpcompile.head_all_to_all
+    return a2a(grad.contiguous(), ctx.group_name, not ctx.to_tokens, ctx.cp_group_name, True), None, None, None, None
 
 
 def _setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.to_tokens = inputs
+    _, ctx.group_name, ctx.to_tokens, ctx.cp_group_name, _ = inputs
 
 
 head_all_to_all.register_autograd(_backward, setup_context=_setup)
@@ -58,11 +74,12 @@ def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *,
     heads, sequence = head_groups(resolve_group(group), head_parallel)
     f = kv_replication(q.shape[1], k.shape[1], head_parallel)
     a2a = torch.ops.cpcompile.head_all_to_all
-    qh, kh, vh = (a2a(x, heads.group_name, True) for x in (q, replicate(k, f), replicate(v, f)))
+    cp_name = resolve_group(group).group_name
+    qh, kh, vh = (a2a(x, heads.group_name, True, cp_name) for x in (q, replicate(k, f), replicate(v, f)))
     args = (qh, kh, vh, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), sequence.group_name)
     # the all-gather path: the sparse exchange's plan is made from one rank's pieces, not a head group's
     out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1)[0]
-    return a2a(out, heads.group_name, False)
+    return a2a(out, heads.group_name, False, cp_name)
 
 
 #: :func:`cpcompile.plan.pieces.hybrid_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,

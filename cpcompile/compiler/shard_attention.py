@@ -390,16 +390,16 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     qkv = [m.q, m.k, m.v]
     if f > 1:
         qkv[1:] = [insert(torch.ops.aten.repeat_interleave.self_int, (x, f, 1), "kv_copies", m.node) for x in qkv[1:]]
-    qkv = [insert(a2a, (x, heads, True), "heads_to_tokens", m.node) for x in qkv]
+    qkv = [insert(a2a, (x, heads, True, group_name), "heads_to_tokens", m.node) for x in qkv]
     kv = (config.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
     cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
-    outputs = {0: insert(a2a, (out, heads, False), "tokens_to_heads", m.node)}
+    outputs = {0: insert(a2a, (out, heads, False, group_name), "tokens_to_heads", m.node)}
     if 1 in _used_outputs(m.node):  # a tuple used whole is no match: its read outputs are known
         lse = insert(operator.getitem, (cp, 1), "hybrid_lse", m.node)
         rows = insert(torch.ops.aten.unsqueeze.default, (insert(torch.ops.aten.t.default, (lse,)), -1), "lse_rows")
-        back = insert(a2a, (rows, heads, False), "lse_to_heads", m.node)  # [T_local, Hq, 1]
+        back = insert(a2a, (rows, heads, False, group_name), "lse_to_heads", m.node)  # [T_local, Hq, 1]
         outputs[1] = insert(torch.ops.aten.t.default, (insert(torch.ops.aten.squeeze.dim, (back, -1)),), "lse")
     return outputs
 

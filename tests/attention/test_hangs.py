@@ -147,6 +147,26 @@ def _compiled_skips_backward(rank: int, world: int) -> None:
     step(3).sum().backward()
 
 
+def _hybrid_skips_backward(rank: int, world: int) -> None:
+    """As :func:`_skips_backward`, on the hybrid (heads inside groups of 2 of 4 ranks): its backward starts
+    with an all-to-all inside a head group, which first agrees on the whole CP group, where rank 1's next
+    forward meets it."""
+    path = ("no_load_balance", "all_gather", 2)
+    start = time.monotonic()
+    out = _attention(rank, world, path, seed=0)
+    with pytest.raises(RuntimeError) as raised:
+        if rank != 1:
+            out.sum().backward()
+        else:
+            _attention(rank, world, path, seed=1)
+    message = str(raised.value)
+    assert "0, 2, 3 at the backward of head_all_to_all (the hybrid's)" in message, message
+    assert "rank 1 at the forward" in message and f"this is rank {rank}" in message, message
+    assert time.monotonic() - start < 10, "detected only after the timeout"
+    del raised, out
+    _attention(rank, world, path, seed=2).sum().backward()  # in step again
+
+
 def test_a_rank_that_skips_the_backward_fails_every_rank_at_once():
     run_ranks(_skips_backward, 2, timeout_s=20)
 
@@ -218,3 +238,7 @@ def _kernel_fails_on_one_rank(rank: int, world: int) -> None:
 
 def test_a_kernel_that_fails_on_one_rank_fails_every_rank_within_the_timeout():
     run_ranks(_kernel_fails_on_one_rank, 2, timeout_s=60)
+
+
+def test_a_rank_that_skips_the_hybrids_backward_fails_every_rank_at_once():
+    run_ranks(_hybrid_skips_backward, 4, timeout_s=30)

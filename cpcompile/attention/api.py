@@ -25,6 +25,8 @@ from cpcompile.attention.common import (
     check_fake_gather,
     check_fake_qkv,
     communicates,
+    dense,
+    dense_grads,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,
@@ -102,23 +104,6 @@ def _kernel_keywords(q, scale, window) -> dict:
     return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window}
 
 
-def _dense(*outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """An op's outputs contiguous, as its fake says (``dense_out_and_lse``, ``dense_grads``), whatever
-    the layout of q, k, v (a head-major q, say) and whatever the kernel made of it; a no-op for
-    contiguous outputs."""
-    return tuple(t.contiguous() for t in outputs)
-
-
-def dense_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fake's ``(out [T, Hq, D], lse [Hq, T])``: ``out`` contiguous, as :func:`_dense` makes the real one."""
-    return q.new_empty(q.shape), out_and_lse(q)[1]
-
-
-def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A backward fake's ``(dq, dk, dv)``: contiguous, in q's, k's and v's shapes and dtypes."""
-    return tuple(t.new_empty(t.shape) for t in (q, k, v))
-
-
 # --- packed_attention --------------------------------------------------------------
 
 
@@ -142,14 +127,14 @@ def _packed_attention(
     _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
-    return _dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
+    return dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
 
 
 @_packed_attention.register_fake
 def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
     check_fake_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    return dense_out_and_lse(q)
+    return out_and_lse(q)
 
 
 @torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -173,7 +158,7 @@ def _packed_attention_backward(
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
     dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
-    return _dense(dq, dk.to(k.dtype), dv.to(v.dtype))
+    return dense(dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
 @_packed_attention_backward.register_fake
@@ -314,8 +299,8 @@ def _cp_attention(
     group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
-        return _dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
-    return _dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
+        return dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
+    return dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
 
 
 @_cp_attention.register_fake
@@ -325,7 +310,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     check_fake_gather(q, gather_index, resolve_group(group_name).size())
-    return dense_out_and_lse(q)
+    return out_and_lse(q)
 
 
 @torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -360,8 +345,8 @@ def _cp_attention_backward(
     group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
-        return _dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
-    return _dense(*gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw))
+        return dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
+    return dense(*gathered.backward(kern, dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks, **kw))
 
 
 @_cp_attention_backward.register_fake

@@ -34,6 +34,8 @@ from cpcompile.attention import gathered
 from cpcompile.attention.common import (
     check_fake_gather,
     check_fake_qkv,
+    dense,
+    dense_grads,
     out_and_lse,
     register_attention_autograd,
     softmax_scale,
@@ -118,7 +120,7 @@ def _cp_attention_captured(
     plan = (gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
     group, kern, pieces, kw = _call(q, k, *plan)
     with uncached():
-        return gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw)
+        return dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
 
 
 @_cp_attention_captured.register_fake
@@ -153,12 +155,12 @@ def _cp_attention_captured_backward(
     group, kern, pieces, kw = _call(q, k, *plan)
     grads = (dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks)
     with uncached():
-        return gathered.backward(kern, *grads, layers=layers, **kw)
+        return dense(*gathered.backward(kern, *grads, layers=layers, **kw))
 
 
 @_cp_attention_captured_backward.register_fake
 def _(dout, q, k, v, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return dense_grads(q, k, v)
 
 
 # plan: gather_index, cu_q, k_start, k_len

@@ -61,7 +61,20 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
+    """A fake's ``(out [T, Hq, D], lse [Hq, T])``: ``out`` contiguous, as :func:`dense` makes the real one."""
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
+
+
+def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A backward fake's ``(dq, dk, dv)``: contiguous, in q's, k's and v's shapes and dtypes."""
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+def dense(*outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An op's outputs contiguous, as its fake says (:func:`out_and_lse`, :func:`dense_grads`), whatever
+    the layout of q, k, v (a head-major q, say) and whatever the kernel made of it; a no-op for
+    contiguous outputs. Inductor lays out what follows by the fake's strides, so they must agree."""
+    return tuple(t.contiguous() for t in outputs)
 
 
 def communicates(op: str, phase: str | None = "forward"):

@@ -206,7 +206,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     u = resolve_group(group_name).size()
     torch._check(q.shape[1] % u == 0, lambda: f"head_parallel={u} must divide the query heads {q.shape[1]}")
     check_fake_gather(q, gather_index, u)
-    return q.new_empty(q.shape), out_and_lse(q)[1]  # out contiguous, as the op returns it
+    return out_and_lse(q)  # out contiguous, as the op returns it
 
 
 def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, *call):

@@ -166,7 +166,7 @@ def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_
     cp = resolve_group(group_name).size()
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
     torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")
-    return q.new_empty(q.shape), out_and_lse(q)[1]  # out contiguous, as the op returns it
+    return out_and_lse(q)  # out contiguous, as the op returns it
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=(), tags=NOT_CAPTURED)

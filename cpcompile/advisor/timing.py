@@ -49,7 +49,7 @@ from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import piece_marks
 from cpcompile.layouts.reads import read_ranges
-from cpcompile.plan.exchange import use_exchange
+from cpcompile.plan.exchange import read_counts, use_exchange
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
@@ -178,20 +178,8 @@ def _memoized(memo: dict | None, key: tuple, make):
 
 def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
     """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
-    matrix, as :func:`cpcompile.plan.exchange.make_exchange` builds it on every rank)."""
-    layout = pack.layout
-    cp = layout.shape[0]
-    reader, lo, hi = read_ranges(pack, (-1, 0) if causal else (-1, -1))
-    idle = torch.bincount(reader, minlength=cp) == 0
-    if bool(idle.any()):  # as make_exchange: a rank that reads nothing reads physical row 0 of the first document
-        start = pack.cu_seqlens_padded[:-1].long()
-        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1
-        idlers = idle.nonzero().squeeze(1)
-        row = start[first_doc].expand(idlers.shape[0])
-        reader, lo, hi = (torch.cat(x) for x in ((reader, idlers), (lo, row), (hi, row + 1)))
-    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())
-    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first
-    return n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()
+    matrix, :func:`cpcompile.plan.exchange.read_counts`, as every rank builds it)."""
+    return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
 
 
 def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:

@@ -168,6 +168,30 @@ def _layout(gather_index: torch.Tensor, cp: int) -> torch.Tensor:
     return layout_of(index, cp)
 
 
+def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
+    """``(reader, lo, hi, first, n, matrix)``: every rank's reads ``(reader, lo, hi)`` ``[M]``
+    (:func:`cpcompile.layouts.reads.read_ranges`), a rank that reads no key given the pack's first row
+    (kernels need keys), still rank after rank; ``first``, ``n`` ``[cp, M]``: rank ``s``'s first row of
+    each run and how many rows of it it holds; and the count matrix, ``matrix[r][s]`` the rows rank ``r``
+    reads from rank ``s``: the same on every rank, what :func:`use_exchange` decides by."""
+    layout = pack.layout  # [cp, T_local], each row ascending
+    cp = layout.shape[0]
+    reader, lo, hi = reads
+    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
+    if bool(idle.any()):
+        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
+        start = pack.cu_seqlens_padded[:-1].long()  # [B]
+        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
+        idlers = idle.nonzero().squeeze(1)
+        row = start[first_doc].expand(idlers.shape[0])
+        order = torch.cat([reader, idlers]).argsort(stable=True)
+        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
+    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
+    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
+    return reader, lo, hi, first, n, matrix
+
+
 def make_exchange(
     k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, reads: tuple[torch.Tensor, ...], rank: int, choice: str
 ) -> Exchange | None:
@@ -184,19 +208,7 @@ def make_exchange(
     """
     layout = pack.layout  # [cp, T_local], each row ascending
     cp, t_local = layout.shape
-    start = pack.cu_seqlens_padded[:-1].long()  # [B]
-    reader, lo, hi = reads
-    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
-    if bool(idle.any()):
-        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
-        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
-        idlers = idle.nonzero().squeeze(1)
-        row = start[first_doc].expand(idlers.shape[0])
-        order = torch.cat([reader, idlers]).argsort(stable=True)
-        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
-    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
-    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
-    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
+    reader, lo, hi, first, n, matrix = read_counts(pack, reads)
     if not use_exchange(matrix, t_local, choice):
         return None
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]

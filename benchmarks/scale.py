@@ -39,13 +39,12 @@ import torch
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler
-from cpcompile.advisor.comm_model import Heads
+from cpcompile.advisor.comm_model import Heads, Phase
 from cpcompile.advisor.timing import (
     H200,
     KernelSpeed,
     LayerTerms,
     Option,
-    Phase,
     Topology,
     _phase_us,
     decide,

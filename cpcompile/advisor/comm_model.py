@@ -27,7 +27,7 @@ float64):
   path between the ``cp / u`` groups over ``u T_l`` tokens of ``Hkv f / u`` heads.
 
 Not counted: the small cross-rank agreement (``checks``), the ring (``comm="ring"``: its bytes per
-peer and step are :func:`cpcompile.advisor.timing.peer_bytes`').
+peer and step are :func:`peer_bytes`').
 
 :func:`choose_spec` is the opt-in that lets head parallelism compete: given the heads,
 each candidate's step is the cost model's (:func:`cpcompile.cost.predict_rank_costs`, compute
@@ -53,10 +53,9 @@ from cpcompile.cost.model import (
     predict_rank_costs,
     resolve_auto,
 )
-from cpcompile.layouts.partition import pad_for_cp
+from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import read_ranges
-from cpcompile.plan.exchange import SETTINGS, make_exchange
-from cpcompile.plan.pieces import make_plan, pack_of
+from cpcompile.plan.exchange import SETTINGS, read_counts, use_exchange
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -108,21 +107,9 @@ def _all_gather(peers: int, rows: int, width: int, heads: Heads) -> tuple[int, i
     return kv * heads.itemsize, kv * (heads.itemsize + heads.acc_itemsize)
 
 
-def _exchange_rows(cu, padded, cp: int, spec: StrategySpec, causal: bool, choice: str):
-    """``(received, sent)`` K/V rows per rank of the sparse exchange, or ``None`` where ``cp_attention``
-    takes the all-gather: the exchange's own plan of every rank (``comm.exchange.make_exchange``)."""
-    plans = [make_plan(cu, padded, cp_size=cp, rank=r, strategy=spec) for r in range(cp)]
-    _, pack = pack_of(cu, padded, cp, spec, None)
-    reads = read_ranges(pack, (-1, 0) if causal else (-1, -1))
-    exchanges = [make_exchange(p.k_start, p.k_len(causal), pack, reads, r, choice) for r, p in enumerate(plans)]
-    if exchanges[0] is None:
-        return None
-    return [sum(e.recv_counts) for e in exchanges], [sum(e.send_counts) for e in exchanges]
-
-
 def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads, kv_exchange: str):
     """``(cu, spec, heads)``: the checked arguments of a layer's model (:func:`layer_bytes`,
-    ``advisor.timing.peer_bytes``): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
+    :func:`peer_bytes`): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
     check_cp(cp_size)
     heads = check_heads(heads)
     if kv_exchange not in SETTINGS:
@@ -155,34 +142,150 @@ def layer_bytes(
     cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
     if spec.comm != "all_gather":
         raise ValueError(f"layer_bytes models comm='all_gather' (with the exchange), got comm={spec.comm!r}")
-    u = spec.head_parallel
-    check_head_parallel(u, cp_size, heads.q)
-    given = cu_seqlens_padded is not None
-    padded = _host("cu_seqlens_padded", cu_seqlens_padded) if given else pad_for_cp(cu, cp_size=cp_size, strategy=spec)
-    t_local = int(padded[-1]) // cp_size
+    kw = {"cu_seqlens_padded": cu_seqlens_padded, "causal": causal, "kv_exchange": kv_exchange}
+    layer = peer_bytes(cu, cp_size=cp_size, strategy=spec, heads=heads, **kw)
 
-    def per_rank(*values: int) -> list[torch.Tensor]:
-        return [torch.full((cp_size,), v, dtype=torch.long) for v in values]
+    def received(passes: str) -> torch.Tensor:
+        return torch.tensor([sum(sum(p.recv[r]) for p in layer.phases if p.passes == passes) for r in range(cp_size)])
 
+    return LayerBytes(received("forward"), received("backward"), _PATHS[layer.path])
+
+
+#: :func:`peer_bytes`' path names as :class:`LayerBytes` names them (by the collectives).
+_PATHS = {
+    "all-gather": "all-gather",
+    "exchange": "exchange",
+    "heads": "all-to-all",
+    "hybrid": "all-to-all + all-gather",
+}
+
+
+class Phase(NamedTuple):
+    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s``."""
+
+    passes: str  # "forward" or "backward"
+    kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
+    recv: list[list[int]]
+    count: int = 1  # collectives of this shape (their latency)
+
+
+class Layer(NamedTuple):
+    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path, its phases, and per rank
+    the local rows the plan reads (for copies)."""
+
+    spec: StrategySpec
+    path: str
+    phases: list[Phase]
+
+
+def layout_key(spec: StrategySpec) -> StrategySpec:
+    """What a spec's layout depends on: all of it but ``comm`` and ``head_parallel`` (head parallelism
+    runs a head group's layouts one after the other)."""
+    return dataclasses.replace(spec, comm="all_gather", head_parallel=1)
+
+
+def memoized(memo: dict | None, key: tuple, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
+    """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
+    matrix, :func:`cpcompile.plan.exchange.read_counts`, as every rank builds it)."""
+    return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
+
+
+def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:
+    """``recv[r][s] = nbytes`` for every ``s`` in ``peers(r)``."""
+    recv = [[0] * cp for _ in range(cp)]
+    for r in range(cp):
+        for s in peers(r):
+            recv[r][s] = nbytes
+    return recv
+
+
+def peer_bytes(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike,
+    heads: Heads,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    causal: bool = True,
+    kv_exchange: str = "auto",
+    _memo: dict | None = None,
+) -> Layer:
+    """Every phase of one layer's attention with the bytes each rank receives from each other rank.
+
+    Summed over peers and phases of a pass, the bytes are :func:`layer_bytes`' (which the gloo tests check
+    against the collectives), and for ``comm="ring"``: forward ``cp - 1`` K/V blocks from the previous rank,
+    backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks. ``cu_seqlens_padded``: the pack's
+    physical offsets where given (then ``_memo``, which keys on the layout alone, is not used).
+    """
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
+    u, cp = spec.head_parallel, cp_size
+    check_head_parallel(u, cp, heads.q)
+    padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
+    _memo = _memo if padded is None else None
+    pack = memoized(_memo, ("pack", layout_key(spec)), lambda: Pack.build(cu, padded, spec=spec, cp_size=cp))
+    t_local = pack.layout.shape[1]
+    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
+    others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
+    if spec.comm == "ring":
+        if u != 1:
+            raise ValueError(f"comm='ring' runs sequence CP only (head_parallel 1), got head_parallel={u}")
+        prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
+        block = t_local * 2 * g
+        steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
+        phases = [
+            Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, (steps + 1) * block * a), steps + 1 if steps else 0),
+        ]
+        return Layer(spec, "ring", phases)
     if u == 1:
-        if cp_size > 1 and (rows := _exchange_rows(cu, padded, cp_size, spec, causal, kv_exchange)) is not None:
-            received, sent = (torch.tensor(r, dtype=torch.long) * (2 * heads.kv * heads.dim) for r in rows)
-            forward = received * heads.itemsize
-            return LayerBytes(forward, forward + sent * heads.acc_itemsize, "exchange")
-        return LayerBytes(*per_rank(*_all_gather(cp_size - 1, t_local, heads.kv * heads.dim, heads)), "all-gather")
+        if cp > 1 and kv_exchange != "never":
+            matrix = memoized(_memo, ("matrix", layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
+        else:
+            matrix = None
+        if matrix is not None and use_exchange(matrix, t_local, kv_exchange):
+            row = 2 * g
+            recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
+            sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
+            phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
+            return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
+        kv = t_local * g  # K or V elements of one rank
+        phases = [
+            Phase("forward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * a), 2),
+        ]
+        return Layer(spec, "all-gather", phases)
     f = kv_replication(heads.q, heads.kv, u)
-    hq, hkv = heads.q // u, heads.kv * f // u  # each rank's heads after the all-to-all
-    part = t_local * (u - 1) * heads.dim  # elements of one head slot a rank sends (and receives)
-    b, a = heads.itemsize, heads.acc_itemsize
-    if u == cp_size:
-        lse = t_local * (u - 1) * hq * a
-        forward = part * (hq + 2 * hkv) * b + part * hq * b + lse  # q, k, v; back: out, lse
-        dkv = part * 2 * hkv * (b if f == 1 else a)
-        backward = part * (3 * hq + 2 * hkv) * b + lse + part * hq * b + dkv  # dO, q, out, k, v, lse; dq, dk, dv
-        return LayerBytes(*per_rank(forward, backward), "all-to-all")
-    gather = _all_gather(cp_size // u - 1, u * t_local, hkv * heads.dim, heads)
-    a2a = part * (hq + 2 * hkv) * b + part * hq * b  # q, k, v and out; in the backward their gradients
-    return LayerBytes(*per_rank(a2a + gather[0], a2a + gather[1]), "all-to-all + all-gather")
+    hq, hkv = heads.q // u, heads.kv * f // u
+    slot = t_local * heads.dim  # elements of one head a rank sends to each group peer ((u - 1) of them)
+    group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
+    if u == cp:
+        lse = t_local * hq * a
+        fwd = [slot * (hq + 2 * hkv) * b, slot * hq * b + lse]  # q, k, v; back: out, lse
+        dkv = slot * 2 * hkv * (b if f == 1 else a)
+        bwd = [slot * (3 * hq + 2 * hkv) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
+        phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
+        return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
+    a2a = [slot * (hq + 2 * hkv) * b, slot * hq * b]
+    across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
+    kv = u * t_local * hkv * heads.dim
+    phases = [
+        *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("forward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * a), 2),
+    ]
+    return Layer(spec, "hybrid", phases)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,16 +41,22 @@ from typing import NamedTuple
 
 import torch
 
-from cpcompile.advisor.comm_model import Heads, check_heads, head_parallel_options, layer_arguments
+from cpcompile.advisor.comm_model import (
+    Heads,
+    Phase,
+    check_heads,
+    head_parallel_options,
+    layout_key,
+    memoized,
+    peer_bytes,
+)
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
 from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import piece_marks
-from cpcompile.layouts.reads import read_ranges
-from cpcompile.plan.exchange import read_counts, use_exchange
-from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
 #: (``comm="ring"``), pure head parallelism (``head_parallel == cp``) and the hybrid (``1 < u < cp``).
@@ -142,130 +148,6 @@ class KernelSpeed:
 #: Projections and MLP of a Llama-3-8B-like layer per token, forward and backward: 6 x 218M FLOP at the
 #: matmul throughput docs/cost-model.md assumes ("Where the default weights come from").
 LLAMA_8B_TOKEN_NS = 2180.0
-
-
-class Phase(NamedTuple):
-    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s``."""
-
-    passes: str  # "forward" or "backward"
-    kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
-    recv: list[list[int]]
-    count: int = 1  # collectives of this shape (their latency)
-
-
-class Layer(NamedTuple):
-    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path, its phases, and per rank
-    the local rows the plan reads (for copies)."""
-
-    spec: StrategySpec
-    path: str
-    phases: list[Phase]
-
-
-def _layout_key(spec: StrategySpec) -> StrategySpec:
-    """What a spec's layout depends on: all of it but ``comm`` and ``head_parallel`` (head parallelism
-    runs a head group's layouts one after the other)."""
-    return dataclasses.replace(spec, comm="all_gather", head_parallel=1)
-
-
-def _memoized(memo: dict | None, key: tuple, make):
-    if memo is None:
-        return make()
-    if key not in memo:
-        memo[key] = make()
-    return memo[key]
-
-
-def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
-    """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
-    matrix, :func:`cpcompile.plan.exchange.read_counts`, as every rank builds it)."""
-    return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
-
-
-def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:
-    """``recv[r][s] = nbytes`` for every ``s`` in ``peers(r)``."""
-    recv = [[0] * cp for _ in range(cp)]
-    for r in range(cp):
-        for s in peers(r):
-            recv[r][s] = nbytes
-    return recv
-
-
-def peer_bytes(
-    cu_seqlens: torch.Tensor,
-    *,
-    cp_size: int,
-    strategy: StrategyLike,
-    heads: Heads,
-    causal: bool = True,
-    kv_exchange: str = "auto",
-    _memo: dict | None = None,
-) -> Layer:
-    """Every phase of one layer's attention with the bytes each rank receives from each other rank.
-
-    Summed over peers and phases of a pass, the bytes are :func:`cpcompile.advisor.comm_model.layer_bytes`'
-    (which the gloo tests check against the collectives), and for ``comm="ring"``: forward ``cp - 1``
-    K/V blocks from the previous rank, backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks.
-    """
-    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
-    u, cp = spec.head_parallel, cp_size
-    check_head_parallel(u, cp, heads.q)
-    pack = _memoized(_memo, ("pack", _layout_key(spec)), lambda: Pack.build(cu, None, spec=spec, cp_size=cp))
-    t_local = pack.layout.shape[1]
-    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
-    others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
-    if spec.comm == "ring":
-        if u != 1:
-            raise ValueError(f"comm='ring' runs sequence CP only (head_parallel 1), got head_parallel={u}")
-        prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
-        block = t_local * 2 * g
-        steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
-        phases = [
-            Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, prev, steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, prev, (steps + 1) * block * a), steps + 1 if steps else 0),
-        ]
-        return Layer(spec, "ring", phases)
-    if u == 1:
-        if cp > 1 and kv_exchange != "never":
-            matrix = _memoized(_memo, ("matrix", _layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
-        else:
-            matrix = None
-        if matrix is not None and use_exchange(matrix, t_local, kv_exchange):
-            row = 2 * g
-            recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
-            sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
-            phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
-            return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
-        kv = t_local * g  # K or V elements of one rank
-        phases = [
-            Phase("forward", "gather", _uniform(cp, others, 2 * kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, 2 * kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, 2 * kv * a), 2),
-        ]
-        return Layer(spec, "all-gather", phases)
-    f = kv_replication(heads.q, heads.kv, u)
-    hq, hkv = heads.q // u, heads.kv * f // u
-    slot = t_local * heads.dim  # elements of one head a rank sends to each group peer ((u - 1) of them)
-    group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
-    if u == cp:
-        lse = t_local * hq * a
-        fwd = [slot * (hq + 2 * hkv) * b, slot * hq * b + lse]  # q, k, v; back: out, lse
-        dkv = slot * 2 * hkv * (b if f == 1 else a)
-        bwd = [slot * (3 * hq + 2 * hkv) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
-        phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
-        return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
-    a2a = [slot * (hq + 2 * hkv) * b, slot * hq * b]
-    across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
-    kv = u * t_local * hkv * heads.dim
-    phases = [
-        *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("forward", "gather", _uniform(cp, across, 2 * kv * b), 2),
-        *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("backward", "gather", _uniform(cp, across, 2 * kv * b), 2),
-        Phase("backward", "gather", _uniform(cp, across, 2 * kv * a), 2),
-    ]
-    return Layer(spec, "hybrid", phases)
 
 
 def phase_times(phase: Phase, topology: Topology) -> list[float]:
@@ -376,9 +258,9 @@ def layer_terms(
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "kv_exchange": kv_exchange}
     layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
-    key = _layout_key(spec)
+    key = layout_key(spec)
     pack = (_memo or {}).get(("pack", key))  # peer_bytes laid it out
-    costs = _memoized(
+    costs = memoized(
         _memo,
         ("costs", dataclasses.replace(spec, comm="all_gather"), causal),
         lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal), pack),
@@ -410,7 +292,7 @@ def layer_terms(
         copied=copied,
         merges=(cp - 1) * (2 if backward else 1) if ring else 0,
         phases=phases,
-        ring_tiles=_memoized(
+        ring_tiles=memoized(
             _memo,
             ("ring", key, causal),
             lambda: ring_step_tiles(cu, cp, spec, causal, pack),

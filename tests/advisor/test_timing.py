@@ -11,11 +11,10 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.advisor.comm_model import Heads, layer_bytes
+from cpcompile.advisor.comm_model import Heads, Phase, layer_bytes, peer_bytes
 from cpcompile.advisor.timing import (
     H200,
     KernelSpeed,
-    Phase,
     Topology,
     _phase_us,
     decide,
@@ -23,7 +22,6 @@ from cpcompile.advisor.timing import (
     layer_terms,
     options,
     parse_topology,
-    peer_bytes,
     predict_time,
     resolve,
     ring_step_tiles,

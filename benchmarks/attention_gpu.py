@@ -8,6 +8,10 @@ Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
 
+``--forward-even`` also times balanced laid out by its forward work alone (its steps 0-4,
+``balanced_layout(..., backward=False)``), the layout before forward+backward balancing became the
+default: the rows named ``balanced forward-even``.
+
 ``--window W`` times sliding-window attention ``window_size=(W, 0)`` throughout:
 the pieces read only their windows' keys, and balanced is timed also told the window
 (``StrategySpec("balanced", windows=(W,))``).
@@ -22,7 +26,9 @@ It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -40,6 +46,7 @@ from cpcompile.cache import upload
 from cpcompile.comm.kv_gather import grad_buffers
 from cpcompile.cost.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
+from cpcompile.layouts import balanced_op
 from cpcompile.layouts.partition import padding_multiple
 from cpcompile.plan import exchange
 from cpcompile.plan.pieces import max_piece_len
@@ -185,6 +192,21 @@ def torch_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window):
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def forward_even_balance(on: bool):
+    """Inside, balanced lays packs out by forward work alone (``balanced_layout(..., backward=False)``).
+    Users get no such switch: this compares the default against the layout it replaced."""
+    if not on:
+        yield
+        return
+    default = balanced_op.balanced_layout
+    balanced_op.balanced_layout = functools.partial(default, backward=False)
+    try:
+        yield
+    finally:
+        balanced_op.balanced_layout = default
+
+
 def measure(
     lengths: list[int],
     hq: int,
@@ -196,12 +218,14 @@ def measure(
     strategies: list[str] | None = None,
     rounds: int = 1,
     capacities: tuple[float, ...] = (),
+    forward_even: bool = False,
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
     (default all); ``rounds``: the single-GPU calls, and each layout's reference and ranks, timed that many times in
     turn, medians kept; ``capacities``: each layout also timed on the pack padded to a capacity bucket of that
-    many times its tokens (and 8 more documents), as ``shard_batch`` pads it."""
+    many times its tokens (and 8 more documents), as ``shard_batch`` pads it; ``forward_even``: balanced also
+    laid out by its forward work alone (:func:`forward_even_balance`)."""
     d, dev = 128, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -216,7 +240,9 @@ def measure(
     model = cpcompile.cost.CostModel(window=window)
     specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
     specs = [s for s in specs if strategies is None or s.strategy.value in strategies]
-    specs = [(s, None) for s in specs] + [(s, f) for s in specs for f in capacities]
+    specs = [(s, None, False) for s in specs] + [(s, f, False) for s in specs for f in capacities]
+    if forward_even:
+        specs += [(s, f, True) for s, f, _ in specs if s.strategy is cpcompile.Strategy.BALANCED]
 
     # kernels whose timed code is one function (``auto``'s forward is cuDNN's) are timed once, under the first
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)
@@ -238,56 +264,58 @@ def measure(
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
-    for cp, (spec, factor), name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
-        layout_cu = cu
-        if factor is not None:  # the capacity's padding after the pack, as shard_batch lays it out
-            least = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
-            m, _ = padding_multiple(spec, cp)
-            spec = dataclasses.replace(spec, capacity=(max(least, -(-int(t * factor) // m) * m), len(lengths) + 8))
-            layout_cu = _to_documents(cu, spec.capacity)
-        kernel = kernels.select(q, name)
-        padded = cpcompile.layouts.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
-        n = int(padded[-1])
-        plans = [
-            cpcompile.plan.make_plan(layout_cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)
-        ]
-        short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
-        # uploaded with their host twins, as a training step's plans are (step_plan): metadata reads them
-        plans = [cpcompile.plan.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
-        read = rank_reads(plans, cp, band)
-        q_local = q[: n // cp]  # values do not matter, sizes and pieces do
-        bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
-        steps = [
-            kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank)
-            for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
-        ]
-        # the reference among the ranks, in the GPU's power state of their timings
-        reference, *per_rank = in_turn([best, *steps], rounds)
-        predicted = cpcompile.cost.predict_rank_costs(
-            layout_cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model
-        )
-        # the forward is modelled by kernel tiles; forward+backward by the step cost without its
-        # token term (projections and MLP, which this benchmark does not time): tiles and key copies
-        attention = predicted.cost - cpcompile.cost.CostModel().token_cost * predicted.tokens
-        samples[name] += zip((attention if backward else predicted.tiles).tolist(), per_rank)
-        slowest = max(per_rank)
-        rows.append(
-            {
-                "what": f"cp={cp} {spec.strategy.value}"
-                + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
-                + (f" windows={spec.windows}" if spec.windows else "")
-                + (f" capacity {factor}x" if factor is not None else "")
-                + f" [{name}]",
-                "cp": cp,
-                "ms": slowest,
-                "tflops": flops / cp / slowest / 1e9,
-                "efficiency": reference / (cp * slowest),
-                "imbalance": slowest / statistics.mean(per_rank),
-                "short_pieces": short / cp,
-                "padding": n - t,
-                "exchange": float(read is not None),
-            }
-        )
+    for cp, (spec, factor, even), name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
+        with forward_even_balance(even):
+            layout_cu = cu
+            if factor is not None:  # the capacity's padding after the pack, as shard_batch lays it out
+                least = int(cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)[-1])
+                m, _ = padding_multiple(spec, cp)
+                spec = dataclasses.replace(spec, capacity=(max(least, -(-int(t * factor) // m) * m), len(lengths) + 8))
+                layout_cu = _to_documents(cu, spec.capacity)
+            kernel = kernels.select(q, name)
+            padded = cpcompile.layouts.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
+            n = int(padded[-1])
+            plans = [
+                cpcompile.plan.make_plan(layout_cu, padded, cp_size=cp, rank=rank, strategy=spec) for rank in range(cp)
+            ]
+            short = sum(int(((p.cu_q.diff() > 0) & (p.cu_q.diff() < 128) & (p.k_len_causal > 0)).sum()) for p in plans)
+            # uploaded with their host twins, as a training step's plans are (step_plan): metadata reads them
+            plans = [cpcompile.plan.AttentionPlan(*(upload(x, dev) for x in p)) for p in plans]
+            read = rank_reads(plans, cp, band)
+            q_local = q[: n // cp]  # values do not matter, sizes and pieces do
+            bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
+            steps = [
+                kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank)
+                for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
+            ]
+            # the reference among the ranks, in the GPU's power state of their timings
+            reference, *per_rank = in_turn([best, *steps], rounds)
+            predicted = cpcompile.cost.predict_rank_costs(
+                layout_cu, cp_size=cp, strategy=spec, cu_seqlens_padded=padded, model=model
+            )
+            # the forward is modelled by kernel tiles; forward+backward by the step cost without its
+            # token term (projections and MLP, which this benchmark does not time): tiles and key copies
+            attention = predicted.cost - cpcompile.cost.CostModel().token_cost * predicted.tokens
+            samples[name] += zip((attention if backward else predicted.tiles).tolist(), per_rank)
+            slowest = max(per_rank)
+            rows.append(
+                {
+                    "what": f"cp={cp} {spec.strategy.value}"
+                    + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")
+                    + (f" windows={spec.windows}" if spec.windows else "")
+                    + (" forward-even" if even else "")
+                    + (f" capacity {factor}x" if factor is not None else "")
+                    + f" [{name}]",
+                    "cp": cp,
+                    "ms": slowest,
+                    "tflops": flops / cp / slowest / 1e9,
+                    "efficiency": reference / (cp * slowest),
+                    "imbalance": slowest / statistics.mean(per_rank),
+                    "short_pieces": short / cp,
+                    "padding": n - t,
+                    "exchange": float(read is not None),
+                }
+            )
     return rows, samples
 
 
@@ -375,6 +403,8 @@ def main() -> None:
                         "docs/measurement.md)")  # fmt: skip
     parser.add_argument("--capacity", type=float, nargs="+", default=[], help="each layout also on the pack padded "
                         "to capacity buckets of these multiples of its tokens")  # fmt: skip
+    parser.add_argument("--forward-even", action="store_true", help="balanced also laid out by its forward work "
+                        "alone (steps 0-4, docs/balanced-layout.md) beside the default")  # fmt: skip
     add_output_argument(parser)
     args = parser.parse_args()
     lengths_pool = json.loads(args.doclens.read_text())
@@ -396,6 +426,7 @@ def main() -> None:
                     args.strategies,
                     args.rounds,
                     tuple(args.capacity),
+                    args.forward_even,
                 )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():

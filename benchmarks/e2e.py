@@ -166,11 +166,18 @@ def pack_flops(cu: torch.Tensor, params: int, args) -> float:
     return training_flops(cu.diff().tolist(), params, args.layers, args.heads, args.hidden // args.heads)
 
 
+def flattened_batch(cu: torch.Tensor, seed: int, vocab: int) -> dict:
+    """The whole pack ``cu`` as ``DataCollatorWithFlattening`` gives it, on the host: ``input_ids``,
+    ``position_ids``, ``labels`` ``[1, T]`` (labels unshifted) and ``cu_seq_lens_q``; random tokens from ``seed``."""
+    pack = synthetic_pack(cu.diff().tolist(), vocab, torch.Generator().manual_seed(seed))
+    batch = {"input_ids": pack["input_ids"][None], "position_ids": pack["position_ids"][None], "cu_seq_lens_q": cu}
+    batch["labels"] = batch["input_ids"]
+    return batch
+
+
 def model_inputs(cu: torch.Tensor, seed: int, cp: int, rank: int, args, device) -> tuple[dict, object]:
     """Rank ``rank``'s share of a flattened batch over pack ``cu``, on ``device``, and its strategy spec."""
-    pack = synthetic_pack(cu.diff().tolist(), args.vocab, torch.Generator().manual_seed(seed))
-    batch = {"input_ids": pack["input_ids"][None], "position_ids": pack["position_ids"][None], "cu_seq_lens_q": cu}
-    batch["labels"] = batch["input_ids"]  # unshifted, as DataCollatorWithFlattening gives them
+    batch = flattened_batch(cu, seed, args.vocab)
     inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=cp, rank=rank, strategy=args.spec, device=device)
     return inputs, sharded.spec
 

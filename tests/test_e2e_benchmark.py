@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    """The script as a user runs it, with this checkout's cpcompile first on the path and no torchrun variables."""
+def run_script(*args: str, script: str = "e2e.py") -> subprocess.CompletedProcess:
+    """``benchmarks/<script>`` as a user runs it, with this checkout's cpcompile first on the path and no torchrun
+    variables."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    script = str(ROOT / "benchmarks" / "e2e.py")
+    script = str(ROOT / "benchmarks" / script)
     return subprocess.run(
         [sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=170
     )

@@ -13,6 +13,10 @@ rank's pieces read, into buffers that are kept and zeroed when the pieces change
 (``comm.kv_gather.grad_buffers``); K's and V's go to their reduce-scatters as they are.
 Why (and why head-group pipelining and attending first over local keys did not pay):
 docs/communication.md.
+
+:func:`forward_on_gathered` and :func:`backward_on_gathered` are the kernel's part alone, for
+compiled graphs whose all-gathers and reduce-scatters are nodes of their own
+(``attention.split``): the gathered K/V come in, the dK/dV sums go out.
 """
 
 from __future__ import annotations
@@ -88,3 +92,25 @@ def backward(
             parts.append(buffer.to(k.dtype))
     dq, dk, dv = (parts[0] if chunks == 1 else torch.cat(parts, dim=1) for parts in (dqs, *grads))
     return dq, dk, dv
+
+
+def forward_on_gathered(kernel, q, k_all, v_all, gather_index, pieces: Pieces, **kw):
+    """q ``[T_local, Hq, D]``, all-gathered (rank-major) k, v ``[T, Hkv, D]`` -> out ``[T_local, Hq, D]``,
+    lse ``[Hq, T_local]``: :func:`forward` once its gathers have arrived."""
+    k_all, v_all = (x.index_select(0, gather_index) for x in (k_all, v_all))
+    return kernel.forward(q, k_all, v_all, pieces, **kw)
+
+
+def backward_on_gathered(kernel, dout, q, k_all, v_all, out, lse, gather_index, pieces: Pieces, **kw):
+    """Gradients of :func:`forward_on_gathered`: dq in the input dtype; the dK/dV sums of every key
+    ``[T, Hkv, D]``, float32 (float64 for float64 inputs), in the all-gather's order, for the caller's
+    reduce-scatter.
+
+    They go into new zeroed buffers, not the kept ones (:func:`grad_buffers`): the reduce-scatter
+    that reads them is a node of the graph, which may run after the next layer's backward (and
+    inductor may reuse the memory of an op's dead output), so nothing may write them again."""
+    k_all, v_all = (x.index_select(0, gather_index) for x in (k_all, v_all))
+    acc = torch.promote_types(k_all.dtype, torch.float32)
+    dk_sums, dv_sums = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k_all, v_all))
+    sums = KeyGrads(gathered_order(gather_index), dk_sums, dv_sums)
+    return kernel.backward(dout, q, k_all, v_all, out, lse, pieces, grads=sums, **kw)

@@ -44,3 +44,28 @@ def all_to_all_rows(
     out = x.new_empty((sum(out_counts), *x.shape[1:])) if out is None else out
     work = dist.all_to_all_single(out, x.contiguous(), out_counts, in_counts, group=group, async_op=async_op)
     return (out, work) if async_op else out
+
+
+# --- functional collectives: graph nodes ------------------------------------------------
+#
+# ``torch.ops._c10d_functional`` (the same op names in torch 2.11 through 2.13; only the Python
+# wrappers in ``torch.distributed._functional_collectives`` were renamed, ``all_gather_tensor`` ->
+# ``all_gather_single``): each op starts its collective and returns a tensor that is valid once
+# ``wait_tensor`` has returned it. In a compiled graph the start and the wait are nodes of their own,
+# which AOT autograd keeps and inductor lowers to an asynchronous collective and its wait, so that
+# the graph may run independent work between them (``cpcompile.compiler.overlap``).
+
+
+def start_all_gather(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
+    """Start gathering ``[n, ...]`` of the ``cp`` ranks: ``[cp * n, ...]`` rank-major, valid after :func:`wait`."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), cp, group_name)
+
+
+def start_reduce_scatter(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
+    """Start summing ``[cp * n, ...]`` over the ``cp`` ranks, each keeping its ``n`` rows; valid after :func:`wait`."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", cp, group_name)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The result of a started functional collective, once it has arrived."""
+    return torch.ops._c10d_functional.wait_tensor(x)

@@ -247,6 +247,7 @@ def backend(
     unsupported: str = "raise",
     config: Config | None = None,
     captured_step: bool = False,
+    overlap_kv: bool = False,
 ) -> Backend:
     """A ``torch.compile`` backend that runs packed attention context-parallel over ``group``.
 
@@ -274,6 +275,16 @@ def backend(
             captured as one CUDA graph by hand): attention becomes the captured op where it can
             (``attention.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
             capacity); attention that cannot be captured raises when the step is captured.
+        overlap_kv: move K/V as nodes of the graph (``attention.split``): the K/V all-gathers start as soon
+            as K and V exist and are waited for just before attention, and the backward's dK/dV
+            reduce-scatters are waited for where dK and dV are first read (``compiler.overlap``), so the
+            graph computes what does not depend on them (the Q projection and RoPE; the dQ path and the
+            weight gradients) while they travel. Calls on the all-gather path move K/V by all-gather
+            only, never by the sparse exchange (``config.kv_exchange`` ``"always"`` and ``kv_chunks > 1``
+            are refused); the ring, head parallelism, the hybrid and captured calls are unchanged. The
+            waits are moved for ``inner="inductor"`` and ``"aot_eager"``; another ``inner`` gets the split
+            graph with the backward's waits where autograd puts them (docs/communication.md, "Transfers
+            as graph nodes").
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
     (``mode="reduce-overhead"``, ``triton.cudagraphs``) the forward and the backward are each
@@ -290,7 +301,7 @@ def backend(
     """
     group = held_group(group)  # by name: Dynamo keeps the backend, which must not keep the group alive
     compile_inner = _inner_backend(inner)
-    for name, flag in (("captured_step", captured_step), ("overlap_tp", overlap_tp)):
+    for name, flag in (("captured_step", captured_step), ("overlap_tp", overlap_tp), ("overlap_kv", overlap_kv)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if tp_capacity_tokens is not None:
@@ -299,12 +310,16 @@ def backend(
         check_comm(comm)
     check_unsupported(unsupported)
     config = resolve_config(config)
+    if overlap_kv:
+        _check_overlap(config)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
         refused = _refuse_suppressed_errors(gm, group)
         if refused is not None:
             return refused
         compile_rest, cuda_graphs = _with_inductor_options(compile_inner, inner, **inductor)
+        if overlap_kv:
+            compile_rest = _sinking_waits(inner, compile_rest)
         cuda_graphs = cuda_graphs or captured_step
         pg = resolve_group(group)
         rewritten = 0
@@ -324,6 +339,7 @@ def backend(
                     unsupported=unsupported,
                     config=config,
                     captured=cuda_graphs and spec.capacity is not None,
+                    overlap_kv=overlap_kv,
                 )
         with _failure_shared(pg, rewritten > 0):  # the others' plan ops wait for this rank here too
             if rewritten:
@@ -335,6 +351,39 @@ def backend(
             return compile_rest(gm, example_inputs)
 
     return cpcompile_backend
+
+
+def _check_overlap(config: Config) -> None:
+    """``overlap_kv`` moves K/V of the all-gather path by one all-gather each of K and V."""
+    if config.kv_exchange == "always":
+        raise ValueError(
+            "overlap_kv=True moves K/V by all-gather (the sparse exchange is not split into graph nodes), but "
+            "config.kv_exchange='always': use kv_exchange='auto' or 'never', or overlap_kv=False"
+        )
+    if config.kv_chunks != 1:
+        raise ValueError(
+            f"overlap_kv=True gathers K and V in one collective each, but config.kv_chunks={config.kv_chunks}: use "
+            "kv_chunks=1, or overlap_kv=False"
+        )
+
+
+def _sinking_waits(inner, compile_inner: Backend) -> Backend:
+    """``compile_inner`` with :func:`cpcompile.compiler.overlap.sink_waits` on the graphs AOT autograd makes,
+    where ``inner`` is one whose AOT graphs cpcompile reaches (``"inductor"``, ``"aot_eager"``)."""
+    from cpcompile.compiler import overlap
+
+    if inner == "aot_eager":
+        return overlap.aot_backend()
+    if inner != "inductor":
+        return compile_inner
+
+    def compile_with_patches(gm, example_inputs, **kwargs):
+        from torch._inductor import config
+
+        with config.patch(overlap.inductor_patches()):  # after a pass of the user's, set by now
+            return compile_inner(gm, example_inputs, **kwargs)
+
+    return compile_with_patches
 
 
 def default_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:

@@ -43,6 +43,7 @@ from cpcompile.attention import heads as _heads  # noqa: F401  (registers cpcomp
 from cpcompile.attention import hybrid as _hybrid  # noqa: F401  (registers cpcompile::cp_hybrid_plan, head_all_to_all)
 from cpcompile.attention import plan_op as _plan_op  # noqa: F401  (registers cpcompile::cp_plan)
 from cpcompile.attention import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
+from cpcompile.attention import split as _split  # noqa: F401  (registers cpcompile::cp_attention_split)
 from cpcompile.attention.api import op_window
 from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.comm.groups import resolve_group
@@ -414,9 +415,15 @@ def rewrite_packed_attention(
     spec: StrategySpec,
     config: Config | None = None,
     captured: bool = False,
+    overlap_kv: bool = False,
 ) -> None:
     """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``,
     ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``.
+
+    ``overlap_kv``: a ``cp_attention`` call becomes its all-gathers as graph nodes, started as soon as
+    K and V exist (after the plan, whose agreement comes first), their waits, and
+    ``cp_attention_split`` over the gathered K/V (``attention.split``): always the all-gather, never the
+    sparse exchange. Ring, head-parallel, hybrid and captured calls stay as they are.
 
     ``captured`` (CUDA graphs on, packs padded to a capacity): calls that can be captured become
     ``cp_attention_captured`` (``attention.captured.capturable``; the others stay as above, between the
@@ -458,8 +465,20 @@ def rewrite_packed_attention(
     calls: dict[tuple[fx.Node, fx.Node | None], list[str]] = {}  # per plan, what each call makes of it
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
+
+    def transfers_from(m: AttentionMatch) -> fx.Node:
+        """Where a split call's all-gathers start (and its plan, if it is the first, is made before them,
+        so that its agreement runs before any collective): the first node after K, V and the offsets."""
+        inputs = [n for n in (m.k, m.v, m.cu_seqlens, m.cu_seqlens_padded) if isinstance(n, fx.Node)]
+        point = max(inputs, key=order.__getitem__).next
+        while point.op == "placeholder":
+            point = point.next
+        return point
+
     for m in matches:
         captured_call = in_capture(m)
+        split = overlap_kv and not (heads or captured_call or spec.comm == "ring")
+        plan_at = transfers_from(m) if split else m.node
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
             if key not in plans and captured_call:  # the token count is a constant: no node reads q
@@ -477,8 +496,10 @@ def rewrite_packed_attention(
                         insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                     ]
             if key not in plans:
-                # T = local tokens x cp: symbolic, so one graph serves every batch size
-                local = insert(torch.ops.aten.sym_size.int, (m.q, 0), "local_tokens")
+                graph_point = graph.inserting_before(plan_at)
+                graph_point.__enter__()
+                # T = local tokens x cp: symbolic, so one graph serves every batch size (k's: made before q may be)
+                local = insert(torch.ops.aten.sym_size.int, (m.k if split else m.q, 0), "local_tokens")
                 tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
                 layout = (spec.strategy.value, spec.stripe_size)
                 if hybrid:  # the rank's head group's pieces
@@ -495,6 +516,7 @@ def rewrite_packed_attention(
                 plans[key] = [
                     insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                 ]
+                graph_point.__exit__(None, None, None)
             gather_index, cu_q, k_start, k_len_causal, k_len_full, pack_cu, pack_padded = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None
@@ -552,6 +574,26 @@ def rewrite_packed_attention(
                 config_args = (config.kernel,)
                 if banded:
                     config_args += (q_pos, ring_ranges[ring_key][2], *m.window)
+            elif split:
+                name, target = "cp_attention_split", torch.ops.cpcompile.cp_attention_split.default
+                with graph.inserting_before(plan_at):  # started as soon as K and V exist
+                    pending = [
+                        insert(
+                            torch.ops._c10d_functional.all_gather_into_tensor.default,
+                            (insert(torch.ops.aten.detach.default, (x,), f"{x.name}_to_gather"), cp_size, group_name),
+                            f"{x.name}_gather",
+                            m.node,
+                        )
+                        for x in (m.k, m.v)
+                    ]
+                gathered = [
+                    insert(torch.ops._c10d_functional.wait_tensor.default, (p,), f"{p.name}ed") for p in pending
+                ]
+                plan_args = (gather_index, cu_q, k_start, k_len)
+                config_args = (config.kernel,)
+                if m.window not in UNBANDED:
+                    config_args += (None if m.causal else q_pos, *m.window)
+                qkv = (m.q, m.k, m.v, *gathered)
             else:
                 name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
@@ -564,9 +606,7 @@ def rewrite_packed_attention(
                 cp = insert(
                     target,
                     (
-                        m.q,
-                        m.k,
-                        m.v,
+                        *(qkv if split else (m.q, m.k, m.v)),
                         *plan_args,
                         group_name,
                         m.causal,
@@ -628,6 +668,7 @@ def shard_attention_pass(
     unsupported: str = "raise",
     config: Config | None = None,
     captured: bool = False,
+    overlap_kv: bool = False,
 ) -> int:
     """Shard every recognized packed attention call of ``gm`` and of the subgraphs its
     higher-order ops call (checkpointed layers' bodies, each with its own ``cp_plan``) over
@@ -638,7 +679,8 @@ def shard_attention_pass(
     within its own tokens only). ``config``: the kernel and K/V transport the inserted
     ops get as arguments (default :func:`cpcompile.config.default_config`). ``captured``:
     CUDA graphs are on, and calls that can be captured become ``cp_attention_captured``
-    (:func:`rewrite_packed_attention`).
+    (:func:`rewrite_packed_attention`). ``overlap_kv``: the all-gathers as graph nodes
+    (:func:`rewrite_packed_attention`, ``attention.split``).
     """
     # The root graph and the bodies its higher-order ops call (activation checkpointing puts
     # each checkpointed layer in one): a call left in a body would run single-device on a
@@ -683,7 +725,7 @@ def shard_attention_pass(
             continue
         rewrite_packed_attention(
             module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config,
-            captured=captured,
+            captured=captured, overlap_kv=overlap_kv,
         )  # fmt: skip
         module.graph.lint()
         module.recompile()

@@ -1,0 +1,183 @@
+"""All-gather CP attention with its transfers as graph nodes, for compiled graphs (``overlap_kv``).
+
+``cp_attention`` gathers K/V inside the op, so nothing can run while they travel. With
+``cpcompile.backend(..., overlap_kv=True)`` the pass (``compiler.shard_attention``) writes the
+call as three parts instead, each a node of the graph:
+
+- the all-gathers of K and V (functional collectives, ``comm.collectives.start_all_gather``),
+  started as soon as K and V exist, and waited for just before attention;
+- ``cpcompile::cp_attention_split``: the kernel over the gathered K/V (``gathered.forward_on_gathered``).
+
+Its backward (traced by AOT autograd into the backward graph) is again nodes: the re-gathers of
+K and V (``cpcompile::cp_attention_split_regather``, then their waits: autograd saves nothing of
+size ``T``), ``cpcompile::cp_attention_split_backward``
+(the kernel; dK/dV sums in at least float32, in the all-gather's order), and the reduce-scatters of
+those sums, whose waits ``compiler.overlap.sink_waits`` moves to where dK and dV are first read: the
+dQ path and the weight gradients run while the sums travel. Sizes are the local token count times
+cp, symbolic, so one graph serves every pack. Why the sparse exchange is not split this way:
+docs/communication.md, "Transfers as graph nodes".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpcompile import kernels
+from cpcompile.attention.api import _kernel_keywords, op_window
+from cpcompile.attention.common import (
+    NOT_CAPTURED,
+    accumulation_dtype,
+    check_fake_gather,
+    check_fake_qkv,
+    communicates,
+    dense,
+    out_and_lse,
+)
+from cpcompile.attention.gathered import backward_on_gathered, forward_on_gathered
+from cpcompile.checks import check_device
+from cpcompile.comm.collectives import start_all_gather, start_reduce_scatter, wait
+from cpcompile.comm.groups import resolve_group
+from cpcompile.plan.window import beyond_gpu
+
+
+def _call(
+    q, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal
+):
+    window = op_window(causal, window_left, window_right)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window))
+    pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
+    return kern, pieces, _kernel_keywords(q, scale, window)
+
+
+def _check_fake_gathered(k, k_all, v_all, cp_size: int) -> None:
+    torch._check(k_all.shape == v_all.shape, lambda: f"gathered k {k_all.shape} and v {v_all.shape} must match")
+    torch._check(
+        k_all.shape[0] == k.shape[0] * cp_size and k_all.shape[1:] == k.shape[1:],
+        lambda: f"gathered k {k_all.shape} must be k {k.shape} of {cp_size} ranks",
+    )
+
+
+@torch.library.custom_op("cpcompile::cp_attention_split", mutates_args=(), tags=NOT_CAPTURED)
+def _cp_attention_split(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+    kernel_name: str | None,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[T_local, Hq, D]``; k, v ``[T_local, Hkv, D]`` the rank's own (for their gradients); k_all,
+    v_all ``[T, Hkv, D]`` their all-gathers (rank-major) -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
+    kern, pieces, kw = _call(q, cu_q, k_start, k_len, *args)
+    return dense(*forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw))
+
+
+@_cp_attention_split.register_fake
+def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config):
+    check_fake_qkv(q, k, v)
+    cp_size = resolve_group(group_name).size()
+    _check_fake_gathered(k, k_all, v_all, cp_size)
+    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    check_fake_gather(q, gather_index, cp_size)
+    return out_and_lse(q)
+
+
+@torch.library.custom_op("cpcompile::cp_attention_split_backward", mutates_args=(), tags=NOT_CAPTURED)
+def _cp_attention_split_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    gather_index: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float | None,
+    max_seqlen: int | None,
+    max_seqlen_q: int | None,
+    kernel_name: str | None,
+    q_pos: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``[T_local, Hq, D]`` in q's dtype; dK, dV sums ``[T, Hkv, D]`` of every key in the all-gather's
+    order, float32 (float64 for float64 inputs), this rank's part: summed over ranks by the caller."""
+    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
+    kern, pieces, kw = _call(q, cu_q, k_start, k_len, *args)
+    return dense(*backward_on_gathered(kern, dout, q, k_all, v_all, out, lse, gather_index, pieces, **kw))
+
+
+@_cp_attention_split_backward.register_fake
+def _(dout, q, k_all, v_all, out, lse, *rest):
+    acc = accumulation_dtype(k_all.dtype)
+    return q.new_empty(q.shape), k_all.new_empty(k_all.shape, dtype=acc), v_all.new_empty(v_all.shape, dtype=acc)
+
+
+@torch.library.custom_op("cpcompile::cp_attention_split_regather", mutates_args=(), tags=NOT_CAPTURED)
+@communicates("cp_attention (all_gather, split)", "backward")  # the backward's agreement, before its first collective
+def _regather(
+    dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start the backward's all-gathers of k and v ``[T_local, Hkv, D]``: ``[T, Hkv, D]`` each, valid once
+    ``wait_tensor`` has returned them (the functional collectives' own outputs, their work registered).
+
+    ``dout`` is read for its place alone: what does not depend on the backward's incoming gradients,
+    AOT autograd's partitioner computes in the forward and saves for the backward, and a collective it
+    never recomputes: the re-gathers would then run in the forward, and their ``T`` rows be saved."""
+    cp = resolve_group(group_name).size()
+    return start_all_gather(k, cp, group_name), start_all_gather(v, cp, group_name)
+
+
+@_regather.register_fake
+def _(dout, k, v, group_name):
+    cp = resolve_group(group_name).size()
+    return tuple(x.new_empty((x.shape[0] * cp, *x.shape[1:])) for x in (k, v))
+
+
+_PLAN = 4  # gather_index, cu_q, k_start, k_len
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _k_all, _v_all, *plan = inputs[: 5 + _PLAN]
+    group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window = inputs[5 + _PLAN :]
+    q_pos = window[0] if window else None
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *plan, q_pos)
+    ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
+    ctx.window = tuple(window[1:])
+    ctx.num_inputs = len(inputs)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    """The re-gathers, the kernel, and the reduce-scatters, each a node where AOT autograd traces this."""
+    q, k, v, out, lse, *plan, q_pos = ctx.saved_tensors
+    group_name = ctx.args[0]
+    cp = resolve_group(group_name).size()
+    k_all, v_all = (wait(x) for x in torch.ops.cpcompile.cp_attention_split_regather(dout, k, v, group_name))
+    dq, *sums = torch.ops.cpcompile.cp_attention_split_backward(
+        dout, q, k_all, v_all, out, lse, *plan, *ctx.args, q_pos, *ctx.window
+    )
+    pending = [start_reduce_scatter(s, cp, group_name) for s in sums]
+    dk, dv = (wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
+    return dq, dk, dv, *(None,) * (ctx.num_inputs - 3)
+
+
+_cp_attention_split.register_autograd(_backward, setup_context=_setup_context)

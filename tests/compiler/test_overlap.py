@@ -1,0 +1,168 @@
+"""``cpcompile.backend(..., overlap_kv=True)``: K/V transfers as graph nodes (``attention.split``).
+
+- On real gloo ranks, float64: a model of separate Q, K, V projections (a causal and a windowed
+  layer) trains exactly as one process does on the whole pack, under every layout of the
+  all-gather path, with one compilation over packs of varying length; ring and head-parallel
+  calls, which the option leaves as they are, stay exact.
+- On a fake group: the forward and backward graphs that AOT autograd hands the compiler start
+  each transfer before, and wait for it after, work that does not depend on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.utils import counters
+
+import cpcompile
+from cpcompile.compiler import overlap
+from tests.dist import PACK_SIZES, compiled_graphs, run_ranks
+from tests.graphs import FakeGroupTestCase
+from tests.reference import relative_error
+
+
+class Net(torch.nn.Module):
+    """Separate K, V and Q projections (K and V first, then Q and a RoPE-like rotation that depends only
+    on Q: what the graph can compute while K/V travel), one attention call per layer of ``windows``."""
+
+    def __init__(self, windows=((-1, 0), (3, 0)), vocab=32, dim=16, heads=4, kv_heads=2):
+        super().__init__()
+        self.hd, self.windows = dim // heads, windows
+        self.tok, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(128, dim)
+        linear = lambda n: torch.nn.Linear(dim, n * self.hd, bias=False)  # noqa: E731
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"k": linear(kv_heads), "v": linear(kv_heads), "q": linear(heads), "o": linear(heads)})
+            for _ in windows
+        )
+
+    def forward(self, ids, positions, cu_seqlens, max_seqlen: int):
+        x = self.tok(ids) + self.pos(positions)
+        angle = positions.to(x.dtype)[:, None, None] * 0.1
+        for layer, window in zip(self.layers, self.windows):
+            k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "kv")
+            q = layer["q"](x).unflatten(1, (-1, self.hd))
+            q = q * angle.cos() + q.roll(1, -1) * angle.sin()
+            o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
+            x = x + layer["o"](o.flatten(1))
+        return x
+
+
+def _loss(x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """A sum over the real tokens (``real`` ``[T]``: 1, 0 at the layout's padding): the ranks' shares add up."""
+    per_token = x.sin().sum(1)
+    return per_token.sum() if real is None else (per_token * real).sum()
+
+
+def _pack(step: int):
+    from cpcompile.testing import sample_lengths
+
+    g = torch.Generator().manual_seed(step)
+    lengths = sample_lengths(PACK_SIZES[step], g, lengths=[1, 3, 9, 17, 30])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.randint(32, (cu[-1],), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return ids, positions, cu, max(lengths)
+
+
+def _check_exact(rank: int, world: int, runs) -> None:
+    for spec, windows in runs:
+        torch.manual_seed(0)
+        reference, model = Net(windows).double(), Net(windows).double()
+        model.load_state_dict(reference.state_dict())
+        torch._dynamo.reset()
+        counters.clear()
+        backend = cpcompile.backend(inner="aot_eager", overlap_kv=True)
+        compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+        for step in range(2):
+            ids, positions, cu, longest = _pack(step)
+            reference.zero_grad()
+            want = _loss(reference(ids, positions, cu, longest))
+            want.backward()
+            with cpcompile.strategy(spec):
+                real = torch.ones(ids.shape, dtype=torch.float64)
+                batch = cpcompile.shard_batch(
+                    {"ids": ids, "pos": positions, "real": real}, cu, cp_size=world, rank=rank
+                )
+                t = batch.tensors
+                model.zero_grad()
+                with cpcompile.strategy(batch):
+                    loss = _loss(compiled(t["ids"], t["pos"], cu, longest), t["real"])
+                loss.backward()
+            label = f"{spec} step {step}"
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            assert relative_error(total, want) < 1e-10, f"loss {label}: {total} vs {want}"
+            for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                assert relative_error(grad, p_ref.grad) < 1e-10, f"grad of {name} {label}"
+        assert compiled_graphs() == 1, f"{compiled_graphs()} compilations for 2 packs of other lengths, {spec}"
+
+
+@pytest.mark.distributed
+def test_split_graphs_train_exactly():
+    """The all-gather path split into graph nodes (``inner="aot_eager"``, whose AOT graphs get
+    ``compiler.overlap.sink_waits``), causal and windowed, over a layout of whole chunks and balanced's
+    (the split op reads the plan as ``cp_attention`` does: the other layouts differ only in the plan);
+    the ring and head parallelism, which the option leaves alone (head parallelism takes no window)."""
+    S, windowed, causal = cpcompile.StrategySpec, ((-1, 0), (3, 0)), ((-1, 0),)
+    runs = [
+        (S("dual_chunk_swap"), windowed),
+        (S("balanced", windows=(-1, 3)), windowed),
+        (S("dual_chunk_swap", comm="ring"), windowed),
+        (S("dual_chunk_swap", head_parallel=2), causal),
+    ]
+    run_ranks(_check_exact, 2, runs)
+
+
+def _interesting(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's transfers, waits, matmuls and cpcompile ops, in order, by kind."""
+    names = {
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "wait_tensor": "wait",
+        "mm": "mm",
+    }
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "_opname"):
+            continue
+        ns, op = node.target.namespace, node.target._opname
+        if ns == "cpcompile" or op in names:
+            out.append(op if ns == "cpcompile" else names[op])
+    return out
+
+
+class SnapshotTest(FakeGroupTestCase):
+    def test_transfers_start_before_and_wait_after_independent_work(self):
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return boxed_nop(gm, example_inputs)
+
+        torch._dynamo.reset()
+        model = Net(windows=((-1, 0),))
+        backend = cpcompile.backend(inner=overlap.aot_backend(capture), overlap_kv=True)
+        compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+        ids, positions, cu, longest = _pack(0)
+        batch = cpcompile.shard_batch({"ids": ids, "pos": positions}, cu, cp_size=2, rank=1)
+        with cpcompile.strategy(batch):
+            _loss(compiled(batch.tensors["ids"], batch.tensors["pos"], cu, longest)).backward()
+        forward, backward = graphs
+        # forward: K and V projected (mm, mm), their all-gathers started, the Q projection (mm) runs,
+        # then the waits, attention, and the output projection
+        self.assertExpectedInline(
+            " ".join(_interesting(forward)),
+            "mm mm cp_plan all_gather all_gather mm wait wait cp_attention_split mm",
+        )
+        # backward: the output projection's gradients, the re-gathers (started after the backward's
+        # agreement, in cp_attention_split_regather), the kernel, the dK/dV reduce-scatters started;
+        # the Q projection's weight and input gradients (mm mm) run before their waits
+        self.assertExpectedInline(
+            " ".join(_interesting(backward)),
+            "mm mm cp_attention_split_regather wait wait cp_attention_split_backward reduce_scatter reduce_scatter "
+            "mm mm wait mm mm wait mm mm",
+        )

@@ -14,6 +14,7 @@ real ranks (NCCL).
 
     python benchmarks/e2e.py [--layers 8] [--tokens 131072] [--cp 1,2,8] [--doclens FILE] [--output BENCHMARKS.md]
     torchrun --nproc-per-node 8 benchmarks/e2e.py --cp 1,8
+    torchrun --nproc-per-node 2 benchmarks/e2e.py --cp 1,2 --overlap-kv   # transfers as graph nodes
     python benchmarks/e2e.py --cpu-smoke [--cp 1,2]      # a tiny float32 model on CPU, to check the script
 
 A step is forward, backward, the gradient all-reduce over the CP group (or FSDP2's
@@ -115,6 +116,10 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="FSDP2 fully_shard per decoder layer, the output projection and the decoder stack (cp > 1)",
     )
+    p.add_argument("--overlap-kv", action="store_true", help="cpcompile.backend(overlap_kv=True): K/V all-gathers "
+                   "and dK/dV reduce-scatters as graph nodes, overlapped with the Q projection and the dQ path and "
+                   "weight gradients (all-gather path, no sparse exchange; docs/communication.md); on the fake group "
+                   "their outputs are not filled (filled_collectives)")  # fmt: skip
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
     p.add_argument("--loss", default="fused", choices=["fused", "hf"], help="fused: the loss from hidden states "
                    "chunk by chunk, without whole-pack logits (cpcompile.testing.losses; the default); "
@@ -205,7 +210,7 @@ def make_backend(args, cp: int) -> CountingBackend:
 
         return CountingBackend(lookup_backend(args.inner))
     config = None if args.real else dataclasses.replace(default_config(), kv_exchange="never")
-    return CountingBackend(cpcompile.backend(inner=args.inner, config=config))
+    return CountingBackend(cpcompile.backend(inner=args.inner, config=config, overlap_kv=args.overlap_kv))
 
 
 # --- measurements ------------------------------------------------------------------

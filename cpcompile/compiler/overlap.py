@@ -90,10 +90,16 @@ class _SinkWaits(CustomGraphPass):
 
 
 def inductor_patches() -> dict:
-    """Inductor config patches that run :func:`sink_waits` on its post-grad graphs (forward and backward)."""
+    """Inductor config patches that run :func:`sink_waits` on its post-grad graphs (forward and backward),
+    and inductor's own ``sink_waits`` on its scheduled nodes: its ordering for peak memory (on by default)
+    would otherwise put the waits back next to their collectives. A user's own comm/compute reordering
+    (``reorder_for_compute_comm_overlap`` on) is left as it is."""
     from torch._inductor import config
 
-    return {"post_grad_custom_post_pass": _SinkWaits(config.post_grad_custom_post_pass)}
+    patches = {"post_grad_custom_post_pass": _SinkWaits(config.post_grad_custom_post_pass)}
+    if not config.reorder_for_compute_comm_overlap:
+        patches |= {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+    return patches
 
 
 def _sinking(compiler: Callable) -> Callable:

@@ -213,7 +213,8 @@ def check_longest(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> None:
 
 
 def check_qkv(q: object, k: object, v: object) -> None:
-    """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` with ``Hq % Hkv == 0``."""
+    """q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` with ``Hq % Hkv == 0`` (``Dv``, the value
+    head dim, may differ from ``D``: multi-head latent attention's 192/128)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -223,11 +224,14 @@ def check_qkv(q: object, k: object, v: object) -> None:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if torch.compiler.is_compiling():
         return  # shapes are symbolic here: the ops' fake implementations check them
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"k and v must agree in tokens and heads (dims 0 and 1; their head dims may differ), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in tokens (dim 0) and head_dim (dim 2)")
-    for name, t in (("q", q), ("k", k)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[1] == 0 or t.shape[2] == 0:
             raise ValueError(f"{name} must have at least one head and a head_dim of at least 1, got {tuple(t.shape)}")
     if q.shape[1] % k.shape[1] != 0:

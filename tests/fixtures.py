@@ -69,17 +69,24 @@ def doc_lengths(cp: int, seed: int) -> list[int]:
     return [1, 5 * cp + 3] + torch.randint(1, 3 * cp, (3,), generator=g).tolist() + [1]
 
 
-def attention_case(lengths, hq=4, hkv=2, d=8, *, padded_lengths=None, seed=0, dtype=torch.float32):
+#: value head dims the float64 matrices cycle through, with ``attention_case``'s ``d = 8``: ``d`` itself,
+#: and MLA's kind (values of their own head dim, DeepSeek's 192/128) below and above it
+VALUE_DIMS = (None, 4, 12)
+
+
+def attention_case(lengths, hq=4, hkv=2, d=8, *, dv=None, padded_lengths=None, seed=0, dtype=torch.float32):
     """Random inputs of packed attention: ``(cu, cu_padded, q, k, v, dout)``.
 
     ``cu`` ``[B + 1]`` int32 from ``lengths``; ``cu_padded`` the same from ``padded_lengths``
-    (None without them); q, dout ``[T, hq, d]`` and k, v ``[T, hkv, d]`` of ``dtype``, T the
-    padded total when given, else the real one.
+    (None without them); q ``[T, hq, d]``, k ``[T, hkv, d]``, v ``[T, hkv, dv]`` and dout ``[T, hq, dv]``
+    of ``dtype`` (``dv``: the value head dim, default ``d``), T the padded total when given, else the real one.
     """
     g = torch.Generator().manual_seed(seed)
     cu_padded = None if padded_lengths is None else cu_seqlens(padded_lengths)
     n = sum(padded_lengths or lengths)
-    q, k, v, dout = (torch.randn(n, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv, hq))
+    dv = d if dv is None else dv
+    shapes = ((hq, d), (hkv, d), (hkv, dv), (hq, dv))
+    q, k, v, dout = (torch.randn(n, h, e, generator=g, dtype=dtype) for h, e in shapes)
     return cu_seqlens(lengths), cu_padded, q, k, v, dout
 
 

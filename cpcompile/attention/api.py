@@ -126,7 +126,7 @@ def _packed_attention(
     # of one, say, on a batch that shard_batch padded to a capacity) run; the backward op gets the same
     _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None), v=v)
     return dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
 
 
@@ -134,7 +134,7 @@ def _packed_attention(
 def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
     check_fake_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
-    return out_and_lse(q)
+    return out_and_lse(q, v)
 
 
 @torch.library.custom_op("cpcompile::packed_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -156,7 +156,7 @@ def _packed_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None))
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None), v=v)
     dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
     return dense(dq, dk.to(k.dtype), dv.to(v.dtype))
 
@@ -259,13 +259,13 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, plan: tuple, group_name, scale, kernel_name, kv, window):
+def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.plan.exchange.Exchange` (``None``: all-gather) and the kernel keywords;
     ``plan``: ``(gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)``, the last two the pack's
     offsets the plan carries (``None`` where the op was not given them)."""
     group = resolve_group(group_name)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window))  # before any communication
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v)  # before any communication
     ex = exchange_plan(*plan, window, group_name, kv)  # kv: Config.kv_exchange
     return group, kern, ex, _kernel_keywords(q, scale, window)
 
@@ -296,7 +296,7 @@ def _cp_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)  # the exchange's: the pack, this rank's keys
-    group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
+    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
@@ -310,7 +310,7 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     check_fake_gather(q, gather_index, resolve_group(group_name).size())
-    return out_and_lse(q)
+    return out_and_lse(q, v)
 
 
 @torch.library.custom_op("cpcompile::cp_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -342,7 +342,7 @@ def _cp_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)
-    group, kern, ex, kw = _cp_call(q, plan, group_name, scale, kernel_name, kv_exchange, window)
+    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
@@ -493,7 +493,7 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, sca
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
-        "q/k/v heads and head_dim": (q.shape[1], k.shape[1], q.shape[2]),
+        "q/k/v heads and head dims": (q.shape[1], k.shape[1], q.shape[2], v.shape[2]),
         "dtype": str(q.dtype),
         "strategy": spec.strategy.value,
         "stripe_size": spec.stripe_size,

@@ -127,7 +127,7 @@ def _cp_attention_captured(
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, *rest):
     check_fake_qkv(q, k, v)
     check_fake_gather(q, gather_index, resolve_group(group_name).size())
-    return out_and_lse(q)
+    return out_and_lse(q, v)
 
 
 @torch.library.custom_op("cpcompile::cp_attention_captured_backward", mutates_args=())

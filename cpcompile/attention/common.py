@@ -26,9 +26,12 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def check_fake_qkv(q, k, v) -> None:
-    """An attention op's fake: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (a rank's tokens, or a pack's)."""
-    torch._check(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, H, D], got {q.shape}, {k.shape}")
-    torch._check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must match")
+    """An attention op's fake: q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (a rank's tokens, or a
+    pack's)."""
+    torch._check(
+        q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: f"q, k, v must be [T, H, D], got {q.shape}, {k.shape}"
+    )
+    torch._check(k.shape[:2] == v.shape[:2], lambda: f"k {k.shape} and v {v.shape} differ in tokens or heads")
     torch._check(k.shape[0] == q.shape[0], lambda: f"q {q.shape} and k {k.shape} differ in tokens")
     torch._check(q.shape[2] == k.shape[2], lambda: f"head_dim of q {q.shape} and k {k.shape} differ")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
@@ -60,9 +63,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fake's ``(out [T, Hq, D], lse [Hq, T])``: ``out`` contiguous, as :func:`dense` makes the real one."""
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
+def out_and_lse(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fake's ``(out [T, Hq, Dv], lse [Hq, T])`` (``Dv``: ``v``'s head dim): ``out`` contiguous, as
+    :func:`dense` makes the real one."""
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q.dtype))
+    return q.new_empty((*q.shape[:2], v.shape[2])), lse
 
 
 def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -50,7 +50,7 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, grou
         pack_keys=pack_keys,
         **kw,
     )
-    sent = sums_to_send(parts, ex.recv_dst, k)
+    sent = sums_to_send(parts, ex.recv_dst, (k, v))
     grads = []
     for p, x, (returned, work) in zip(parts, (k, v), return_grads(sent, ex, group)):
         own, senders = _local(p, ex)
@@ -61,12 +61,13 @@ def backward(kernel, dout, q, k, v, out, lse, ex: Exchange, pieces: Pieces, grou
     return dq, *grads
 
 
-def sums_to_send(parts: list[KeyPartials], keys: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
-    """Per tensor's parts, ``[n, Hkv, D]`` in at least float32 (``k``'s shape and dtype promoted): the
+def sums_to_send(parts: list[KeyPartials], keys: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Per tensor's parts, ``[n, Hkv, D]`` in at least float32 (the shape and dtype promoted of its tensor
+    in ``like``, ``(k, v)``): the
     sums of the compact keys ``keys`` ``[n]`` (other ranks' keys, in the order they go back), straight
     into what is sent. The parts of keys no piece read (an idle rank's one key) are none: those rows are 0."""
-    acc = torch.promote_types(k.dtype, torch.float32)
-    return [sum_partials(_columns(p, keys), _like(k, keys.shape[0], acc)) for p in parts]
+    acc = torch.promote_types(like[0].dtype, torch.float32)
+    return [sum_partials(_columns(p, keys), _like(x, keys.shape[0], acc)) for p, x in zip(parts, like, strict=True)]
 
 
 def _columns(parts: KeyPartials, keys: torch.Tensor) -> KeyPartials:

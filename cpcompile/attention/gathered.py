@@ -66,7 +66,7 @@ def backward(
     pending = start_gathers(k, v, group, chunks)  # re-gathered, not saved by the forward
     key_order = gathered_order(gather_index)
     if layers is None:
-        dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, chunks)
+        dk_sums, dv_sums = grad_buffers(gather_index, pieces.tensors, k, v, chunks)
     else:
         kw["layers"] = layers
     qh = q.shape[1] // chunks

@@ -156,20 +156,20 @@ class LocalCall(NamedTuple):
         return {"causal": self.causal, "scale": self.scale}
 
 
-def local_call(gather_index, k_start, k_len, *, q, causal, scale, max_seqlen, kernel_name) -> LocalCall:
+def local_call(gather_index, k_start, k_len, *, q, causal, scale, max_seqlen, kernel_name, v=None) -> LocalCall:
     """The :class:`LocalCall` of a head plan (``gather_index [T]``; ``k_start``, ``k_len`` ``[P]``)
-    for queries like ``q`` (its dtype, device and head dim), launch bound ``max_seqlen``."""
+    for queries like ``q`` (its dtype, device and head dim) and values like ``v`` (their head dim;
+    default ``q``'s), launch bound ``max_seqlen``."""
     docs = documents(gather_index, k_start, k_len)
     # each document reads the keys at its own rows: disjoint, increasing key ranges
     pieces = kernels.Pieces(docs.cu, docs.cu[:-1], docs.lengths, max_q=max_seqlen, max_k=max_seqlen, disjoint_keys=True)
-    return LocalCall(kernels.select(q, kernel_name), docs, pieces, causal, softmax_scale(q, scale))
+    return LocalCall(kernels.select(q, kernel_name, v=v), docs, pieces, causal, softmax_scale(q, scale))
 
 
-def _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
+def _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
     group = resolve_group(group_name)
-    call = local_call(
-        gather_index, k_start, k_len, q=q, causal=causal, scale=scale, max_seqlen=max_seqlen, kernel_name=kernel_name
-    )
+    kw = {"q": q, "v": v, "causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel_name": kernel_name}
+    call = local_call(gather_index, k_start, k_len, **kw)
     return group, kv_replication(q.shape[1], k.shape[1], group.size()), call
 
 
@@ -183,7 +183,7 @@ _PLAN_SCHEMA = (
 def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *call):
     """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``(out [T_local, Hq, D], lse [Hq, T_local])``;
     ``call``: ``(max_seqlen, kernel_name)``."""
-    group, f, local = _call(q, k, gather_index, k_start, k_len, group_name, causal, scale, *call)
+    group, f, local = _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, *call)
     heads = heads_to_tokens([q, replicate(k, f), replicate(v, f)], group)  # [T, Hq/u | Hkv*f/u, D]
     out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
@@ -206,12 +206,12 @@ def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, ma
     u = resolve_group(group_name).size()
     torch._check(q.shape[1] % u == 0, lambda: f"head_parallel={u} must divide the query heads {q.shape[1]}")
     check_fake_gather(q, gather_index, u)
-    return out_and_lse(q)  # out contiguous, as the op returns it
+    return out_and_lse(q, v)  # out contiguous, as the op returns it
 
 
 def _head_attention_backward(dout, q, k, v, out, lse, gather_index, cu_q, k_start, k_len, *call):
     """The gradients ``(dq, dk, dv)`` of :func:`_head_attention`; ``call``: its arguments after the plan."""
-    group, f, local = _call(q, k, gather_index, k_start, k_len, *call)
+    group, f, local = _call(q, k, v, gather_index, k_start, k_len, *call)
     # one all-to-all for everything of q's dtype: dO, q, the output, and K/V with their copies
     dout_t, q_t, out_t, k_t, v_t = heads_to_tokens([dout.to(q.dtype), q, out, replicate(k, f), replicate(v, f)], group)
     (lse_t,) = heads_to_tokens([_lse_rows(lse)], group)  # [T, Hq/u, 1]

@@ -95,6 +95,17 @@ def merge(
     return out * w_old + block_out.to(out.dtype) * w_new, merged
 
 
+def _joined(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V (``[T, Hkv, D]``, ``[T, Hkv, Dv]``, or their gradients) as one message ``[T, Hkv (D + Dv)]``."""
+    return torch.cat([k.flatten(1), v.flatten(1)], dim=1)
+
+
+def _parted(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mirror of :func:`_joined`: views of ``kv`` in ``k``'s and ``v``'s head shapes."""
+    k_part, v_part = kv.split([k[0].numel(), v[0].numel()], dim=1)
+    return k_part.unflatten(1, k.shape[1:]), v_part.unflatten(1, v.shape[1:])
+
+
 @per_plan
 def _live_blocks(k_len: torch.Tensor) -> list[bool]:
     """Per block ``[cp]``, whether a piece reads a key of it (``k_len`` ``[cp, P]``): a window leaves
@@ -109,8 +120,9 @@ def _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, 
     Only windowed calls look (their plan is the step's, with host twins): a causal call's ring plan
     is made per call, and finding its unread blocks would cost a host sync per layer on GPUs."""
     live = _live_blocks(k_len) if k_pos is not None else [True] * k_len.shape[0]
-    for src, kv in rotate(torch.cat([k, v], dim=1), group):  # [T_local, 2 Hkv, D]: one message for both
-        k_src, v_src = kv.split(k.shape[1], dim=1)
+    # one message for both, [T_local, Hkv (D + Dv)]: their head dims may differ
+    for src, kv in rotate(_joined(k, v), group):
+        k_src, v_src = _parted(kv, k, v)
         own = src == group.rank()  # only the own block holds the pieces' rows: causal; others are full
         pieces = None
         if live[src]:
@@ -141,9 +153,9 @@ def _ring_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True))
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v)
     lse_dtype = accumulation_dtype(q.dtype)
-    out, lse = torch.zeros(q.shape, dtype=lse_dtype, device=q.device), None
+    out, lse = torch.zeros((*q.shape[:2], v.shape[2]), dtype=lse_dtype, device=q.device), None
     # without positions the plan's ranges are the whole mask (causal in the own block alone)
     kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
     steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
@@ -166,7 +178,7 @@ def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_
     cp = resolve_group(group_name).size()
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
     torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")
-    return out_and_lse(q)  # out contiguous, as the op returns it
+    return out_and_lse(q, v)  # out contiguous, as the op returns it
 
 
 @torch.library.custom_op("cpcompile::cp_ring_attention_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -194,21 +206,21 @@ def _ring_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True))
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, 2 Hkv, D] fp32
+    arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, Hkv (D + Dv)] fp32
     works = []
     # without positions the plan's ranges are the whole mask (causal in the own block alone)
     kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
     steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
     for step, (k_src, v_src, pieces, step_causal) in enumerate(steps):
         if pieces is None:  # no piece reads this block: its share is 0
-            dkv = torch.zeros((k.shape[0], 2 * k.shape[1], k.shape[2]), dtype=acc, device=k.device)
+            dkv = torch.zeros((k.shape[0], k[0].numel() + v[0].numel()), dtype=acc, device=k.device)
         else:
             dq_step, dk, dv = kern.backward(dout, q, k_src, v_src, out, lse, pieces, causal=step_causal, **kw)
             dq += dq_step
-            dkv = torch.cat([dk, dv], dim=1).to(acc)  # this rank's share, rounded once at the end
+            dkv = _joined(dk, dv).to(acc)  # this rank's share, rounded once at the end
         if step > 0:
             for work in works:
                 work.wait()
@@ -225,7 +237,7 @@ def _ring_attention_backward(
     # Copied into fresh tensors, not returned as views of one buffer: with one local row
     # the two halves are contiguous views already, and an op's outputs must not alias.
     # Contiguous, whatever k's and v's layouts, as the fake says.
-    dk, dv = (t.new_empty(t.shape).copy_(part) for t, part in zip((k, v), arrived.split(k.shape[1], dim=1)))
+    dk, dv = (t.new_empty(t.shape).copy_(part) for t, part in zip((k, v), _parted(arrived, k, v)))
     return dq.to(q.dtype, memory_format=torch.contiguous_format), dk, dv
 
 

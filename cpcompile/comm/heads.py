@@ -4,8 +4,8 @@ Note [head all-to-all]: rank ``r`` holds ``T_local`` tokens of every head, ``x [
 Its heads are cut into ``u`` contiguous groups of ``H / u``; group ``s`` goes to rank ``s``.
 Rank ``s`` then holds every rank's tokens of its head group, in rank-major order (the
 order of an all-gather of the tokens), ``[u * T_local, H / u, D]``. The way back is the
-mirror. Several tensors of one dtype and head dim travel in one collective (their head
-groups side by side in each rank's block).
+mirror. Several tensors of one dtype travel in one collective (their head groups side by side
+in each rank's block), whatever their head dims (keys' and values' may differ).
 
 K/V heads: query head ``h`` reads K/V head ``h // (Hq / Hkv)``, so rank ``s``'s query
 heads need K/V heads that another rank's split might hold, or hold fewer than one of
@@ -50,23 +50,28 @@ def _exchange(blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def heads_to_tokens(xs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Each ``x [T_local, H_i, D]`` (one dtype and ``D``) -> ``[u * T_local, H_i / u, D]``: this
-    rank's head group of every rank's tokens, rank-major (Note [head all-to-all])."""
+    """Each ``x [T_local, H_i, D_i]`` (one dtype; head dims may differ: values' and keys') ->
+    ``[u * T_local, H_i / u, D_i]``: this rank's head group of every rank's tokens, rank-major
+    (Note [head all-to-all])."""
     u = group.size()
     t_local = xs[0].shape[0]
     heads = [x.shape[1] // u for x in xs]
-    blocks = torch.cat([x.unflatten(1, (u, h)) for x, h in zip(xs, heads, strict=True)], dim=2)  # [T_local, u, S, D]
-    out = _exchange(blocks.transpose(0, 1).contiguous(), group)  # [u, T_local, S, D]
-    return [part.reshape(u * t_local, h, -1) for part, h in zip(out.split(heads, dim=2), heads, strict=True)]
+    widths = [h * x.shape[2] for x, h in zip(xs, heads, strict=True)]  # a head group's features per token
+    blocks = torch.cat([x.reshape(t_local, u, w) for x, w in zip(xs, widths)], dim=2)  # [T_local, u, S]
+    out = _exchange(blocks.transpose(0, 1).contiguous(), group)  # [u, T_local, S]
+    parts = zip(out.split(widths, dim=2), heads, xs, strict=True)
+    return [part.reshape(u * t_local, h, x.shape[2]) for part, h, x in parts]
 
 
 def tokens_to_heads(xs: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """The mirror of :func:`heads_to_tokens`: each ``x [u * T_local, h_i, D]`` -> ``[T_local, u * h_i, D]``."""
+    """The mirror of :func:`heads_to_tokens`: each ``x [u * T_local, h_i, D_i]`` -> ``[T_local, u * h_i, D_i]``."""
     u = group.size()
-    heads = [x.shape[1] for x in xs]
-    blocks = torch.cat([x.unflatten(0, (u, -1)) for x in xs], dim=2).contiguous()  # [u, T_local, S, D]
-    out = _exchange(blocks, group).transpose(0, 1)  # [T_local, u, S, D]: head group s from rank s
-    return [part.flatten(1, 2).contiguous() for part in out.split(heads, dim=2)]  # separate tensors
+    t_local = xs[0].shape[0] // u
+    widths = [x.shape[1] * x.shape[2] for x in xs]
+    blocks = torch.cat([x.reshape(u, t_local, w) for x, w in zip(xs, widths)], dim=2).contiguous()  # [u, T_local, S]
+    out = _exchange(blocks, group).transpose(0, 1)  # [T_local, u, S]: head group s from rank s
+    # separate tensors
+    return [part.reshape(t_local, u * x.shape[1], x.shape[2]) for part, x in zip(out.split(widths, dim=2), xs)]
 
 
 _subgroups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}

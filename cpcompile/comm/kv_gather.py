@@ -45,7 +45,7 @@ def start_gathers(k, v, group, chunks):
 class _Kept:
     """One pair of kept buffers and what it was last used for."""
 
-    storage: torch.Tensor  # [2, capacity] float32 (float64 for float64 inputs): dK's and dV's
+    storage: torch.Tensor  # [capacity] float32 (float64 for float64 inputs): dK's, then dV's
     allocated: torch.cuda.Stream | None  # the stream it was allocated on (None off CUDA)
     pieces: list | None = None  # tokens of the pieces it is zeroed for
     chunks: int | None = None
@@ -53,7 +53,7 @@ class _Kept:
 
 
 class _Held(dict):
-    """One thread's kept buffers: (device, dtype, Hkv, D) -> :class:`_Kept`."""
+    """One thread's kept buffers: (device, dtype, Hkv, D, Dv) -> :class:`_Kept`."""
 
 
 _local = threading.local()  # a thread's _Held goes with the thread
@@ -61,14 +61,16 @@ _every = weakref.WeakValueDictionary()  # id -> every live thread's, for release
 _every_lock = threading.Lock()
 
 
-def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_buffers(
+    gather_index: torch.Tensor, pieces, k: torch.Tensor, v: torch.Tensor, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reduce-scatter inputs of dK and dV, float32 (float64 for float64 ``k``)
-    ``[chunks, T, Hkv / chunks, D]`` each
-    (``T`` from ``gather_index``, ``Hkv, D`` from the local ``k``), 0 at every key row the
-    pieces ``(cu_q, k_start, k_len)`` do not read.
+    ``[chunks, T, Hkv / chunks, D]`` and ``[chunks, T, Hkv / chunks, Dv]``
+    (``T`` from ``gather_index``, ``Hkv, D`` from the local ``k``, ``Dv`` from ``v``), 0 at every key
+    row the pieces ``(cu_q, k_start, k_len)`` do not read.
 
     Kept from call to call, one pair per thread, device and head shape, grown to the
-    largest ``T`` yet (memory: ``2 x T x Hkv x D`` floats, as one layer's dK/dV sums take
+    largest ``T`` yet (memory: ``T x Hkv x (D + Dv)`` floats, as one layer's dK/dV sums take
     anyway; :func:`release_grad_buffers` frees them), and zeroed when the pieces (plan
     and mask: causal and full layers read different keys of one plan) or ``chunks``
     change: the kernels write only the rows of the keys that pieces read
@@ -79,8 +81,8 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
     the last reduce-scatters were waited for (they read these buffers), and the
     allocator is told of the stream, so that freeing them waits for it too.
     """
-    t, (hkv, d) = gather_index.shape[0], k.shape[1:]
-    n = t * hkv * d
+    t, (hkv, d), dv = gather_index.shape[0], k.shape[1:], v.shape[2]
+    n_k, n = t * hkv * d, t * hkv * (d + dv)
     mine = getattr(_local, "held", None)
     if mine is None:
         mine = _local.held = _Held()
@@ -88,20 +90,20 @@ def grad_buffers(gather_index: torch.Tensor, pieces, k: torch.Tensor, chunks: in
             _every[id(mine)] = mine
     current = torch.cuda.current_stream(k.device) if k.is_cuda else None
     acc = torch.promote_types(k.dtype, torch.float32)
-    kept = mine.get((k.device, acc, hkv, d))
-    if kept is None or kept.storage.shape[1] < n:
-        kept = mine[k.device, acc, hkv, d] = _Kept(torch.empty(2, n, dtype=acc, device=k.device), current)
+    kept = mine.get((k.device, acc, hkv, d, dv))
+    if kept is None or kept.storage.shape[0] < n:
+        kept = mine[k.device, acc, hkv, d, dv] = _Kept(torch.empty(n, dtype=acc, device=k.device), current)
     if kept.last is not None and kept.last != current:
         current.wait_stream(kept.last)
     if current is not None and current != kept.allocated:
         kept.storage.record_stream(current)
     plan = (gather_index, *pieces)
     if kept.pieces is None or kept.chunks != chunks or not all(map(same_plan, kept.pieces, plan)):
-        kept.storage[:, :n].zero_()  # the previous pieces' sums
+        kept.storage[:n].zero_()  # the previous pieces' sums
         kept.pieces, kept.chunks = [token(x) for x in plan], chunks
     kept.last = current
-    pair = kept.storage[:, :n].view(2, chunks, t, hkv // chunks, d)
-    return pair[0], pair[1]
+    shape = (chunks, t, hkv // chunks)
+    return kept.storage[:n_k].view(*shape, d), kept.storage[n_k:n].view(*shape, dv)
 
 
 def release_grad_buffers() -> None:

@@ -19,13 +19,15 @@ import torch
 
 from cpcompile.cache import refuse_capture
 from cpcompile.config import KERNELS
-from cpcompile.kernels import reference
+from cpcompile.kernels import contract, reference
 from cpcompile.kernels.contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 
 __all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "KeyGrads", "Pieces", "select"]
 
 
-def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None) -> AttentionKernel:
+def select(
+    q: torch.Tensor, name: str | None = None, *, band: str | None = None, v: torch.Tensor | None = None
+) -> AttentionKernel:
     """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
 
     ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``Config.kernel``); this function
@@ -40,6 +42,11 @@ def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None)
     ``band``: where the call has a window that no GPU kernel runs (``contract.gpu_window``), why;
     a named GPU kernel then raises ``ValueError``, and ``None`` chooses ``reference`` (exact, slow),
     with a warning.
+
+    ``v``: the call's values, where they may ask what not every GPU kernel runs (``contract.variant``: a
+    value head dim of their own), which only FA4 of them runs: ``flash`` and ``cudnn`` then raise
+    ``ValueError`` naming it, ``auto`` takes FA4 (``ValueError`` where FA4 cannot run the call), and
+    ``None`` takes FA4 where it runs the call, else ``reference``, with a warning that says why.
     """
     if name is not None and name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
@@ -58,12 +65,25 @@ def select(q: torch.Tensor, name: str | None = None, *, band: str | None = None)
         return reference
     from cpcompile.kernels import cudnn, fa4, flash
 
+    variant = None if v is None else contract.variant(q, v)
+    if variant is not None and name != "fa4":
+        if name in ("flash", "cudnn"):
+            raise ValueError(f"kernel {name!r} cannot run {variant}; use Config(kernel='fa4') or 'reference'")
+        if fa4.supports(q, v):
+            return fa4
+        why = f"cuDNN and torch's flash kernel cannot run {variant}, and FlashAttention-4 cannot run it here"
+        if name == "auto":
+            raise ValueError(f"kernel 'auto' has no kernel for this call: {why} ({fa4.SUPPORTED}, Hopper or Blackwell)")
+        warnings.warn(f"{why}: the exact reference kernel runs it (slow)", stacklevel=2)
+        return reference
+
     if name in ("cudnn", "auto") and not cudnn.available():
         raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
-    if name == "fa4" and not fa4.supports(q):
+    if name == "fa4" and not fa4.supports(q, v):
+        dims = f"{q.shape[-1]}" if v is None else f"{q.shape[-1]} (values {v.shape[-1]})"
         raise ValueError(
             f"kernel 'fa4' needs FlashAttention-4 ({fa4.SUPPORTED}: pip install 'cpcompile[fa4]') on Hopper or "
-            f"Blackwell, with a head dim it supports; got head dim {q.shape[-1]}, installed: {fa4.available()}"
+            f"Blackwell, with a head dim it supports; got head dim {dims}, installed: {fa4.available()}"
         )
     if name == "cudnn":
         return cudnn

@@ -24,6 +24,9 @@ may overlap (they are only read). Query head ``h`` reads key and value head
   (``disjoint_keys``), and raise ``ValueError`` otherwise (:func:`gpu_window`).
 - A row that sees no key (a padding piece, ``k_len = 0``; in a ring step, a piece
   with no key in the block) outputs 0 with ``lse = -inf`` and gets zero gradient.
+- Values may have their own head dim ``Dv`` (multi-head latent attention: ``D = 192``,
+  ``Dv = 128``); the output has it. ``reference`` and ``fa4`` run it; ``flash`` and ``cudnn``
+  raise ``ValueError`` (:func:`refuse_variant`), and ``select`` passes them over.
 - Softmax and gradients accumulate in float32 (float64 for float64 inputs).
   Backwards are reproducible run to run, except FA4's, which adds partial
   gradients with atomics (its runs differ in rounding).
@@ -108,7 +111,7 @@ class KeyGrads:
     - ``key_order``: ``[Tk]`` int64, a permutation of the key rows: dK/dV row ``i`` is
       key ``key_order[i]``'s (default: key ``i``'s), so that the sums go to a
       reduce-scatter in the all-gather's order as they are.
-    - ``dk``, ``dv``: two ``[Tk, Hkv, D]`` buffers, given together (rows in ``key_order``),
+    - ``dk``, ``dv``: two buffers in ``k``'s and ``v``'s shapes, given together (rows in ``key_order``),
       0 at the rows of keys that no piece reads: the sums are written into the other
       rows, in the buffers' dtype, and the buffers returned.
     - ``partial``: return the parts of the sums, not the sums (:class:`KeyPartials`), in key
@@ -198,12 +201,30 @@ def gpu_window(kernel: str, causal: bool, window: tuple[int, int], pieces: Piece
     return window
 
 
+def variant(q: Tensor, v: Tensor) -> str | None:
+    """What a call with ``q`` ``[Tq, Hq, D]`` and ``v`` ``[Tk, Hkv, Dv]`` asks beyond what every GPU backend
+    runs, in words (``None``: nothing): a value head dim other than ``D``."""
+    if v.shape[-1] != q.shape[-1]:
+        return f"a value head dim ({v.shape[-1]}) other than the query/key head dim ({q.shape[-1]})"
+    return None
+
+
+def refuse_variant(kernel: str, q: Tensor, v: Tensor) -> None:
+    """Raise ``ValueError`` where backend ``kernel`` is asked what it does not run (:func:`variant`)."""
+    what = variant(q, v)
+    if what is not None:
+        raise ValueError(
+            f"kernel {kernel!r} cannot run {what}: FlashAttention-4 (Config(kernel='fa4')) or the reference "
+            "kernel runs it"
+        )
+
+
 @runtime_checkable
 class AttentionKernel(Protocol):
     """An attention backend: a module with these two functions (the piece contract: module docstring).
 
     ``Tq`` query rows, ``Tk`` key rows, ``Hq`` query heads, ``Hkv`` key and value heads
-    (``Hq % Hkv == 0``), head dim ``D``. GPU backends take CUDA fp16/bf16 tensors;
+    (``Hq % Hkv == 0``), head dim ``D`` (``Dv`` of the values). GPU backends take CUDA fp16/bf16 tensors;
     ``reference`` any device and floating dtype.
     """
 
@@ -215,14 +236,14 @@ class AttentionKernel(Protocol):
 
         Args:
             q: ``[Tq, Hq, D]``.
-            k, v: ``[Tk, Hkv, D]``, ``q``'s dtype: the whole key buffer that pieces index.
+            k, v: ``[Tk, Hkv, D]``, ``[Tk, Hkv, Dv]``, ``q``'s dtype: the whole key buffer that pieces index.
             pieces: the pieces of ``q`` and the keys each reads (:class:`Pieces`).
             causal: the bottom-right causal band within each piece.
             scale: the softmax scale.
             window: ``(left, right)``, the band around each row's position (module docstring).
 
         Returns:
-            ``out`` ``[Tq, Hq, D]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
+            ``out`` ``[Tq, Hq, Dv]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
             for float64 inputs), the log-sum-exp of each row's scaled scores, ``-inf``
             for rows that see no key.
         """
@@ -236,7 +257,7 @@ class AttentionKernel(Protocol):
         """Gradients of :meth:`forward` with respect to ``q``, ``k`` and ``v``.
 
         Args:
-            dout: ``[Tq, Hq, D]``, ``q``'s dtype: the gradient of ``out``.
+            dout: ``[Tq, Hq, Dv]``, ``q``'s dtype: the gradient of ``out``.
             q, k, v, pieces, causal, scale, window: as given to :meth:`forward`.
             out, lse: what :meth:`forward` returned for them.
             grads: the order and buffers of the dK/dV sums (:class:`KeyGrads`; default:
@@ -246,7 +267,7 @@ class AttentionKernel(Protocol):
 
         Returns:
             ``dq`` ``[Tq, Hq, D]`` in ``q``'s dtype (0 for rows that see no key); ``dk``,
-            ``dv`` ``[Tk, Hkv, D]`` float32 (float64 for float64 inputs), the exact sums
+            ``dv`` (``k``'s and ``v``'s shapes) float32 (float64 for float64 inputs), the exact sums
             over all pieces (where each key's gradient is one piece's, so there is nothing
             to add, they may come in ``k``'s dtype: ``disjoint_keys``, or pieces whose key
             ranges are disjoint and cover every key), or ``grads``' buffers; with

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 from cpcompile.cache import per_plan, readable
-from cpcompile.kernels.contract import Pieces, check_options, gpu_window
+from cpcompile.kernels.contract import Pieces, check_options, gpu_window, refuse_variant
 from cpcompile.kernels.metadata.chunks import row_chunks
 from cpcompile.kernels.metadata.scratch import add_back_grads, place_grads, scratch_rows
 from cpcompile.kernels.triton import dead_rows
@@ -318,7 +318,8 @@ def _run(graph_and_workspace, buffers: dict, device: torch.device) -> None:
     g.execute(buffers, workspace, handle=_handle(device))
 
 
-def _check(q: torch.Tensor, k: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    refuse_variant("cudnn", q, v)  # its graphs take one head dim
     if not q.is_cuda or q.dtype not in _DTYPES:
         raise ValueError(f"kernel 'cudnn' needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if q.shape[-1] != k.shape[-1] or q.shape[-1] % 8:
@@ -363,7 +364,7 @@ def _band(causal: bool, window, pieces: Pieces) -> tuple[int, int]:
 def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     band = _band(causal, window, pieces)
-    _check(q, k)
+    _check(q, k, v)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
     meta = _plan_ragged(*pieces.tensors, k.shape[0])
@@ -410,7 +411,7 @@ def backward(
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options, "cudnn")
     band = _band(causal, window, pieces)
-    _check(q, k)
+    _check(q, k, v)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
     tq, hq, d = q.shape

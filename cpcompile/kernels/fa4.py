@@ -39,16 +39,19 @@ def available() -> bool:
         return False
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether FA4 runs ``q`` ``[T, H, D]``: CUDA fp16/bf16 on Hopper (head dim a multiple of 8
-    up to 256) or Blackwell (up to 128), and installed. Another shape: device and dtype only."""
+def supports(q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+    """Whether FA4 runs ``q`` ``[T, H, D]`` (and ``v`` ``[T, Hkv, Dv]``, default ``Dv = D``): CUDA fp16/bf16
+    on Hopper (head dims multiples of 8 up to 256) or Blackwell (up to 128, and DeepSeek's 192/128),
+    and installed. Another shape: device and dtype only."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and available()):
         return False
     major = _major(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if q.dim() != 3:  # no head dim to check (``kernels.select`` is given a dtype and device)
         return major in (9, 10, 11)
-    d = q.shape[-1]
-    return d % 8 == 0 and (major == 9 and 8 <= d <= 256 or major in (10, 11) and 8 <= d <= 128)
+    d, dv = q.shape[-1], q.shape[-1] if v is None else v.shape[-1]
+    if d % 8 or dv % 8 or min(d, dv) < 8:
+        return False
+    return major == 9 and max(d, dv) <= 256 or major in (10, 11) and (max(d, dv) <= 128 or (d, dv) == (192, 128))
 
 
 @functools.cache
@@ -96,5 +99,5 @@ def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     return dq, dk, dv
 
 
-FA4 = VarlenKernel("fa4", _forward_call, _backward_call, in_place_backward=True)
+FA4 = VarlenKernel("fa4", _forward_call, _backward_call, in_place_backward=True, variants=True)
 forward, backward = FA4.forward, FA4.backward

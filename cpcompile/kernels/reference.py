@@ -90,8 +90,8 @@ def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, 
 
 def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window):
     acc = _acc_dtype(q.dtype)
-    tq, hq, d = q.shape
-    out = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
+    tq, hq, _ = q.shape
+    out = torch.zeros(tq, hq, v.shape[2], dtype=acc, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
     bounds = _row_bounds(pieces, causal, window, tq)
     for r0, r1, k0, k1 in _blocks(*bounds[:2]):

@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 from cpcompile.cache import per_plan
-from cpcompile.kernels.contract import KeyPartials, Pieces, check_options, gpu_window
+from cpcompile.kernels.contract import KeyPartials, Pieces, check_options, gpu_window, refuse_variant
 from cpcompile.kernels.metadata import order
 from cpcompile.kernels.metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
 from cpcompile.kernels.triton import dead_rows
@@ -116,12 +116,22 @@ class VarlenKernel:
     """A backend (:class:`~cpcompile.kernels.contract.AttentionKernel`) made of one varlen
     forward call and one varlen backward call (module docstring)."""
 
-    def __init__(self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, *, in_place_backward=False):
+    def __init__(
+        self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, *, in_place_backward=False,
+        variants=False,
+    ):  # fmt: skip
+        """``variants``: the calls run values of their own head dim (``contract.variant``); else such a
+        call raises ``ValueError``."""
         self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
-        self._in_place = in_place_backward
+        self._in_place, self._variants = in_place_backward, variants
+
+    def _check(self, q, v) -> None:
+        if not self._variants:
+            refuse_variant(self._name, q, v)
 
     def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+        self._check(q, v)
         band = gpu_window(self._name, causal, window, pieces)
         # The grid is sized by the bounds: tight ones save empty thread blocks. Rows of
         # padding pieces beyond max_q are skipped by the kernel and zeroed below.
@@ -148,6 +158,7 @@ class VarlenKernel:
     ):  # fmt: skip
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
         check_options(options, None if self._in_place else self._name)
+        self._check(q, v)
         band = gpu_window(self._name, causal, window, pieces)
         max_q, max_k = pieces.bounds(q, k)
         cu_q, k_start, k_len = pieces.tensors

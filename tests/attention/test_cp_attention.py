@@ -15,7 +15,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, attention_case, doc_lengths, random_pack, strategy_specs
+from tests.fixtures import KINDS, VALUE_DIMS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
 
 pytestmark = pytest.mark.distributed
@@ -31,7 +31,8 @@ def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
     ):
         if hq == hkv and not causal:
             continue  # MHA once per strategy is enough; GQA covers both masks
-        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, seed=case)
+        dv = VALUE_DIMS[case % len(VALUE_DIMS)]  # each layout with every value head dim
+        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         ref, *ref_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
@@ -47,7 +48,7 @@ def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
             config=config,
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {config}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv} {config}"
         assert relative_error(out, ref) < TOLERANCE, f"out {label}"
         for name, got, want in zip("qkv", grads, ref_grads):
             assert relative_error(got, want) < TOLERANCE, f"d{name} {label}"

@@ -16,7 +16,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, rows_of, strategy_specs
+from tests.fixtures import KINDS, TOLERANCE, VALUE_DIMS, attention_case, random_pack, rows_of, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +52,8 @@ def _check_rank(rank: int, world: int) -> None:
 def _check_u(rank: int, world: int, seed: int, u: int) -> None:
     for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed, u):
         spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, head_parallel=u)
-        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case_seed, dtype=dtype)
+        dv = VALUE_DIMS[case_seed % len(VALUE_DIMS)]
+        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, dv=dv, seed=case_seed, dtype=dtype)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         assert sharded.spec.head_parallel == u  # auto keeps it when it picks a layout
@@ -61,7 +62,7 @@ def _check_u(rank: int, world: int, seed: int, u: int) -> None:
         mask = {"causal": False, "window_size": (-1, 0)} if causal and case_seed % 2 else {"causal": causal}
         out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, **mask)
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
-        label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} {dtype} docs {lengths}"
+        label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} dv={dv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 

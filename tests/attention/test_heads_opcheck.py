@@ -75,7 +75,7 @@ def test_the_kernel_runs_whole_documents_on_disjoint_keys(single_rank_group, mon
             seen.append((q.shape[0], pieces))
             return kernels.reference.backward(dout, q, k, v, out, lse, pieces, **kw)
 
-    monkeypatch.setattr(kernels, "select", lambda *args: Recording())
+    monkeypatch.setattr(kernels, "select", lambda *args, **kw: Recording())
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     gather_index, cu_q, k_start, k_len, _ = _plan(cu, cu_p, q.shape[0])
     out, _ = torch.ops.cpcompile.cp_head_attention(

@@ -15,9 +15,11 @@ from tests.reference import attention_fp64, relative_error
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (4, 1)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_packed_attention_matches_fp64(causal, heads, padded):
+@pytest.mark.parametrize("dv", [None, 12])  # values of their own head dim (MLA)
+def test_packed_attention_matches_fp64(causal, heads, padded, dv):
     lengths = [1, 17, 6, 30]
-    cu, cu_p, q, k, v, dout = attention_case(lengths, *heads, padded_lengths=[4, 20, 6, 33] if padded else None)
+    padded_lengths = [4, 20, 6, 33] if padded else None
+    cu, cu_p, q, k, v, dout = attention_case(lengths, *heads, dv=dv, padded_lengths=padded_lengths)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = cpcompile.packed_attention(*leaves, cu, cu_seqlens_padded=cu_p, causal=causal, scale=0.3)
     grads = torch.autograd.grad(out, leaves, dout)
@@ -75,7 +77,7 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
     "mutate, error, message",
     [
         (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
-        (lambda a: {**a, "k": a["k"][:5]}, ValueError, "k and v must have the same shape"),
+        (lambda a: {**a, "k": a["k"][:5]}, ValueError, "k and v must agree in tokens and heads"),
         (lambda a: {**a, "q": a["q"][0]}, ValueError, r"q must be \[tokens, heads, head_dim\]"),
         (lambda a: {**a, "cu_seqlens": a["cu_seqlens"].long()}, ValueError, "cu_seqlens must have dtype torch.int32"),
         (

@@ -15,7 +15,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import attention_case, doc_lengths, strategy_specs
+from tests.fixtures import VALUE_DIMS, attention_case, doc_lengths, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
 
 pytestmark = pytest.mark.distributed
@@ -36,13 +36,14 @@ def _run(sharded, cu, spec, causal, comm):
 def _check_rank(rank: int, world: int) -> None:
     cases = [(s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2)) if h == (4, 2) or c]
     for case, (spec, causal, (hq, hkv)) in enumerate(cases):
-        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, seed=case)
+        dv = VALUE_DIMS[case % len(VALUE_DIMS)]  # each layout with every value head dim
+        cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         ring = _run(sharded, cu, spec, causal, "ring")
         gathered = _run(sharded, cu, spec, causal, "all_gather")
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv}"
         for name, got, same, ref in zip(("out", "dq", "dk", "dv"), ring, gathered, want):
             assert relative_error(got, ref) < TOLERANCE, f"{name} against float64, {label}"
             assert relative_error(got, same) < SAME, f"{name} against all-gather, {label}"

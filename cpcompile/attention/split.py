@@ -41,16 +41,19 @@ from cpcompile.plan.window import beyond_gpu
 
 
 def _call(
-    q, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal
+    q, v, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal
 ):
     window = op_window(causal, window_left, window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window))
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     return kern, pieces, _kernel_keywords(q, scale, window)
 
 
 def _check_fake_gathered(k, k_all, v_all, cp_size: int) -> None:
-    torch._check(k_all.shape == v_all.shape, lambda: f"gathered k {k_all.shape} and v {v_all.shape} must match")
+    torch._check(
+        k_all.shape[:2] == v_all.shape[:2],
+        lambda: f"gathered k {k_all.shape} and v {v_all.shape} differ in rows or heads",
+    )
     torch._check(
         k_all.shape[0] == k.shape[0] * cp_size and k_all.shape[1:] == k.shape[1:],
         lambda: f"gathered k {k_all.shape} must be k {k.shape} of {cp_size} ranks",
@@ -81,7 +84,7 @@ def _cp_attention_split(
     """q ``[T_local, Hq, D]``; k, v ``[T_local, Hkv, D]`` the rank's own (for their gradients); k_all,
     v_all ``[T, Hkv, D]`` their all-gathers (rank-major) -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
     args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
-    kern, pieces, kw = _call(q, cu_q, k_start, k_len, *args)
+    kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
     return dense(*forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw))
 
 
@@ -92,7 +95,7 @@ def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, cau
     _check_fake_gathered(k, k_all, v_all, cp_size)
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
     check_fake_gather(q, gather_index, cp_size)
-    return out_and_lse(q)
+    return out_and_lse(q, v)
 
 
 @torch.library.custom_op("cpcompile::cp_attention_split_backward", mutates_args=(), tags=NOT_CAPTURED)
@@ -120,7 +123,7 @@ def _cp_attention_split_backward(
     """dq ``[T_local, Hq, D]`` in q's dtype; dK, dV sums ``[T, Hkv, D]`` of every key in the all-gather's
     order, float32 (float64 for float64 inputs), this rank's part: summed over ranks by the caller."""
     args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
-    kern, pieces, kw = _call(q, cu_q, k_start, k_len, *args)
+    kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
     return dense(*backward_on_gathered(kern, dout, q, k_all, v_all, out, lse, gather_index, pieces, **kw))
 
 

@@ -281,7 +281,7 @@ def backend(
             graph computes what does not depend on them (the Q projection and RoPE; the dQ path and the
             weight gradients) while they travel. Calls on the all-gather path move K/V by all-gather
             only, never by the sparse exchange (``config.kv_exchange`` ``"always"`` and ``kv_chunks > 1``
-            are refused); the ring, head parallelism, the hybrid and captured calls are unchanged. The
+            are refused, and so are CUDA graphs); the ring, head parallelism and the hybrid are unchanged. The
             waits are moved for ``inner="inductor"`` and ``"aot_eager"``; another ``inner`` gets the split
             graph with the backward's waits where autograd puts them (docs/communication.md, "Transfers
             as graph nodes").
@@ -321,6 +321,11 @@ def backend(
         if overlap_kv:
             compile_rest = _sinking_waits(inner, compile_rest)
         cuda_graphs = cuda_graphs or captured_step
+        if overlap_kv and cuda_graphs:
+            raise ValueError(
+                "overlap_kv=True is not supported with CUDA graphs (mode='reduce-overhead', triton.cudagraphs or "
+                "captured_step): its collectives and waits would straddle the captured parts; use one or the other"
+            )
         pg = resolve_group(group)
         rewritten = 0
         spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)

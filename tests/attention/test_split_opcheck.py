@@ -1,0 +1,57 @@
+"""The split all-gather ops (``attention.split``, ``overlap_kv``) under opcheck on one rank, whose
+collectives are identities, and against single-device attention there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import cpcompile
+from cpcompile.plan.window import window_keys
+from tests.fixtures import attention_case
+
+WINDOWS = [(-1, 0), (-1, -1), (3, 0), (2, 1)]
+
+
+def _split_args(q, k, v, cu, window, group_name):
+    """``cp_attention_split``'s arguments on one rank: the gathered K/V are K/V themselves."""
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    k_start, k_len, q_pos = window_keys(*plan.pieces, window)
+    causal = window[1] == 0
+    args = (q, k, v, k.detach(), v.detach(), plan.gather_index, plan.cu_q, k_start, k_len, group_name, causal, None)
+    return (*args, 9, 9, None, None if causal else q_pos, *window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_opcheck_split_op(single_rank_group, window):
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    args = _split_args(*leaves, cu, window, single_rank_group.group_name)
+    opcheck(torch.ops.cpcompile.cp_attention_split.default, args)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_split_on_one_rank_is_packed_attention(single_rank_group, window):
+    cu, _, q, k, v, dout = attention_case([3, 9, 4], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = cpcompile.packed_attention(*leaves, cu, window_size=window, causal=window[1] == 0)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    got = torch.ops.cpcompile.cp_attention_split(*_split_args(*leaves, cu, window, single_rank_group.group_name))[0]
+    for a, b in zip((got, *torch.autograd.grad(got, leaves, dout)), (want, *want_grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_overlap_kv_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="config.kv_exchange='always'"):
+        cpcompile.backend(overlap_kv=True, config=cpcompile.Config(kv_exchange="always"))
+    with pytest.raises(ValueError, match="config.kv_chunks=2"):
+        cpcompile.backend(overlap_kv=True, config=cpcompile.Config(kv_chunks=2))
+    with pytest.raises(TypeError, match="overlap_kv must be a bool, got 'yes'"):
+        cpcompile.backend(overlap_kv="yes")
+
+
+def test_overlap_kv_refuses_cuda_graphs(single_rank_group):
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(ValueError, match="overlap_kv=True is not supported with CUDA graphs"):
+        cpcompile.backend(overlap_kv=True)(gm, [torch.zeros(1)], mode="reduce-overhead")

@@ -85,8 +85,10 @@ class _SinkWaits(CustomGraphPass):
         sink_waits(graph)
 
     def uuid(self):
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
         before = None if self.before is None else getattr(self.before, "uuid", lambda: repr(self.before))()
-        return ("cpcompile.sink_waits", 1, before)
+        return (get_hash_for_files((__file__,)), before)  # this module's code keys inductor's FX graph cache
 
 
 def inductor_patches() -> dict:

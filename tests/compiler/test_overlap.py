@@ -1,7 +1,7 @@
 """``cpcompile.backend(..., overlap_kv=True)``: K/V transfers as graph nodes (``attention.split``).
 
 - On real gloo ranks, float64: a model of separate Q, K, V projections (a causal and a windowed
-  layer) trains exactly as one process does on the whole pack, under every layout of the
+  layer, checkpointed or not) trains exactly as one process does on the whole pack on the
   all-gather path, with one compilation over packs of varying length; ring and head-parallel
   calls, which the option leaves as they are, stay exact.
 - On a fake group: the forward and backward graphs that AOT autograd hands the compiler start
@@ -25,11 +25,13 @@ from tests.reference import relative_error
 
 class Net(torch.nn.Module):
     """Separate K, V and Q projections (K and V first, then Q and a RoPE-like rotation that depends only
-    on Q: what the graph can compute while K/V travel), one attention call per layer of ``windows``."""
+    on Q: what the graph can compute while K/V travel), one attention call per layer of ``windows``;
+    ``checkpointed``: each layer under activation checkpointing (its body a subgraph the pass rewrites,
+    its transfers run again in the backward)."""
 
-    def __init__(self, windows=((-1, 0), (3, 0)), vocab=32, dim=16, heads=4, kv_heads=2):
+    def __init__(self, windows=((-1, 0), (3, 0)), vocab=32, dim=16, heads=4, kv_heads=2, checkpointed=False):
         super().__init__()
-        self.hd, self.windows = dim // heads, windows
+        self.hd, self.windows, self.checkpointed = dim // heads, windows, checkpointed
         self.tok, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(128, dim)
         linear = lambda n: torch.nn.Linear(dim, n * self.hd, bias=False)  # noqa: E731
         self.layers = torch.nn.ModuleList(
@@ -41,12 +43,19 @@ class Net(torch.nn.Module):
         x = self.tok(ids) + self.pos(positions)
         angle = positions.to(x.dtype)[:, None, None] * 0.1
         for layer, window in zip(self.layers, self.windows):
-            k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "kv")
-            q = layer["q"](x).unflatten(1, (-1, self.hd))
-            q = q * angle.cos() + q.roll(1, -1) * angle.sin()
-            o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
-            x = x + layer["o"](o.flatten(1))
+            args = (layer, window, x, angle, cu_seqlens, max_seqlen)
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(self._layer, *args, use_reentrant=False)
+            else:
+                x = self._layer(*args)
         return x
+
+    def _layer(self, layer, window, x, angle, cu_seqlens, max_seqlen: int):
+        k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "kv")
+        q = layer["q"](x).unflatten(1, (-1, self.hd))
+        q = q * angle.cos() + q.roll(1, -1) * angle.sin()
+        o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
+        return x + layer["o"](o.flatten(1))
 
 
 def _loss(x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,9 +76,9 @@ def _pack(step: int):
 
 
 def _check_exact(rank: int, world: int, runs) -> None:
-    for spec, windows in runs:
+    for spec, windows, checkpointed in runs:
         torch.manual_seed(0)
-        reference, model = Net(windows).double(), Net(windows).double()
+        reference, model = Net(windows).double(), Net(windows, checkpointed=checkpointed).double()
         model.load_state_dict(reference.state_dict())
         torch._dynamo.reset()
         counters.clear()
@@ -104,15 +113,16 @@ def _check_exact(rank: int, world: int, runs) -> None:
 @pytest.mark.distributed
 def test_split_graphs_train_exactly():
     """The all-gather path split into graph nodes (``inner="aot_eager"``, whose AOT graphs get
-    ``compiler.overlap.sink_waits``), causal and windowed, over a layout of whole chunks and balanced's
+    ``compiler.overlap.sink_waits``), causal and windowed, with and without activation checkpointing,
+    over a layout of whole chunks and balanced's
     (the split op reads the plan as ``cp_attention`` does: the other layouts differ only in the plan);
     the ring and head parallelism, which the option leaves alone (head parallelism takes no window)."""
     S, windowed, causal = cpcompile.StrategySpec, ((-1, 0), (3, 0)), ((-1, 0),)
     runs = [
-        (S("dual_chunk_swap"), windowed),
-        (S("balanced", windows=(-1, 3)), windowed),
-        (S("dual_chunk_swap", comm="ring"), windowed),
-        (S("dual_chunk_swap", head_parallel=2), causal),
+        (S("dual_chunk_swap"), windowed, False),
+        (S("balanced", windows=(-1, 3)), windowed, True),
+        (S("dual_chunk_swap", comm="ring"), windowed, False),
+        (S("dual_chunk_swap", head_parallel=2), causal, False),
     ]
     run_ranks(_check_exact, 2, runs)
 

@@ -32,7 +32,8 @@ graphs, outside the compiled code). Reported per size:
 - captures: CUDA graphs recorded (cudagraph trees' recordings, one per captured part of the forward
   and of the backward, so 2 where both are captured whole; ``CapturedStep``'s, one per bucket), in all
   and after the second pack (cudagraph trees run the first call of each part without a graph and
-  record on the second: any recording after that is a re-capture);
+  record on the second: any recording after that is a re-capture; ``CapturedStep`` records one graph per
+  count of layers of pieces its packs' attention backward needs, so a later pack may add a second);
 - loss, grad: the largest relative difference over the packs between a compilation with graphs and the
   one without, of the loss and of each parameter's gradient norm; noise: the same between two passes
   of the model without graphs over the same packs (the attention backward's atomics make bf16

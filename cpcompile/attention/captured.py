@@ -11,8 +11,9 @@ of the bucket (docs/cuda-graphs.md). What it gives up for that:
 - K/V come by the all-gather (the sparse exchange's counts follow the pack);
 - the kernel is FlashAttention-4's (``reference`` off CUDA), whose varlen calls take their pieces
   on the device: its backward runs one call per layer of pieces in place (``kernels.varlen``),
-  ``layers`` being the strategy's bound (:data:`LAYERS`), and writes every dK/dV row into new
-  buffers of the capture rather than the read rows into kept ones;
+  ``layers`` being the strategy's bound (:data:`LAYERS`), or the pack's own count where a
+  :class:`cpcompile.CapturedStep` keeps a graph per count (``plan.slots.layers_in_capture``), and
+  writes every dK/dV row into new buffers of the capture rather than the read rows into kept ones;
 - no window (a window's keys come from ``window_keys``, not captured yet), no head parallelism.
 
 Nothing derived from the plan is cached across calls (``cache.uncached``): each capture derives
@@ -42,6 +43,7 @@ from cpcompile.attention.common import (
 )
 from cpcompile.cache import uncached
 from cpcompile.comm.groups import resolve_group
+from cpcompile.plan.slots import layers_in_capture
 from cpcompile.plan.window import UNBANDED
 from cpcompile.spec import Strategy, StrategySpec
 
@@ -155,7 +157,7 @@ def _cp_attention_captured_backward(
     group, kern, pieces, kw = _call(q, k, *plan)
     grads = (dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks)
     with uncached():
-        return dense(*gathered.backward(kern, *grads, layers=layers, **kw))
+        return dense(*gathered.backward(kern, *grads, layers=layers_in_capture(layers), **kw))
 
 
 @_cp_attention_captured_backward.register_fake

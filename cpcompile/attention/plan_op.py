@@ -105,23 +105,32 @@ def fake_plan(cu_seqlens: torch.Tensor, num_tokens, pieces) -> tuple[torch.Tenso
 
 
 @per_plan
-def check_layers(cu_q, k_start, k_len_causal, k_len_full, layers: int, rank: int) -> None:
-    """Raise ``ValueError`` unless the plan's live pieces fit ``layers`` layers, with key starts that
-    never fall (what the captured attention's backward runs: ``attention.captured``), under both masks.
-    On the host twins; once per plan."""
+def layers_needed(cu_q, k_start, k_len_causal, k_len_full) -> tuple[int, bool]:
+    """The layers of pieces over one key that the plan's live pieces need, under either mask (the most), and
+    whether their key ranges are what the captured backward runs (starts that never fall, ends that never fall
+    in start order). On the host twins; once per plan."""
     cu_q, k_start, *lens = readable(cu_q, k_start, k_len_causal, k_len_full)
     q_len = cu_q[1:] - cu_q[:-1]
-    for mask, k_len in zip(("causal", "full"), lens, strict=True):
+    need, ordered = 0, True
+    for k_len in lens:
         live = torch.where(q_len > 0, k_len, 0)
         layer, proper = scratch.layers(k_start, live)
         starts = k_start[live > 0]
-        need = int(layer.max()) + 1 if bool((live > 0).any()) else 0
-        if need > layers or not bool((starts[1:] >= starts[:-1]).all()) or not bool(proper):
-            raise ValueError(
-                f"rank {rank}'s pieces of this pack need {need} layers of pieces over one key under {mask} attention "
-                f"(or their key starts fall), more than the {layers} that captured attention runs for its strategy "
-                "(cpcompile.attention.captured.LAYERS): a bug in that bound; leave CUDA graphs off for this pack"
-            )
+        need = max(need, int(layer.max()) + 1 if bool((live > 0).any()) else 0)
+        ordered = ordered and bool((starts[1:] >= starts[:-1]).all()) and bool(proper)
+    return need, ordered
+
+
+def check_layers(cu_q, k_start, k_len_causal, k_len_full, layers: int, rank: int) -> None:
+    """Raise ``ValueError`` unless the plan's live pieces fit ``layers`` layers, with key starts that
+    never fall (what the captured attention's backward runs: ``attention.captured``), under both masks."""
+    need, ordered = layers_needed(cu_q, k_start, k_len_causal, k_len_full)
+    if need > layers or not ordered:
+        raise ValueError(
+            f"rank {rank}'s pieces of this pack need {need} layers of pieces over one key (or their key starts "
+            f"fall), more than the {layers} that captured attention runs for its strategy "
+            "(cpcompile.attention.captured.LAYERS): a bug in that bound; leave CUDA graphs off for this pack"
+        )
 
 
 def step_plan_in_layers(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from cpcompile.attention.plan_op import layers_needed
 from cpcompile.plan.slots import ACTIVE, PlanSlots, location
 from cpcompile.spec import current_spec
 
@@ -35,17 +36,34 @@ def _shapes(inputs: list) -> list:
             for i, x in enumerate(inputs)]  # fmt: skip
 
 
+class _Graph:
+    """One capture of a bucket: its graph, input buffers, plan slots, outputs and the gradients it writes."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, static: list, slots: list, out, grads: list):
+        self.graph, self.static, self.slots, self.out, self.grads = graph, static, slots, out, grads
+
+
 class _Bucket:
-    """One shape of a :class:`CapturedStep`'s inputs: its warm-up calls so far, then its graph, input
-    buffers, plan slots, outputs and the gradients the graph writes."""
+    """One shape of a :class:`CapturedStep`'s inputs: its warm-up calls so far, the plan calls they made, and
+    a graph per count of layers of pieces its packs' captured attention needs (:func:`pack_layers`), sharing
+    one memory pool (they never run at once, and each replay's outputs are read before the next)."""
 
     def __init__(self):
         self.warmed = 0
         self.slots = PlanSlots()
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static: list = []
-        self.out = None
-        self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+
+def pack_layers(plans: dict) -> int:
+    """The layers of pieces over one key that a pack's plans (``PlanSlots.plans``) need, at least 1: a
+    captured attention backward runs one kernel call per layer, each over every key and query row, however
+    few pieces it has, so a pack needing one runs in a graph of one."""
+    need = 1
+    for plan in plans.values():
+        if hasattr(plan, "k_len_causal"):  # an attention plan (``cp_plan``)
+            need = max(need, layers_needed(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full)[0])
+    return need
 
 
 class CapturedStep:
@@ -91,23 +109,26 @@ class CapturedStep:
                 raise ValueError(f"CapturedStep takes CUDA tensors, got input {i} on {x.device}")
         key = (spec, repr(current_spec()), *_shapes(leaves))
         bucket = self._buckets.setdefault(key, _Bucket())
-        if bucket.graph is None:
-            if bucket.warmed < self._warmup:
-                bucket.warmed += 1
-                return self._warm(bucket, leaves, spec)
+        if bucket.warmed < self._warmup:
+            bucket.warmed += 1
+            return self._warm(bucket, leaves, spec)
+        plans = bucket.slots.plans(leaves)  # on the host, from the inputs' host twins: no sync
+        layers = pack_layers(plans)
+        captured = bucket.graphs.get(layers)
+        if captured is None:
             try:
-                self._capture(bucket, leaves, spec)
+                captured = bucket.graphs[layers] = self._capture(bucket, leaves, spec, layers)
             except BaseException:
                 del self._buckets[key]  # the next call of the bucket starts again, with a warm-up
                 raise
-        for buffer, x in zip(bucket.static, leaves, strict=True):
+        for buffer, x in zip(captured.static, leaves, strict=True):
             if isinstance(x, torch.Tensor):  # a buffer given twice takes the same values twice
                 buffer.copy_(x, non_blocking=True)
-        bucket.slots.fill(leaves)
-        bucket.graph.replay()
-        for p, grad in bucket.grads:
+        bucket.slots.fill(plans, captured.slots)
+        captured.graph.replay()
+        for p, grad in captured.grads:
             p.grad = grad
-        return bucket.out
+        return captured.out
 
     def _warm(self, bucket: _Bucket, leaves: list, spec):
         """One step without a graph, on a side stream; its plan calls tell the plan slots' shapes."""
@@ -125,24 +146,24 @@ class CapturedStep:
         torch.cuda.current_stream().wait_stream(side)
         return out
 
-    def _capture(self, bucket: _Bucket, leaves: list, spec) -> None:
+    def _capture(self, bucket: _Bucket, leaves: list, spec, layers: int) -> _Graph:
         # one buffer per distinct tensor: inputs given twice (Hugging Face's cu_seq_lens_q and _k) stay
         # one tensor, as the compiled code saw them in the warm-up (else it would recompile, in the capture)
         copies: dict[tuple, torch.Tensor] = {}
-        bucket.static = [
-            copies.setdefault(location(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves
-        ]
+        static = [copies.setdefault(location(x), x.clone()) if isinstance(x, torch.Tensor) else x for x in leaves]
         if self._module is not None:
             self._module.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        bucket.slots.capture(bucket.static)
+        if bucket.pool is None:
+            bucket.pool = torch.cuda.graph_pool_handle()
+        bucket.slots.capture(static, layers)
         ACTIVE.slots = bucket.slots
         try:
-            with torch.cuda.graph(graph):
-                bucket.out = self._step(*pytree.tree_unflatten(bucket.static, spec))
+            with torch.cuda.graph(graph, pool=bucket.pool):
+                out = self._step(*pytree.tree_unflatten(static, spec))
         finally:
             ACTIVE.slots = None
-        if self._module is not None:
-            bucket.grads = [(p, p.grad) for p in self._module.parameters() if p.grad is not None]
-        bucket.graph = graph
+            slots = bucket.slots.captured()
+        grads = [] if self._module is None else [(p, p.grad) for p in self._module.parameters() if p.grad is not None]
         self.captures += 1
+        return _Graph(graph, static, slots, out, grads)

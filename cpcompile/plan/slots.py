@@ -4,7 +4,9 @@ The plan op makes a pack's plan on the host, which a CUDA graph would record onc
 every pack. While a :class:`~cpcompile.compiler.captured_step.CapturedStep` warms up, the plan op
 tells it each plan's shapes (:func:`note_plan`); in its capture the op hands out copies of a slot
 (:func:`plan_in_capture`), device buffers that the step fills from the next pack's plan before each
-replay (:meth:`PlanSlots.fill`).
+replay (:meth:`PlanSlots.fill`). A capture may also be told how many layers of pieces the captured
+attention's backward runs (:func:`layers_in_capture`): the pack's own count rather than the strategy's
+bound, so that a step keeps one graph per count it meets instead of running every pack at the bound.
 """
 
 from __future__ import annotations
@@ -40,14 +42,32 @@ class PlanSlots:
         self._seen: dict = {}
         self._slots: list[tuple[Callable, tuple, tuple[torch.Tensor, ...]]] = []
         self.capturing = False
+        self.layers: int | None = None  # the captured backward's layers in the capture under way
 
     def warming(self, inputs: list) -> None:
         """A warm-up call of the step on ``inputs`` (its flattened inputs) follows."""
         self._warmup = _memory(inputs)
 
-    def capture(self, static: list) -> None:
-        """The capture of the step on ``static`` (the graph's input buffers) follows."""
-        self._capture, self.capturing = _memory(static), True
+    def capture(self, static: list, layers: int | None = None) -> None:
+        """The capture of the step on ``static`` (the graph's input buffers) follows; ``layers``: the layers of
+        pieces its captured attention runs in its backward (``None``: the strategy's bound)."""
+        self._capture, self.capturing, self.layers = _memory(static), True, layers
+        self._slots = []
+
+    def captured(self) -> list:
+        """The slots of the capture just made (:meth:`fill` writes them), ending it."""
+        slots, self._slots = self._slots, []
+        self.capturing, self.layers = False, None
+        return slots
+
+    def plans(self, originals: list) -> dict:
+        """Each plan op call seen in the warm-up, made for the pack of ``originals`` (the step's inputs as
+        the caller gives them): ``(make, where) -> plan``."""
+        made = {}
+        for make, where in self._seen:
+            args = tuple(originals[a[1]] if isinstance(a, tuple) and a[:1] == ("input",) else a for a in where)
+            made[make, where] = make(*args)
+        return made
 
     @staticmethod
     def _where(args: tuple, positions: dict) -> tuple | None:
@@ -80,11 +100,10 @@ class PlanSlots:
         self._slots.append((make, where, buffers))
         return buffers
 
-    def fill(self, originals: list) -> None:
-        """Write each slot's plan for the pack of ``originals`` (the step's inputs as the caller gives them)."""
-        for make, where, buffers in self._slots:
-            args = tuple(originals[a[1]] if isinstance(a, tuple) and a[:1] == ("input",) else a for a in where)
-            for buffer, t in zip(buffers, make(*args), strict=True):
+    def fill(self, plans: dict, slots: list) -> None:
+        """Write ``plans`` (:meth:`plans`) into the buffers of ``slots`` (:meth:`captured`)."""
+        for make, where, buffers in slots:
+            for buffer, t in zip(buffers, plans[make, where], strict=True):
                 if buffer.shape != t.shape:
                     raise ValueError(
                         f"a pack's plan has shape {tuple(t.shape)}, the captured step's {tuple(buffer.shape)}: "
@@ -125,3 +144,14 @@ def plan_in_capture(make: Callable, args: tuple) -> tuple[torch.Tensor, ...]:
             "torch.compile(..., mode='reduce-overhead') (docs/cuda-graphs.md)"
         )
     return tuple(b.clone() for b in slots.add(make, args))
+
+
+def layers_in_capture(bound: int) -> int:
+    """The layers of pieces a captured attention backward runs: ``bound`` (its strategy's), or fewer where the
+    :class:`CapturedStep` capturing it was told its pack's count (:meth:`PlanSlots.capture`). A layer without
+    pieces still costs a kernel call over every key and query row, so a pack that needs fewer layers than the
+    bound gets a graph of its own."""
+    slots = ACTIVE.slots
+    if slots is not None and slots.capturing and slots.layers is not None:
+        return min(bound, max(slots.layers, 1))
+    return bound

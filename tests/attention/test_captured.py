@@ -266,17 +266,53 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
     slots.warming([packs[2], 7])  # a warm-up call on another pack of the bucket than the capture's
     slots.seen(step_plan, (packs[2], None, *rest), step_plan(packs[2], None, *rest))
     static = [packs[0].clone(), 7]
-    slots.capture(static)
+    slots.capture(static, layers=1)
     buffers = slots.add(step_plan, (static[0], None, *rest))
-    for cu in packs:
-        slots.fill([cu, 7])
-        for buffer, want in zip(buffers, step_plan(cu, None, *rest), strict=True):
-            assert torch.equal(buffer, want)
     with pytest.raises(ValueError, match="from the step's own inputs"):
         slots.add(step_plan, (packs[1], None, *rest))
+    captured = slots.captured()
+    assert not slots.capturing and slots.layers is None
+    for cu in packs:
+        slots.fill(slots.plans([cu, 7]), captured)
+        for buffer, want in zip(buffers, step_plan(cu, None, *rest), strict=True):
+            assert torch.equal(buffer, want)
     # a pack not padded to the bucket's documents: the plan refuses it (``check_capacity_documents``)
     with pytest.raises(ValueError, match=r"attention takes the batch's cu_seqlens .* got 2 documents"):
-        slots.fill([cu_seqlens([3, 3]), 7])
+        slots.plans([cu_seqlens([3, 3]), 7])
+
+
+def test_a_captured_backward_runs_the_layers_its_capturing_step_was_told():
+    """Inside a ``CapturedStep``'s capture told its pack's count of layers, the captured attention's backward
+    runs that many (never more than its strategy's bound, at least one); outside one, the bound. And the
+    count a pack needs (``pack_layers``): one for pieces over disjoint keys, two where a rank holds the head
+    and the tail of one document (both read its first keys)."""
+    from cpcompile.compiler.captured_step import pack_layers
+    from cpcompile.plan import slots as plan_slots
+    from cpcompile.plan.pieces import plan_extras, step_plan
+
+    slots = plan_slots.PlanSlots()
+    assert plan_slots.layers_in_capture(2) == 2
+    plan_slots.ACTIVE.slots = slots
+    try:
+        slots.capture([], layers=1)
+        assert plan_slots.layers_in_capture(2) == 1
+        slots.capture([], layers=0)
+        assert plan_slots.layers_in_capture(2) == 1
+        slots.capture([], layers=3)
+        assert plan_slots.layers_in_capture(2) == 2
+        slots.captured()
+        assert plan_slots.layers_in_capture(2) == 2
+    finally:
+        plan_slots.ACTIVE.slots = None
+    spec = StrategySpec("dual_chunk_swap")
+    rest = (2, 0, "dual_chunk_swap", 1, *plan_extras(spec))
+    # dual_chunk_swap at cp=2: rank 0 holds chunks 0 and 3 of each document, both reading its first keys
+    one_doc = cu_seqlens([16])
+    assert pack_layers({"p": step_plan(one_doc, None, 16, *rest)}) == 2
+    # documents of one token each: every piece reads its own key alone
+    many = cu_seqlens([1, 1, 1, 1])
+    padded = cpcompile.layouts.pad_for_cp(many, cp_size=2, strategy=spec)
+    assert pack_layers({"p": step_plan(many, padded, int(padded[-1]), *rest)}) == 1
 
 
 def test_a_captured_step_knows_inputs_by_memory_and_plans_from_any_thread():

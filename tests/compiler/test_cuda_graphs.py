@@ -66,9 +66,10 @@ def test_packs_of_a_bucket_replay_one_graph_of_the_whole_step():
 def test_each_call_of_a_captured_step_is_one_training_step_on_its_own_pack():
     """``CapturedStep`` with the optimizer inside the step (Adam, ``capturable=True``): every call,
     the warm-up's included, is one step on its own pack (Adam's step count follows the calls), and
-    the bucket is captured once per count of layers its packs need; with the optimizer outside, the loop's ``zero_grad()`` between
-    steps leaves each replay's gradients on the parameters for it. Rank 1 of 2 on the fake group,
-    whose collectives return garbage: counts, not values (those: the benchmark's tests above)."""
+    the bucket is captured once per count of layers its packs need; with the optimizer outside, the
+    loop's ``zero_grad()`` between steps leaves each replay's gradients on the parameters for it.
+    Rank 1 of 2 on the fake group, whose collectives return garbage: counts, not values (those: the
+    benchmark's tests above)."""
     import dataclasses
 
     import torch.distributed as dist

@@ -620,6 +620,8 @@ def rewrite_packed_attention(
                     op_kwargs,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, config))
+            if split:
+                _defer_query_path(graph, m.q, pending)
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
             graph.erase_node(user)
         if hybrid:  # nodes of their own, not a tuple: their readers read them directly
@@ -639,6 +641,70 @@ def rewrite_packed_attention(
         plan = index.args[0]
         plan.kwargs = {**plan.kwargs, "calls": calls[key]}
     _erase_unread(graph, set(graph.nodes) - own, freed)
+
+
+#: In-place operators, and names of calls that draw random numbers: never moved, nor moved across.
+_IN_PLACE = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+}  # fmt: skip
+_RANDOM = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson")
+
+
+def _pure(node: fx.Node) -> bool:
+    """Whether ``node`` computes a value and nothing else (no mutation, randomness or other side effect):
+    such a node may run at another point between its inputs and its readers. Conservative: a call
+    of a name ending in ``_`` counts as in place."""
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if target in _IN_PLACE or name.endswith("_") and not name.endswith("__") or any(r in name for r in _RANDOM):
+        return False
+    schema = getattr(target, "_schema", None)
+    return schema is None or not schema.is_mutable
+
+
+def _ancestors(nodes) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _defer_query_path(graph: fx.Graph, q: fx.Node, starts: list[fx.Node]) -> int:
+    """Move the nodes that only the query needs (its projection, RoPE) from before the all-gathers'
+    ``starts`` to right after them, so that they run while K/V travel; returns how many.
+
+    A model may compute Q before K and V (Hugging Face's attention projects Q first and rotates Q and
+    K together), which would leave nothing between the start and the wait. A node moves when it is
+    pure (:func:`_pure`), an ancestor of ``q`` that the starts do not need, after the last node with
+    a side effect before the starts (autocast or grad mode switches, in-place calls, randomness), and
+    read only by nodes that move too or come after the starts: the graph computes the same values in
+    another order, and crosses no side effect."""
+    needed = _ancestors(starts)
+    wanted = _ancestors([q]) - needed
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    end = max(position[s] for s in starts)
+    moving: set[fx.Node] = set()
+    node = starts[0].prev
+    while node.op not in ("root", "placeholder"):
+        if node.op == "get_attr":
+            pass  # a module's attribute: stays, before whatever reads it
+        elif not _pure(node):
+            break  # a side effect: nothing moves across it
+        elif node in wanted and all(u in moving or position[u] > end for u in node.users):
+            moving.add(node)
+        node = node.prev
+    after = max(starts, key=position.__getitem__)
+    for node in sorted(moving, key=position.__getitem__):
+        after.append(node)
+        after = node
+    return len(moving)
 
 
 def _erase_unread(graph: fx.Graph, added: set[fx.Node], freed: list[fx.Node]) -> None:

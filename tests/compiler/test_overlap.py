@@ -24,8 +24,9 @@ from tests.reference import relative_error
 
 
 class Net(torch.nn.Module):
-    """Separate K, V and Q projections (K and V first, then Q and a RoPE-like rotation that depends only
-    on Q: what the graph can compute while K/V travel), one attention call per layer of ``windows``;
+    """Separate Q, K and V projections and a RoPE-like rotation of Q and K, in Hugging Face's order (Q
+    first: the pass moves Q's projection and rotation to where K/V travel), one attention call per layer
+    of ``windows``;
     ``checkpointed``: each layer under activation checkpointing (its body a subgraph the pass rewrites,
     its transfers run again in the backward)."""
 
@@ -51,9 +52,8 @@ class Net(torch.nn.Module):
         return x
 
     def _layer(self, layer, window, x, angle, cu_seqlens, max_seqlen: int):
-        k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "kv")
-        q = layer["q"](x).unflatten(1, (-1, self.hd))
-        q = q * angle.cos() + q.roll(1, -1) * angle.sin()
+        q, k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "qkv")
+        q, k = (x * angle.cos() + x.roll(1, -1) * angle.sin() for x in (q, k))
         o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
         return x + layer["o"](o.flatten(1))
 
@@ -145,8 +145,30 @@ def _interesting(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
+class InPlaceQuery(Net):
+    """Q scaled in place before K and V are projected: a side effect the pass moves nothing across."""
+
+    def _layer(self, layer, window, x, angle, cu_seqlens, max_seqlen: int):
+        q = layer["q"](x).unflatten(1, (-1, self.hd))
+        q.mul_(0.5)
+        k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "kv")
+        o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
+        return x + layer["o"](o.flatten(1))
+
+
+class InPlaceQueryAfter(Net):
+    """Q scaled in place after K and V exist: Q's projection moves, still before its scaling."""
+
+    def _layer(self, layer, window, x, angle, cu_seqlens, max_seqlen: int):
+        q, k, v = (layer[n](x).unflatten(1, (-1, self.hd)) for n in "qkv")
+        q.mul_(0.5)
+        o = cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, window_size=window)
+        return x + layer["o"](o.flatten(1))
+
+
 class SnapshotTest(FakeGroupTestCase):
-    def test_transfers_start_before_and_wait_after_independent_work(self):
+    def graphs(self, model) -> list[torch.fx.GraphModule]:
+        """The forward and backward graphs AOT autograd hands the compiler, ``overlap_kv=True``."""
         graphs = []
 
         def capture(gm, example_inputs):
@@ -154,25 +176,40 @@ class SnapshotTest(FakeGroupTestCase):
             return boxed_nop(gm, example_inputs)
 
         torch._dynamo.reset()
-        model = Net(windows=((-1, 0),))
         backend = cpcompile.backend(inner=overlap.aot_backend(capture), overlap_kv=True)
         compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
         ids, positions, cu, longest = _pack(0)
         batch = cpcompile.shard_batch({"ids": ids, "pos": positions}, cu, cp_size=2, rank=1)
         with cpcompile.strategy(batch):
             _loss(compiled(batch.tensors["ids"], batch.tensors["pos"], cu, longest)).backward()
-        forward, backward = graphs
-        # forward: K and V projected (mm, mm), their all-gathers started, the Q projection (mm) runs,
-        # then the waits, attention, and the output projection
+        return graphs
+
+    def test_nothing_moves_across_a_side_effect(self):
+        forward, _ = self.graphs(InPlaceQuery(windows=((-1, 0),)))
+        # Q's projection stays before the all-gathers: its in-place scaling lies between it and them
+        self.assertExpectedInline(
+            " ".join(_interesting(forward)), "mm mm mm cp_plan all_gather all_gather wait wait cp_attention_split mm"
+        )
+
+    def test_a_moved_node_stays_before_its_readers(self):
+        forward, _ = self.graphs(InPlaceQueryAfter(windows=((-1, 0),)))
+        self.assertExpectedInline(
+            " ".join(_interesting(forward)), "mm mm cp_plan all_gather all_gather mm wait wait cp_attention_split mm"
+        )
+
+    def test_transfers_start_before_and_wait_after_independent_work(self):
+        forward, backward = self.graphs(Net(windows=((-1, 0),)))
+        # forward: K and V projected (mm, mm) and K rotated, their all-gathers started, the Q projection (mm)
+        # and rotation run (written first, moved by the pass), then the waits, attention, the output projection
         self.assertExpectedInline(
             " ".join(_interesting(forward)),
             "mm mm cp_plan all_gather all_gather mm wait wait cp_attention_split mm",
         )
         # backward: the output projection's gradients, the re-gathers (started after the backward's
         # agreement, in cp_attention_split_regather), the kernel, the dK/dV reduce-scatters started;
-        # the Q projection's weight and input gradients (mm mm) run before their waits
+        # the Q projection's weight and input gradients (mm mm) run before their waits, then K's and V's
         self.assertExpectedInline(
             " ".join(_interesting(backward)),
             "mm mm cp_attention_split_regather wait wait cp_attention_split_backward reduce_scatter reduce_scatter "
-            "mm mm wait mm mm wait mm mm",
+            "mm mm wait wait mm mm mm mm",
         )

@@ -52,12 +52,15 @@ def attention_fp64(
     return out
 
 
-def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool, window=None) -> list[torch.Tensor]:
+def attention_fp64_on_rank(
+    cu_seqlens, sharded, tensors, *, causal: bool, window=None, sinks=None
+) -> list[torch.Tensor]:
     """:func:`attention_fp64` on the whole padded pack, output and q/k/v gradients, at this rank's rows.
 
     ``tensors``: the whole pack's ``q``, ``dout`` ``[T, Hq, D]`` and ``k``, ``v`` ``[T, Hkv, D]``
     (real tokens, as ``shard_batch`` takes them); ``sharded``: this rank's ``ShardedBatch``.
-    Returns ``[out, dq, dk, dv]`` float64, each ``[T_local, H, D]`` (rows ``sharded.indices``).
+    Returns ``[out, dq, dk, dv]`` float64, each ``[T_local, H, D]`` (rows ``sharded.indices``); with
+    ``sinks`` (``[Hq]``), their gradient ``[Hq]`` over the whole pack too, last.
     """
     padded = sharded.cu_seqlens_padded
     phys = physical_positions(cu_seqlens, padded)
@@ -67,9 +70,12 @@ def attention_fp64_on_rank(cu_seqlens, sharded, tensors, *, causal: bool, window
         return t.new_zeros((n, *t.shape[1:])).index_copy_(0, phys, t).double()
 
     leaves = [physical(tensors[name]).requires_grad_() for name in "qkv"]
-    out = attention_fp64(*leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded, window=window)
-    grads = torch.autograd.grad(out, leaves, physical(tensors["dout"]))
-    return [t[sharded.indices] for t in (out, *grads)]
+    sink = [] if sinks is None else [sinks.detach().double().requires_grad_()]
+    out = attention_fp64(
+        *leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded, window=window, sinks=(sink or [None])[0]
+    )
+    grads = torch.autograd.grad(out, leaves + sink, physical(tensors["dout"]))
+    return [t[sharded.indices] for t in (out, *grads[:3])] + list(grads[3:])
 
 
 def layout_brute_force(doc_lengths_padded: list[int], cp: int, rank: int, strategy: str, stripe: int = 1) -> list[int]:

@@ -31,6 +31,7 @@ from cpcompile.attention.common import (
     register_attention_autograd,
     softmax_scale,
 )
+from cpcompile.attention.sinks import check_fake_sinks, check_sinks, with_sinks
 from cpcompile.batch import check_rows
 from cpcompile.cache import on_host, per_plan, twin
 from cpcompile.checks import (
@@ -120,6 +121,7 @@ def _packed_attention(
     kernel_name: str | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     # the offsets' values are checked here, where both an eager call and a compiled graph (a CP group
@@ -127,13 +129,16 @@ def _packed_attention(
     _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None), v=v)
-    return dense(*kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)))
+    return dense(*with_sinks(kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)), sinks))
 
 
 @_packed_attention.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
+def _(
+    q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, left=-1, right=-1, sinks=None
+):
     check_fake_qkv(q, k, v)
-    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, sinks=sinks)
+    check_fake_sinks(q, sinks)
     return out_and_lse(q, v)
 
 
@@ -181,6 +186,7 @@ def packed_attention(
     causal: bool = True,
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
     config: Config | None = None,
 ) -> torch.Tensor:
     """Single-device attention over packed documents (THD).
@@ -195,12 +201,15 @@ def packed_attention(
         window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.plan.window``): query
             ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1: unbounded);
             ``None``: from ``causal``. With ``causal=True`` its right side must be 0.
+        sinks: ``[Hq]`` learnable sink logits (GPT-OSS), one per query head, each joining its head's
+            softmax denominators as a key of no value (``cpcompile.attention.sinks``); differentiable.
         config: its ``kernel`` (:class:`cpcompile.Config`; default: :func:`cpcompile.config.default_config`).
     Returns:
         ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
     """
     window = resolve_window(causal, window_size)
     check_qkv(q, k, v)
+    check_sinks(sinks, q)
     check_scale_and_bound(scale, max_seqlen)
     check_offsets_type("cu_seqlens", cu_seqlens)
     if cu_seqlens_padded is not None:
@@ -209,7 +218,8 @@ def packed_attention(
     # the offsets' values: by the op (_check_pack_of), which a compiled graph calls too
     kernel = resolve_config(config).kernel
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
-    return torch.ops.cpcompile.packed_attention(*args, *(() if window in UNBANDED else window))[0]
+    window_args = () if window in UNBANDED else window
+    return torch.ops.cpcompile.packed_attention(*args, *window_args, **({} if sinks is None else {"sinks": sinks}))[0]
 
 
 def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -293,22 +303,29 @@ def _cp_attention(
     window_right: int = -1,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)  # the exchange's: the pack, this rank's keys
     group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
-        return dense(*exchange.forward(kern, q, k, v, ex, pieces, group, **kw))
-    return dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
+        return dense(*with_sinks(exchange.forward(kern, q, k, v, ex, pieces, group, **kw), sinks))
+    return dense(*with_sinks(gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw), sinks))
 
 
 @_cp_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config):
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config,
+      q_pos=None, cu_seqlens=None, cu_seqlens_padded=None, sinks=None):  # fmt: skip
     check_fake_qkv(q, k, v)
-    q_pos, cu_seqlens, cu_seqlens_padded = (config[i] if len(config) > i else None for i in (3, 6, 7))
+    named = {"q_pos": q_pos, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded, "sinks": sinks}
+    # after kernel_name, kv_exchange, kv_chunks: those given by position
+    q_pos, cu_seqlens, cu_seqlens_padded, sinks = (
+        config[i] if len(config) > i else named[n] for i, n in zip((3, 6, 7, 8), named)
+    )
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
-    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, sinks=sinks)
+    check_fake_sinks(q, sinks)
     check_fake_gather(q, gather_index, resolve_group(group_name).size())
     return out_and_lse(q, v)
 
@@ -373,6 +390,7 @@ def cp_attention(
     scale: float | None = None,
     max_seqlen: int | None = None,
     plan: AttentionPlan | RingPlan | None = None,
+    sinks: torch.Tensor | None = None,
     config: Config | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over packed documents; call it on every rank of ``group``.
@@ -408,6 +426,10 @@ def cp_attention(
             :func:`cpcompile.plan.ring.make_ring_plan` (ring) for this rank, to share across layers;
             moved to the GPU with :func:`cpcompile.cache.upload` (host twins: what derives from it,
             and the check that it is this call's plan, read no value from the GPU).
+        sinks: ``[Hq]`` learnable sink logits (GPT-OSS), one per query head of q, joining every query's
+            softmax denominator (``cpcompile.attention.sinks``), on every path. Their gradient on each
+            rank is its own rows' share: summed over the CP group with the model's other gradients
+            (as a data-parallel trainer sums them over dp x cp), it is the single-device gradient.
         config: kernel and K/V transport (:class:`cpcompile.Config`; default
             :func:`cpcompile.config.default_config`).
     Returns:
@@ -421,6 +443,7 @@ def cp_attention(
     def prepare():
         """``(config, spec, comm, window, plan, max_seqlen_q)`` of the call, resolved and checked."""
         check_qkv(q, k, v)
+        check_sinks(sinks, q)
         check_scale_and_bound(scale, max_seqlen)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
@@ -463,33 +486,34 @@ def cp_attention(
 
     def record(prepared) -> dict[str, object]:
         config, spec, comm, window, *_ = prepared
-        call = _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale)
+        call = _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale, sinks)
         return call | dataclasses.asdict(config)
 
     config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
+    sink = {} if sinks is None else {"sinks": sinks}  # by name: the ops' arguments before it keep their defaults
     if 1 < spec.head_parallel < cp:
         kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
-        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, **kw)
+        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw)
     if spec.head_parallel > 1:
         args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
-        return torch.ops.cpcompile.cp_head_attention(*args)[0]
+        return torch.ops.cpcompile.cp_head_attention(*args, **sink)[0]
     if comm == "ring" and isinstance(plan, RingPlan):
         args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel, **sink)[0]
     k_start, k_len, q_pos = window_keys(*plan.pieces, window)
     if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
         ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
-        return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window, **sink)[0]
     args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
     kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
     pack = (plan.cu_seqlens, plan.cu_seqlens_padded)  # for the sparse exchange
-    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack)[0]
+    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack, **sink)[0]
 
 
-def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale) -> dict[str, object]:
+def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale, sinks=None) -> dict[str, object]:
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
@@ -503,6 +527,7 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, sca
         "head_parallel": spec.head_parallel,
         "window": window,
         "scale": scale,
+        "sinks": sinks is not None,
         "cu_seqlens": digest(cu_seqlens),
         "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
         # a rank whose output needs no gradient would leave the others alone in the backward's collectives

@@ -10,6 +10,7 @@ import inspect
 
 import torch
 
+from cpcompile.attention.sinks import grad as sinks_grad
 from cpcompile.cache import NOT_CAPTURED  # noqa: F401  (the ops' tags, imported from here)
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import (
@@ -169,18 +170,31 @@ def register_attention_autograd(op, backward_op, num_plan: int) -> None:
 
     ``plan``: the ``num_plan`` tensor inputs after ``q, k, v`` (``None`` allowed), saved with
     them and ``out, lse``; ``args``: the other inputs, kept as they are. ``lse`` is not
-    differentiable, and nothing but ``q, k, v`` gets a gradient.
+    differentiable, and nothing but ``q, k, v`` gets a gradient, and ``sinks`` where the op takes
+    them (an input of that name, not passed to ``backward_op``): the op returns the sink's
+    ``(out_final, lse_final)``, which are what ``backward_op`` needs (``attention.sinks``), and
+    their gradient is ``attention.sinks.grad``.
     """
+    names = [a.name for a in op._opoverload._schema.arguments]
+    at = names.index("sinks") if "sinks" in names else None
 
     def setup_context(ctx, inputs, output):
+        inputs = list(inputs)
+        sinks = inputs.pop(at) if at is not None else None
         q, k, v, *rest = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, *rest[:num_plan])
+        ctx.save_for_backward(q, k, v, out, lse, *rest[:num_plan], sinks)
         ctx.args = tuple(rest[num_plan:])
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, dout, _dlse):
-        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, *(None,) * (num_plan + len(ctx.args))
+        *saved, sinks = ctx.saved_tensors
+        dq, dk, dv = backward_op(dout, *saved, *ctx.args)
+        grads = [dq, dk, dv, *(None,) * (num_plan + len(ctx.args))]
+        if at is not None:
+            _, _, _, out, lse, *_ = saved
+            need = sinks is not None and ctx.needs_input_grad[at]
+            grads.insert(at, sinks_grad(dout, out, lse, sinks) if need else None)
+        return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)

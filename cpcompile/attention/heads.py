@@ -34,6 +34,7 @@ from cpcompile.attention.common import (
     softmax_scale,
 )
 from cpcompile.attention.plan_op import fake_plan, plan_op
+from cpcompile.attention.sinks import check_fake_sinks, with_sinks
 from cpcompile.cache import per_plan, twinned
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import heads_to_tokens, kv_replication, replicate, sum_replicas, tokens_to_heads
@@ -180,15 +181,18 @@ _PLAN_SCHEMA = (
 )
 
 
-def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *call):
+def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *call, sinks=None):
     """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``(out [T_local, Hq, D], lse [Hq, T_local])``;
-    ``call``: ``(max_seqlen, kernel_name)``."""
+    ``call``: ``(max_seqlen, kernel_name)``; ``sinks`` ``[Hq]``, applied back in the rank's rows (every head)."""
+    if len(call) > 2:  # sinks given by position
+        *call, sinks = call
     group, f, local = _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, *call)
     heads = heads_to_tokens([q, replicate(k, f), replicate(v, f)], group)  # [T, Hq/u | Hkv*f/u, D]
     out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
     (lse,) = tokens_to_heads([lse], group)  # [T_local, Hq, 1]
-    return out.contiguous(), lse.squeeze(-1).t().contiguous()  # contiguous whatever q's layout, as the fake says
+    out, lse = with_sinks((out, lse.squeeze(-1).t()), sinks)
+    return out.contiguous(), lse.contiguous()  # contiguous whatever q's layout, as the fake says
 
 
 _cp_head_attention = torch.library.custom_op(
@@ -196,13 +200,14 @@ _cp_head_attention = torch.library.custom_op(
     communicates("cp_head_attention (all_to_all)")(_head_attention),
     mutates_args=(),
     tags=NOT_CAPTURED,
-    schema=f"(Tensor q, Tensor k, Tensor v, {_PLAN_SCHEMA}) -> (Tensor, Tensor)",
+    schema=f"(Tensor q, Tensor k, Tensor v, {_PLAN_SCHEMA}, Tensor? sinks=None) -> (Tensor, Tensor)",
 )
 
 
 @_cp_head_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name, sinks=None):
     check_fake_qkv(q, k, v)
+    check_fake_sinks(q, sinks)
     u = resolve_group(group_name).size()
     torch._check(q.shape[1] % u == 0, lambda: f"head_parallel={u} must divide the query heads {q.shape[1]}")
     check_fake_gather(q, gather_index, u)

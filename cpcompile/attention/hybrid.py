@@ -16,6 +16,7 @@ import torch
 
 from cpcompile.attention.common import NOT_CAPTURED, agree_once_per_backward, check_fake_tokens, communicates
 from cpcompile.attention.plan_op import fake_plan, plan_op
+from cpcompile.attention.sinks import head_slice
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
@@ -68,9 +69,12 @@ def _setup(ctx, inputs, output):
 head_all_to_all.register_autograd(_backward, setup_context=_setup)
 
 
-def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *, causal, scale, max_seqlen, kernel):
+def hybrid_attention(
+    q, k, v, plan: AttentionPlan, group, head_parallel: int, *, causal, scale, max_seqlen, kernel, sinks=None
+):  # fmt: skip
     """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``[T_local, Hq, D]``; ``plan`` from
-    :func:`cpcompile.plan.pieces.make_hybrid_plan` for this rank. Differentiable (each step an op)."""
+    :func:`cpcompile.plan.pieces.make_hybrid_plan` for this rank. Differentiable (each step an op).
+    ``sinks`` ``[Hq]``: ``cp_attention`` gets those of the heads the rank holds between the all-to-alls."""
     heads, sequence = head_groups(resolve_group(group), head_parallel)
     f = kv_replication(q.shape[1], k.shape[1], head_parallel)
     a2a = torch.ops.cpcompile.head_all_to_all
@@ -78,7 +82,8 @@ def hybrid_attention(q, k, v, plan: AttentionPlan, group, head_parallel: int, *,
     qh, kh, vh = (a2a(x, heads.group_name, True, cp_name) for x in (q, replicate(k, f), replicate(v, f)))
     args = (qh, kh, vh, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), sequence.group_name)
     # the all-gather path: the sparse exchange's plan is made from one rank's pieces, not a head group's
-    out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1)[0]
+    sink = {} if sinks is None else {"sinks": head_slice(sinks, heads.rank(), heads.size())}
+    out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1, **sink)[0]
     return a2a(out, heads.group_name, False, cp_name)
 
 

@@ -32,6 +32,7 @@ from cpcompile.attention.common import (
     register_attention_autograd,
     softmax_scale,
 )
+from cpcompile.attention.sinks import check_fake_sinks, with_sinks
 from cpcompile.cache import per_plan, readable
 from cpcompile.checks import check_device
 from cpcompile.comm.groups import resolve_group
@@ -150,6 +151,7 @@ def _ring_attention(
     k_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
@@ -166,15 +168,17 @@ def _ring_attention(
         out, lse = (block[0].to(lse_dtype), block[1]) if lse is None else merge(out, lse, *block)
     if lse is None:  # no piece reads a key
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype, device=q.device)
+    out, lse = with_sinks((out, lse), sinks)  # once, on the merged lse: the sink is one more term of every row
     # contiguous whatever q's layout (a head-major q, say) and the kernel made of it, as the fake says
     return out.to(q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
 
 
 @_ring_attention.register_fake
-def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window):
+def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name,
+      q_pos=None, k_pos=None, window_left=-1, window_right=-1, sinks=None):  # fmt: skip
     check_fake_qkv(q, k, v)
-    positions = dict(zip(("q_pos", "k_pos"), window[:2]))
-    check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len, **positions)
+    check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos, k_pos=k_pos, sinks=sinks)
+    check_fake_sinks(q, sinks)
     cp = resolve_group(group_name).size()
     torch._check(k_start.shape[0] == cp, lambda: f"ring plan has {k_start.shape[0]} blocks for cp {cp}")
     torch._check(k_start.shape[1] + 1 == cu_q.shape[0], lambda: f"{k_start.shape} key ranges for {cu_q.shape} cu_q")

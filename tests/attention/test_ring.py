@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cpcompile
+from tests.attention.test_sinks import check_sinks_on_rank
 from tests.dist import run_ranks
 from tests.fixtures import VALUE_DIMS, attention_case, doc_lengths, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
@@ -47,6 +48,7 @@ def _check_rank(rank: int, world: int) -> None:
         for name, got, same, ref in zip(("out", "dq", "dk", "dv"), ring, gathered, want):
             assert relative_error(got, ref) < TOLERANCE, f"{name} against float64, {label}"
             assert relative_error(got, same) < SAME, f"{name} against all-gather, {label}"
+    check_sinks_on_rank(rank, world)  # every path with sinks, on this spawn
     if world == 3:  # compiling is the slow part: once, at an odd cp
         _check_compiled(rank, world)
 

@@ -81,6 +81,7 @@ class AttentionMatch:
     causal: bool
     scale: float | None
     window: tuple[int, int] = (-1, -1)  # (left, right) of varlen_attn, causal included: (-1, 0) when causal
+    sinks: fx.Node | None = None  # packed_attention's [Hq] sink logits: an input of the CP op, so its gradient flows
 
 
 @dataclasses.dataclass
@@ -281,7 +282,7 @@ def _match_packed(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
     except (TypeError, ValueError) as e:
         return Unsupported(node, str(e))
     args = (a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"))
-    return AttentionMatch(node, *args, causal, a["scale"], window=op_window(causal, *window))
+    return AttentionMatch(node, *args, causal, a["scale"], window=op_window(causal, *window), sinks=a.get("sinks"))
 
 
 def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
@@ -356,7 +357,8 @@ def _describe_call(m: AttentionMatch, op: str, config: Config) -> str:
     dtype = heads + ("" if q is None else f", {q.dtype}")
     transport = f"kernel {config.kernel}, kv_exchange {config.kv_exchange}, kv_chunks {config.kv_chunks}"
     backward = "backward" if getattr(out, "requires_grad", False) else "no backward"
-    return f"{op}: {mask}, {backward}{dtype}, scale {m.scale}, {transport}"
+    sinks = ", sinks" if m.sinks is not None else ""
+    return f"{op}: {mask}{sinks}, {backward}{dtype}, scale {m.scale}, {transport}"
 
 
 def _fake_value(node: fx.Node) -> None:
@@ -394,7 +396,12 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     qkv = [insert(a2a, (x, heads, True, group_name), "heads_to_tokens", m.node) for x in qkv]
     kv = (config.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
-    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node)
+    sinks = None
+    if m.sinks is not None:  # those of the heads this rank holds between the all-to-alls (sinks.head_slice)
+        parts = insert(torch.ops.aten.unflatten.int, (m.sinks, 0, [u, -1]), "sinks_per_rank", m.node)
+        j = resolve_group(heads).rank()
+        sinks = {"sinks": insert(torch.ops.aten.select.int, (parts, 0, j), "hybrid_sinks", m.node)}
+    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node, sinks)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
     outputs = {0: insert(a2a, (out, heads, False, group_name), "tokens_to_heads", m.node)}
     if 1 in _used_outputs(m.node):  # a tuple used whole is no match: its read outputs are known
@@ -450,6 +457,7 @@ def rewrite_packed_attention(
         q = m.q.meta["example_value"]
         # a symbolic token count (dynamic shapes) cannot be captured: _check_capturable then says so
         why = "its token count is symbolic" if isinstance(q.shape[0], torch.SymInt) else None
+        why = why or ("it has sinks, which the captured op does not take" if m.sinks is not None else None)
         why = why or capturable(spec, q, config.kernel, m.window)
         if why is not None:
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
@@ -550,6 +558,7 @@ def rewrite_packed_attention(
                     (*args, m.max_seqlen, config.kernel),
                     "cp_head_attention",
                     m.node,
+                    None if m.sinks is None else {"sinks": m.sinks},
                 )
             elif captured_call:
                 name, target = "cp_attention_captured", torch.ops.cpcompile.cp_attention_captured.default
@@ -617,7 +626,7 @@ def rewrite_packed_attention(
                     ),
                     name,
                     m.node,
-                    op_kwargs,
+                    (op_kwargs or {}) | ({} if m.sinks is None else {"sinks": m.sinks}) or None,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, config))
             if split:

@@ -10,7 +10,7 @@ layer's call becomes CP attention; :func:`shard_flattened_batch` cuts the batch 
 rank (its tokens, labels shifted on the whole pack, ``cu_seq_lens`` kept global).
 
 What a rank cannot compute from its own tokens raises (on every rank, naming the config field): LFM2's
-convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, soft-capping, sinks,
+convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, soft-capping,
 and Llama 4's chunked attention under CP for documents longer than a chunk. A model whose layers compute
 attention themselves, outside transformers' attention interface (Falcon, Bloom, GPT-J, GPT-Neo, CodeGen, MPT,
 XGLM), would never call this implementation: it is refused when built (:func:`check_attention_interface`).
@@ -120,7 +120,6 @@ def cpcompile_attention_forward(
     unsupported = {
         "attention_mask": (attention_mask, "a 2-D or 4-D mask; documents are given by cu_seq_lens_q instead"),
         "softcap": (softcap, "logit soft-capping"),
-        "s_aux": (kwargs.get("s_aux"), "attention sinks"),
     }
     for name, (value_, what) in unsupported.items():
         if value_ is not None:
@@ -149,6 +148,7 @@ def cpcompile_attention_forward(
         causal=causal,
         window_size=window,
         scale=scaling,
+        sinks=kwargs.get("s_aux"),  # GPT-OSS's per-head sink logits (module.sinks), a parameter: its gradient flows
     )
     return out.unsqueeze(0), None  # [1, T, Hq, D]
 

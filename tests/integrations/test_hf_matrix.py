@@ -170,11 +170,24 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(GQA, **MOE, num_hidden_layers=1, num_local_experts=4)),
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(GQA, num_hidden_layers=1)),
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(GQA, num_hidden_layers=1)),
+    # learnable sinks (s_aux) in every layer, sliding and full; MoE experts
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            GQA,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **ALTERNATING,
+        ),
+    ),
 }
 
 #: the reference's attention where transformers has no SDPA for the model (eager attention takes its softmax
 #: in float32), and the tolerance where the model rounds to float32 itself (its norms or the eager softmax)
-REFERENCE = {"gemma2": ("eager",)}
+REFERENCE = {"gemma2": ("eager",), "gpt_oss": ("eager",)}
 FLOAT32_NORMS = 1e-6
 TOLERANCES = {arch: FLOAT32_NORMS for arch in ("gemma", "gemma2", "gemma3", "cohere", "cohere2", "helium", "diffllama")}
 

@@ -34,6 +34,8 @@ from cpcompile.attention.common import (
     out_and_lse,
 )
 from cpcompile.attention.gathered import backward_on_gathered, forward_on_gathered
+from cpcompile.attention.sinks import check_fake_sinks, with_sinks
+from cpcompile.attention.sinks import grad as sinks_grad
 from cpcompile.checks import check_device
 from cpcompile.comm.collectives import start_all_gather, start_reduce_scatter, wait
 from cpcompile.comm.groups import resolve_group
@@ -80,17 +82,20 @@ def _cp_attention_split(
     q_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[T_local, Hq, D]``; k, v ``[T_local, Hkv, D]`` the rank's own (for their gradients); k_all,
-    v_all ``[T, Hkv, D]`` their all-gathers (rank-major) -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``."""
+    v_all ``[T, Hkv, D]`` their all-gathers (rank-major) -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
+    ``sinks`` ``[Hq]`` applied to them (``attention.sinks``)."""
     args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
     kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
-    return dense(*forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw))
+    return dense(*with_sinks(forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw), sinks))
 
 
 @_cp_attention_split.register_fake
-def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config):
+def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config, sinks=None):
     check_fake_qkv(q, k, v)
+    check_fake_sinks(q, config[7] if len(config) > 7 else sinks)  # after max_seqlen ... window_right
     cp_size = resolve_group(group_name).size()
     _check_fake_gathered(k, k_all, v_all, cp_size)
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
@@ -159,10 +164,10 @@ _PLAN = 4  # gather_index, cu_q, k_start, k_len
 
 def _setup_context(ctx, inputs, output):
     q, k, v, _k_all, _v_all, *plan = inputs[: 5 + _PLAN]
-    group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window = inputs[5 + _PLAN :]
+    group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window, sinks = inputs[5 + _PLAN :]
     q_pos = window[0] if window else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *plan, q_pos)
+    ctx.save_for_backward(q, k, v, out, lse, *plan, q_pos, sinks)
     ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
     ctx.window = tuple(window[1:])
     ctx.num_inputs = len(inputs)
@@ -171,7 +176,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     """The re-gathers, the kernel, and the reduce-scatters, each a node where AOT autograd traces this."""
-    q, k, v, out, lse, *plan, q_pos = ctx.saved_tensors
+    q, k, v, out, lse, *plan, q_pos, sinks = ctx.saved_tensors
     group_name = ctx.args[0]
     cp = resolve_group(group_name).size()
     k_all, v_all = (wait(x) for x in torch.ops.cpcompile.cp_attention_split_regather(dout, k, v, group_name))
@@ -180,7 +185,9 @@ def _backward(ctx, dout, _dlse):
     )
     pending = [start_reduce_scatter(s, cp, group_name) for s in sums]
     dk, dv = (wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
-    return dq, dk, dv, *(None,) * (ctx.num_inputs - 3)
+    # the op returned (out_final, lse_final) with sinks, which the kernel's backward above needs (attention.sinks)
+    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
+    return dq, dk, dv, *(None,) * (ctx.num_inputs - 4), dsinks
 
 
 _cp_attention_split.register_autograd(_backward, setup_context=_setup_context)

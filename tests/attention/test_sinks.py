@@ -117,6 +117,7 @@ WINDOWS = {
     "ring": [None, (3, 0)],
     "heads": [None, (-1, -1)],
     "hybrid": [None, (-1, -1)],
+    "split": [],  # compiled only: backend(overlap_kv=True)'s all-gathers as graph nodes
 }
 
 
@@ -127,6 +128,7 @@ def _paths(world: int) -> list[tuple[str, dict, object]]:
         ("exchange", {}, cpcompile.Config(kv_exchange="always")),
         ("ring", {"comm": "ring"}, None),
         ("heads", {"head_parallel": world}, None),
+        ("split", {}, None),
     ]
     if world == 4:
         paths.append(("hybrid", {"head_parallel": 2}, None))
@@ -134,7 +136,7 @@ def _paths(world: int) -> list[tuple[str, dict, object]]:
 
 
 #: per path, the mask its compiled case runs (compiling is the slow part: one case a path, at one CP size)
-COMPILED = {"all_gather": (3, 0), "exchange": (2, 1), "ring": (3, 0), "heads": None, "hybrid": None}
+COMPILED = {"all_gather": (3, 0), "exchange": (2, 1), "ring": (3, 0), "heads": None, "hybrid": None, "split": (2, 1)}
 
 
 def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
@@ -162,7 +164,7 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             leaves = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"] + [sinks.clone().requires_grad_()]
             mask = {"causal": causal} if ref_window is None else {"causal": False, "window_size": window}
             if compiled:
-                out = _compiled(leaves, cu, sharded, mask, config)
+                out = _compiled(leaves, cu, sharded, mask, config, overlap_kv=name == "split")
             else:
                 out = cpcompile.cp_attention(
                     *leaves[:3], cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, sinks=leaves[3],
@@ -176,7 +178,7 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             case += 1
 
 
-def _compiled(leaves, cu, sharded, mask: dict, config) -> torch.Tensor:
+def _compiled(leaves, cu, sharded, mask: dict, config, overlap_kv: bool) -> torch.Tensor:
     """The single-device call with sinks, compiled with the backend and run in the batch's strategy block;
     the graph must hold no packed_attention left (every call rewritten, the sinks an input of the CP op)."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -191,8 +193,10 @@ def _compiled(leaves, cu, sharded, mask: dict, config) -> torch.Tensor:
         return cpcompile.packed_attention(q, k, v, cu_seqlens, sinks=sinks, **mask)
 
     torch._dynamo.reset()
-    fn = torch.compile(model, backend=cpcompile.backend(inner=inner, config=config), dynamic=True)
+    backend = cpcompile.backend(inner=inner, config=config, overlap_kv=overlap_kv)
+    fn = torch.compile(model, backend=backend, dynamic=True)
     with cpcompile.strategy(sharded):
         out = fn(*leaves[:3], cu, leaves[3])
     assert "cpcompile.packed_attention.default" not in ops and any("cpcompile.cp_" in op for op in ops), ops
+    assert not overlap_kv or "cpcompile.cp_attention_split.default" in ops, ops
     return out

@@ -185,8 +185,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     ),
 }
 
-#: the reference's attention where transformers has no SDPA for the model (eager attention takes its softmax
-#: in float32), and the tolerance where the model rounds to float32 itself (its norms or the eager softmax)
+#: the reference's attention where transformers has no SDPA for the model (Gemma 2's eager attention takes its
+#: softmax in float32; GPT-OSS's, with the sinks' column, in the model's dtype), and the tolerance where the
+#: model rounds to float32 itself (its norms or the eager softmax)
 REFERENCE = {"gemma2": ("eager",), "gpt_oss": ("eager",)}
 FLOAT32_NORMS = 1e-6
 TOLERANCES = {arch: FLOAT32_NORMS for arch in ("gemma", "gemma2", "gemma3", "cohere", "cohere2", "helium", "diffllama")}

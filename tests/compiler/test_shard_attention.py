@@ -7,6 +7,7 @@ what each strategy changes. Refresh with ``EXPECTTEST_ACCEPT=1``.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -324,6 +325,23 @@ class GraphModule(torch.nn.Module):
                 ),
             ):
                 compiled(*fake_rank_inputs("no_load_balance"))
+
+    def test_sinks_travel_into_every_cp_op(self):
+        """packed_attention's sinks become an input of the CP op each path inserts, so their gradient flows (the
+        hybrid's slice of them, which needs cp >= 4, and every path's values: tests/attention/test_sinks.py)."""
+
+        def fn(q, k, v, cu_seqlens, max_seqlen):
+            return cpcompile.packed_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, sinks=q[0, :, 0] * 0.5)
+
+        specs = {
+            "cp_attention": cpcompile.StrategySpec(),
+            "cp_ring_attention": cpcompile.StrategySpec(comm="ring"),
+            "cp_head_attention": cpcompile.StrategySpec(head_parallel=2),
+        }
+        for op, spec in specs.items():
+            gm, count = self.shard(fn, spec)
+            (node,) = [n for n in gm.graph.nodes if str(n.target) == f"cpcompile.{op}.default"]
+            self.assertEqual(node.kwargs["sinks"].target, operator.mul, op)
 
     def test_ring_rewrite_shares_plan_and_key_ranges(self):
         """comm="ring": one cp_plan, one ring_key_ranges per causal flag, cp_ring_attention per call."""

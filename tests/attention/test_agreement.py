@@ -77,6 +77,7 @@ def _one_rank_is_wrong(rank: int, world: int) -> None:
             "scale must be None .* or a finite positive number, got nan",
         ),
         ("k/v heads", dict(kv=torch.randn(8, 0 if bad else 2, 4)), r"k must have at least one head .*got \(8, 0, 4\)"),
+        ("sinks", dict(sinks=torch.zeros(3 if bad else 2)), r"sinks must have shape \[Hq\] = \[2\] .*got \(3,\)"),
     ]
     for _argument, call, own in cases:
         _expect(rank, 1, own, rejected.format(own), strategy=call.pop("strategy", "no_load_balance"), **call)

@@ -89,6 +89,27 @@ def test_opcheck_packed_attention_with_sinks():
         opcheck(torch.ops.cpcompile.packed_attention.default, args, {"sinks": sinks})
 
 
+def test_opcheck_cp_ops_with_sinks(single_rank_group):
+    """The all-gather, ring and head-parallel ops with sinks (their autograd, fakes and schemas) on one rank."""
+    from cpcompile.plan.ring import make_ring_plan
+
+    cu, _, q, k, v, _ = attention_case([3, 9, 4], dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = {"sinks": _sinks(4).requires_grad_()}
+    group = single_rank_group.group_name
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    ring = make_ring_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    heads = torch.ops.cpcompile.cp_head_plan(cu, None, q.shape[0], 1, "no_load_balance", 1)
+    for causal in (True, False):
+        pieces = (plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal))
+        args = (*pieces, group, causal, None, 9, 9, None, "auto", 1)
+        opcheck(torch.ops.cpcompile.cp_attention.default, (q, k, v, *args), kw)
+        args = (ring.cu_q, ring.k_start, ring.k_len(causal), group, causal, None, 9, 9, None)
+        opcheck(torch.ops.cpcompile.cp_ring_attention.default, (q, k, v, *args), kw)
+        args = (*heads[:3], heads[3 if causal else 4], group, causal, None, 9, None)
+        opcheck(torch.ops.cpcompile.cp_head_attention.default, (q, k, v, *args), kw)
+
+
 @pytest.mark.parametrize(
     "sinks, error, message",
     [

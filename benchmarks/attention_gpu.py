@@ -166,7 +166,7 @@ def single_step(attention, q, k, v, backward: bool):
 
 def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
-    kw = {"max_seqlen": max_seqlen, "window_size": window, "config": cpcompile.Config(kernel=kernel)}
+    kw = {"max_seqlen": max_seqlen, "window_size": window, "kernel": kernel}
     return single_step(lambda *qkv: cpcompile.packed_attention(*qkv, cu, **kw), q, k, v, backward)
 
 

@@ -3,9 +3,9 @@
 Every rank runs ``cp_attention`` (K/V all-gather, one kernel call over its pieces,
 and in backward the re-gather and dK/dV reduce-scatter; or the sparse exchange of
 only the rows each rank reads, ``cpcompile.attention.exchange``, forced each way with
-``Config.kv_exchange``) on its shard of one pack;
+``StrategySpec.kv``) on its shard of one pack;
 CP efficiency = single-GPU ``packed_attention`` time / (cp x slowest rank). The ring
-(``comm="ring"``: K/V blocks passed around, one kernel call per step) is checked and
+(``kv="ring"``: K/V blocks passed around, one kernel call per step) is checked and
 timed beside it for dual_chunk_swap and balanced. Before each timing, every rank's output
 and its gradients for a fixed dO, on the plan that is timed, are checked against one GPU's
 (bf16: largest difference under 2.5e-2 of the largest value, relative L2 under 2e-2).
@@ -17,6 +17,7 @@ Rank 0 prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,33 +38,32 @@ from cpcompile.comm.collectives import all_gather_rows  # noqa: E402
 from cpcompile.testing import sample_lengths  # noqa: E402
 
 HEADING = "## CP step with communication (benchmarks/cp_step.py)"
-RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with comm="ring"
+RING_LAYOUTS = ("dual_chunk_swap", "balanced")  # also run with kv="ring"
 
 
-def rank_plan(cu, padded, spec, comm: str, local_tokens: int, device):
+def rank_plan(cu, padded, spec, local_tokens: int, device):
     """This rank's plan, built once per step on the host and shared by the layers."""
-    build = cpcompile.plan.ring.make_ring_plan if comm == "ring" else cpcompile.plan.make_plan
+    build = cpcompile.plan.ring.make_ring_plan if spec.kv == "ring" else cpcompile.plan.make_plan
     cp, rank = dist.get_world_size(), dist.get_rank()
     plan = build(cu.cpu(), padded.cpu(), cp_size=cp, rank=rank, strategy=spec, num_tokens=local_tokens * cp)
     # uploaded with host twins: what derives from it (the sparse exchange's plan, kernel metadata) reads them, no sync
     return type(plan)(*(upload(t, device) for t in plan))
 
 
-def step(q, k, v, cu, padded, spec, max_len, backward: bool, comm: str, plan, config):
+def step(q, k, v, cu, padded, spec, max_len, backward: bool, plan):
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
 
     def run():
         out = cpcompile.cp_attention(
-            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm,
-            config=config,
-        )  # fmt: skip
+            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan
+        )
         if backward:  # the gradients returned, not accumulated into .grad (as ``single``'s)
             torch.autograd.grad(out, leaves, out)
 
     return run
 
 
-def check_rank(local, cu, padded, spec, max_len, comm, plan, config, want, dout, rows, picked, label: str) -> None:
+def check_rank(local, cu, padded, spec, max_len, plan, want, dout, rows, picked, label: str) -> None:
     """This rank's rows of the output (``dout`` None) or of the gradients for ``dout`` against
     one GPU's ``want``, every rank failing together. The backward first runs once with the
     full mask on the same plan: the dK/dV buffers it leaves must not reach the causal sums."""
@@ -72,9 +72,8 @@ def check_rank(local, cu, padded, spec, max_len, comm, plan, config, want, dout,
     def call(causal: bool):
         leaves = [t.detach().requires_grad_(backward) for t in local]
         out = cpcompile.cp_attention(
-            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, comm=comm,
-            causal=causal, config=config,
-        )  # fmt: skip
+            *leaves, cu, cu_seqlens_padded=padded, strategy=spec, max_seqlen=max_len, plan=plan, causal=causal
+        )
         if not backward:
             return [out]
         local_dout = torch.zeros_like(out)
@@ -167,25 +166,25 @@ def main() -> None:
                 where[real] = torch.arange(args.tokens)
                 src = where[batch.indices]
                 rows_real, picked = (src >= 0).to(device), src[src >= 0].to(device)
-                # (comm, K/V head groups, exchange setting): the all-gather and the sparse exchange
-                # forced each way, so that both are timed for every layout
-                variants = [("all_gather", 1, "never"), ("all_gather", 1, "always")]
+                # (kv, K/V head groups): the all-gather and the sparse exchange forced each way, so
+                # that both are timed for every layout
+                variants = [("all_gather", 1), ("exchange", 1)]
                 if spec == STRATEGIES[0]:  # the K/V gather pipelined over head groups
-                    variants.append(("all_gather", 2, "never"))
+                    variants.append(("all_gather", 2))
                 if "ring" in comms:
-                    variants.append(("ring", 1, "never"))
-                for comm, chunks, exchange in variants:
-                    config = cpcompile.Config(kv_chunks=chunks, kv_exchange=exchange)
+                    variants.append(("ring", 1))
+                for kv, chunks in variants:
+                    run_spec = dataclasses.replace(spec, kv=kv, kv_chunks=chunks)
                     padded = batch.cu_seqlens_padded.to(device)
-                    plan = rank_plan(cu, padded, spec, comm, local[0].shape[0], device)
-                    if comm == "ring" or exchange == "always":
-                        how = "ring" if comm == "ring" else "exchange"
+                    plan = rank_plan(cu, padded, run_spec, local[0].shape[0], device)
+                    if kv != "all_gather":
+                        how = kv
                     else:
                         how = "all-gather" if chunks == 1 else f"all-gather, {chunks} chunks"
                     label = f"{hq}/{hkv} {spec.strategy.value} {how}"
-                    check_rank(local, cu.to(device), padded, spec, max_len, comm, plan, config, want,
+                    check_rank(local, cu.to(device), padded, run_spec, max_len, plan, want,
                                dout if backward else None, rows_real, picked, label)  # fmt: skip
-                    run = step(*local, cu.to(device), padded, spec, max_len, backward, comm, plan, config)
+                    run = step(*local, cu.to(device), padded, run_spec, max_len, backward, plan)
                     ms = torch.tensor(timed(run), device=device)
                     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
                     name = spec.strategy.value + (f" /{spec.stripe_size}" if spec.stripe_size > 1 else "")

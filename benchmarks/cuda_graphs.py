@@ -158,7 +158,9 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     packs = make_packs(args, size, count, seed=size)
     base = cpcompile.StrategySpec(args.strategy)
-    spec = dataclasses.replace(base, capacity=cpcompile.layouts.capacity_for(packs, cp_size=args.cp, strategy=base))
+    capacity = cpcompile.layouts.capacity_for(packs, cp_size=args.cp, strategy=base)
+    # the fake group cannot run the exchange's data-dependent sizes: the all-gather
+    spec = dataclasses.replace(base, capacity=capacity, kv="all_gather")
     longest = max(int(cu.diff().max()) for cu in packs)  # the bucket's max_length: fixed, as dynamic=False needs
     shape = layer_shape(args)
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
@@ -176,7 +178,6 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
         return got, sharded.spec
 
     data = [inputs(i, cu) for i, cu in enumerate(packs)]
-    config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run the exchange's data-dependent sizes
     row = {"size": size, "packs": count, "docs": [cu.shape[0] - 1 for cu in packs], "capacity": spec.capacity}
     runs, noise = {}, None
     modes = [m for m in MODES if m in args.modes or m == "plain"]
@@ -186,7 +187,7 @@ def run_size(args, size: int, count: int, device: torch.device) -> dict:
             torch.cuda.empty_cache()
         decoder = torch.compile(
             model.model,
-            backend=cpcompile.backend(inner="inductor", config=config, captured_step=mode == "step"),
+            backend=cpcompile.backend(inner="inductor", captured_step=mode == "step"),
             dynamic=False,
             **({"mode": "reduce-overhead"} if mode == "trees" else {}),
         )

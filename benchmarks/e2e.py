@@ -4,7 +4,7 @@
 ``attn_implementation="cpcompile"`` takes packed (flattened) batches as
 ``cpcompile.integrations.hf.shard_flattened_batch`` makes them. At cp=1 it runs under
 plain ``torch.compile(dynamic=True)`` (inductor, no CP pass; attention is
-``cpcompile.packed_attention``, whose CUDA kernel is the default of ``cpcompile.Config``: cuDNN's
+``cpcompile.packed_attention``, whose CUDA kernel is the default (``StrategySpec.kernel`` None): cuDNN's
 via ``auto`` with the ``gpu`` extra, else FlashAttention-4 where installed, else torch's flash).
 At cp=N it runs under ``torch.compile(backend=cpcompile.backend())``: on one GPU every rank in
 turn on the fake process group, whose collectives cost nothing (their outputs filled once with
@@ -74,7 +74,6 @@ import cpcompile  # noqa: E402
 import cpcompile.integrations.hf as cphf  # noqa: E402
 from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler, positive_int, spec_name  # noqa: E402
 from cpcompile.comm import collectives  # noqa: E402
-from cpcompile.config import default_config  # noqa: E402
 from cpcompile.cost.flops import training_flops  # noqa: E402
 from cpcompile.testing import hf_llama, losses, synthetic_pack  # noqa: E402
 
@@ -141,7 +140,9 @@ def parse_args() -> argparse.Namespace:
     if min(args.cp) < 1 or (args.real and set(args.cp) - {1, world}) or min(args.ranks or [0]) < 0:
         p.error(f"--cp: sizes >= 1{f', under torchrun 1 or the world size {world}' if args.real else ''}; --ranks >= 0")
     stripe = args.stripe_size if args.strategy == "striped" else 1
-    args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe)
+    # the fake group: without the sparse K/V exchange (make_backend)
+    kv = {} if args.real else {"kv": "all_gather"}
+    args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe, **kv)
     try:
         args.draw = length_sampler(args.doclens, torch.Generator().manual_seed(0)) if args.doclens else None
     except ValueError as e:
@@ -203,14 +204,13 @@ class CountingBackend:
 
 def make_backend(args, cp: int) -> CountingBackend:
     """cp=1: the inner compiler alone; else cpcompile's backend over the default group, on the fake group without
-    the sparse K/V exchange (the fake group fills an all-to-all's output with its input, and fails where a rank
-    receives rows but sends none)."""
+    the sparse K/V exchange (``args.spec``'s ``kv``: the fake group fills an all-to-all's output with its input,
+    and fails where a rank receives rows but sends none)."""
     if cp == 1:
         from torch._dynamo.backends.registry import lookup_backend
 
         return CountingBackend(lookup_backend(args.inner))
-    config = None if args.real else dataclasses.replace(default_config(), kv_exchange="never")
-    return CountingBackend(cpcompile.backend(inner=args.inner, config=config, overlap_kv=args.overlap_kv))
+    return CountingBackend(cpcompile.backend(inner=args.inner, overlap_kv=args.overlap_kv))
 
 
 # --- measurements ------------------------------------------------------------------

@@ -68,9 +68,9 @@ def cases(cp: int, us: list[int], hq: int) -> list[StrategySpec]:
     specs = []
     for u in us:
         if u == cp:
-            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=u))
+            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=u))
         elif cp % u == 0 and hq % u == 0:
-            specs += [StrategySpec(s.strategy, s.stripe_size, head_parallel=u) for s in LAYOUTS]
+            specs += [StrategySpec(s.strategy, s.stripe_size, kv="heads", head_parallel=u) for s in LAYOUTS]
     return specs
 
 

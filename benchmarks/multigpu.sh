@@ -12,18 +12,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "== $n GPUs" >&2
 # 1. compiled CP training on NCCL equals one process (fp32: the exact reference kernel on GPU)
-runs=("dual_chunk_swap all_gather" "no_load_balance all_gather" "striped all_gather" "dual_chunk_swap ring"
-  "striped ring")
+runs=("dual_chunk_swap auto" "no_load_balance auto" "striped auto" "dual_chunk_swap ring" "striped ring")
 checks=""
 for run in "${runs[@]}"; do
-  read -r strategy comm <<< "$run"
-  checks+=$(timeout 240 torchrun --nproc-per-node "$n" examples/train_packed.py --strategy "$strategy" --comm "$comm" \
+  read -r strategy kv <<< "$run"
+  checks+=$(timeout 240 torchrun --nproc-per-node "$n" examples/train_packed.py --strategy "$strategy" --kv "$kv" \
     --steps 8 --tokens 2048 --inner aot_eager 2>&1 | tr '\r' '\n' | grep -E "step 8/|graphs|curves|Error|error" \
     | tee /dev/stderr)$'\n'
 done
 {
   echo "Compiled CP training (\`examples/train_packed.py --steps 8 --tokens 2048 --inner aot_eager\`, a run per"
-  echo "strategy and \`--comm\`, fp32, cp=$n on NCCL) against the same model on one process; last lines per run:"
+  echo "strategy and \`--kv\`, fp32, cp=$n on NCCL) against the same model on one process; last lines per run:"
   echo
   echo '```'
   printf '%s' "$checks"

@@ -39,17 +39,17 @@ import torch
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler
-from cpcompile.advisor.comm_model import Heads, Phase
+from cpcompile.advisor.comm_model import Heads, Phase, layout_key
 from cpcompile.advisor.timing import (
     H200,
     KernelSpeed,
     LayerTerms,
-    Option,
     Topology,
     _phase_us,
     decide,
     evaluate,
     layer_terms,
+    option_name,
 )
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import read_ranges
@@ -102,11 +102,8 @@ def calibration_cases(cu: torch.Tensor, rows: list[list[str]], cp: int = 2) -> l
             recv = [[0 if s == r else block for s in range(cp)] for r in range(cp)]
             cases.append(Case(f"{hs} K/V all-gather alone", Phase("forward", "gather", recv), float(slowest)))
             continue
-        spec = LAYOUTS[layout]
-        if kv == "ring":
-            spec = dataclasses.replace(spec, comm="ring")
-        exchange = "always" if kv == "exchange" else "never"
-        terms = layer_terms(cu, cp_size=cp, strategy=spec, heads=heads, passes=passes, kv_exchange=exchange)
+        spec = dataclasses.replace(LAYOUTS[layout], kv=kv if kv in ("ring", "exchange") else "all_gather")
+        terms = layer_terms(cu, cp_size=cp, strategy=spec, heads=heads, passes=passes)
         cases.append(Case(f"{hs} {what} {layout}, {kv}", terms, float(slowest)))
         if (hs, what) not in singles:
             singles.add((hs, what))
@@ -213,15 +210,16 @@ FULL = Setup((8, 16, 32, 64, 128, 256), 16384, 1 << 20, 64, "prolong.json")
 SMOKE = Setup((8, 16), 2048, 32768, 16, "the built-in synthetic mix")
 
 
-def choices(cp: int) -> tuple[Option, ...]:
+def choices(cp: int) -> tuple[StrategySpec, ...]:
     """What decide weighs at ``cp`` (module docstring)."""
-    found = [Option(DCS, "never"), Option(BAL, "never"), Option(BAL, "always")]  # DCS exchanges as much
+    found = [dataclasses.replace(s, kv="all_gather") for s in (DCS, BAL)]
+    found.append(dataclasses.replace(BAL, kv="exchange"))  # DCS exchanges as much
     if cp <= RING_UP_TO:
-        found.append(Option(dataclasses.replace(DCS, comm="ring"), "never"))
+        found.append(dataclasses.replace(DCS, kv="ring"))
     if cp > 8:
-        found += [Option(dataclasses.replace(s, head_parallel=8), "never") for s in (DCS, BAL)]
+        found += [dataclasses.replace(s, kv="heads", head_parallel=8) for s in (DCS, BAL)]
     if HEADS.q % cp == 0:
-        found.append(Option(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=cp), "never"))
+        found.append(StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=cp))
     return tuple(found)
 
 
@@ -234,13 +232,13 @@ def median_ms(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def plan_ms(cu: torch.Tensor, cp: int, option: Option) -> float:
+def plan_ms(cu: torch.Tensor, cp: int, option: StrategySpec) -> float:
     """Rank 0's host plan for ``option`` from scratch: its layout and plan, and the exchange's plan."""
-    spec = dataclasses.replace(option.spec, comm="all_gather", head_parallel=1)
+    spec = layout_key(option)
 
     def plan() -> None:
         p = cpcompile.plan.make_plan(cu, cp_size=cp, rank=0, strategy=spec)
-        if option.kv_exchange == "always":
+        if option.kv == "exchange":
             pack = Pack.build(cu, None, spec=spec, cp_size=cp)
             make_exchange(p.k_start, p.k_len(True), pack, read_ranges(pack, (-1, 0)), 0, "always")
 
@@ -276,12 +274,12 @@ def scale_row(cu: torch.Tensor, cp: int) -> Row:
     return Row(
         cp=cp,
         documents=lengths.numel(),
-        pick=d.option.name(cp),
+        pick=option_name(d.spec, cp),
         efficiency=one / (cp * d.time.as_run),
         overlapped=one / (cp * d.time.overlapped),
         megabytes=max(d.time.received) / 1e6,
         gather=one / (cp * gather),
-        plan_ms=plan_ms(cu, cp, d.option),
+        plan_ms=plan_ms(cu, cp, d.spec),
         decide_ms=decide_ms,
         step_ms=d.time.as_run / 1e3,
         single_us=one,

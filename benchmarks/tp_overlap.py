@@ -9,7 +9,7 @@ events (mean of ``--iters`` back-to-back calls after ``--warmup``; the slowest r
     bound       max(comm, gemm): what perfect overlap reaches
     sequential  all_gather, then mm
     ag_gemm     cpcompile.tp.ag_gemm on buffers of capacity max(t) (allocated once): copy engine
-                over symmetric memory, and ``ag_gemm p2p`` (``Config(tp_comm="p2p")``, NCCL p2p)
+                over symmetric memory, and ``ag_gemm p2p`` (``tp_comm="p2p"``, NCCL p2p)
     torch fused torch.ops.symm_mem.fused_all_gather_matmul (micro-pipeline TP's op)
 
 Prints its section of ``BENCHMARKS.md`` (milliseconds and each variant's ratio to the bound);
@@ -39,10 +39,8 @@ TIMED = ("sequential", "ag_gemm", "ag_gemm p2p", "torch fused")
 
 
 def _ag_gemm(x, w, group, capacity: int, comm: str):
-    config = cpcompile.Config(tp_comm=comm)
-
     def fn():
-        return cpcompile.tp.ag_gemm(x, w, group=group, capacity_tokens=capacity, config=config)
+        return cpcompile.tp.ag_gemm(x, w, group=group, capacity_tokens=capacity, tp_comm=comm)
 
     return fn
 

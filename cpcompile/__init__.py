@@ -2,7 +2,7 @@
 
 What a training script needs is here: the data-loader side (:func:`shard_batch`,
 :func:`unshard`, :class:`ShardedBatch`), the configuration (:func:`strategy`,
-:class:`StrategySpec`, :class:`Strategy`, :class:`Capacity`, :class:`Config`), the
+:class:`StrategySpec`: every choice of how CP runs, :class:`Strategy`, :class:`Capacity`), the
 attention a model calls (:func:`packed_attention`) or that CP runs (:func:`cp_attention`),
 and the compiler's backend (:func:`backend`, :class:`CapturedStep`).
 
@@ -17,13 +17,11 @@ holds which token), :mod:`cpcompile.cost` (what a layout costs), :mod:`cpcompile
 from cpcompile.attention import cp_attention, packed_attention
 from cpcompile.batch import ShardedBatch, shard_batch, unshard
 from cpcompile.compiler import CapturedStep, backend
-from cpcompile.config import Config
 from cpcompile.spec import Capacity, Strategy, StrategySpec, strategy
 
 __all__ = [
     "Capacity",
     "CapturedStep",
-    "Config",
     "ShardedBatch",
     "Strategy",
     "StrategySpec",

@@ -64,7 +64,7 @@ class ShardedBatch:
 
 
 def _layout_key(spec: StrategySpec) -> tuple:
-    """What of ``spec`` decides the layout (``comm`` and ``head_parallel`` do not)."""
+    """What of ``spec`` decides the layout (not how attention runs: ``kv``, ``head_parallel``, ``kernel``, ...)."""
     return spec.strategy, spec.stripe_size, spec.windows, spec.capacity
 
 

@@ -20,6 +20,8 @@ import enum
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from cpcompile.config import DEFAULTS, KERNELS, KV, check_choice, check_kv_chunks
+
 
 class Strategy(str, enum.Enum):
     """How a packed buffer is split over CP ranks (values are the accepted strings)."""
@@ -36,14 +38,9 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-#: How CP attention moves K/V: one all-gather, or a ring of point-to-point steps.
-COMMS = ("all_gather", "ring")
-
-
-def check_comm(comm: object) -> str:
-    if comm not in COMMS:
-        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-    return comm
+#: What the all-gather path's op is told of the sparse exchange (``plan.exchange.SETTINGS``) for
+#: each way of moving K/V that brings every rank its rows at once (``StrategySpec.kv``).
+_EXCHANGE = {"auto": "auto", "all_gather": "never", "exchange": "always"}
 
 
 _ACCEPTED = ", ".join(repr(s.value) for s in Strategy)
@@ -76,23 +73,36 @@ class Capacity(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StrategySpec:
-    """A strategy with its parameters: what a layout function needs to know.
+    """Every choice of how CP runs: the layout, how K/V move, the kernel. ``with
+    cpcompile.strategy(...)`` makes one active (the way to set it for a compiled model, which is
+    guarded on all of it); ``kernel``, ``kv`` and ``kv_chunks`` default to what the environment
+    seeded (``cpcompile.config.DEFAULTS``).
 
-    ``stripe_size`` only matters for :attr:`Strategy.STRIPED` (tokens per stripe).
-    ``comm`` is how attention moves K/V (one of :data:`COMMS`): ``"all_gather"`` brings each
-    rank the rows it reads once (all-gathered, or exchanged alone where ranks read few of
-    the others', ``cpcompile.attention.exchange``), ``"ring"`` passes them around the ring, one
-    rank's block per step. It
-    does not change the layout; it is part of the spec so that compiled graphs are
-    guarded on it like on the strategy.
+    The layout (the loader and attention must share it): ``strategy``; ``stripe_size``, which
+    only matters for :attr:`Strategy.STRIPED` (tokens per stripe); ``windows`` and ``capacity``
+    below.
 
-    ``head_parallel`` (``u``, default 1) splits attention heads instead of tokens over groups
-    of ``u`` ranks (DeepSpeed-Ulysses): all-to-alls give each rank every token of ``Hq / u``
-    query heads, attention runs on whole documents, and an all-to-all returns the output
-    (``cpcompile.attention.heads``). ``u`` must divide the CP size and ``Hq`` (checked where they
-    are known: :func:`check_head_parallel`). ``u == cp`` is pure head parallelism (``comm``
-    unused); ``1 < u < cp`` the hybrid (``cpcompile.attention.hybrid``: heads inside groups of ``u``
-    consecutive ranks, the all-gather between the groups).
+    ``kv``, how attention moves K/V (one of :data:`cpcompile.config.KV`); it does not change the
+    layout:
+
+    - ``"auto"``: bring each rank the rows it reads once, all-gathered, or exchanged alone where
+      ranks read few of the others' (``cpcompile.attention.exchange``);
+    - ``"all_gather"`` or ``"exchange"``: always the one of those two;
+    - ``"ring"``: pass them around the ring, one rank's block per step (``cpcompile.attention.ring``);
+    - ``"heads"``: split attention heads instead of tokens over groups of ``head_parallel``
+      (``u > 1``) ranks (DeepSpeed-Ulysses): all-to-alls give each rank every token of ``Hq / u``
+      query heads, attention runs on whole documents, and an all-to-all returns the output
+      (``cpcompile.attention.heads``). ``u`` must divide the CP size and ``Hq`` (checked where
+      they are known: :func:`check_head_parallel`); ``u == cp`` is pure head parallelism,
+      ``1 < u < cp`` the hybrid (``cpcompile.attention.hybrid``: heads inside groups of ``u``
+      consecutive ranks, the all-gather between the groups).
+
+    ``head_parallel`` is ``u``: 1 unless ``kv="heads"``, which needs ``u > 1``.
+
+    ``kernel``: one of :data:`cpcompile.config.KERNELS`, or ``None``: on CUDA fp16/bf16 ``auto``
+    where cudnn-frontend is installed, else ``fa4`` where FlashAttention-4 is, else ``flash``; the
+    exact ``reference`` elsewhere. ``kv_chunks``: K/V head groups whose all-gathers are pipelined
+    with attention (lowered to a divisor of the K/V head count; 1: one collective each of K and V).
 
     ``windows`` (``balanced`` and ``auto``): the model's attention layers' sliding windows, the left
     side of each layer's ``window_size=(w, 0)``, -1 for a global (causal) layer, e.g. ``(4096,)``
@@ -102,7 +112,7 @@ class StrategySpec:
     ``balanced`` them where it picks it. ``()``: every layer causal. It changes the layout, so
     loader and attention must share it.
 
-    ``capacity`` (:class:`Capacity`, or a ``(tokens, documents)`` pair; ``head_parallel=1``):
+    ``capacity`` (:class:`Capacity`, or a ``(tokens, documents)`` pair; not with ``kv="heads"``):
     every pack padded to one shape. The layout's padding then ends at ``capacity.tokens`` (the
     rows past the strategy's own padding belong to the last document's padding), and attention
     checks that the batch holds exactly that many tokens; ``None``: the least padding.
@@ -110,25 +120,35 @@ class StrategySpec:
 
     strategy: Strategy = Strategy.DUAL_CHUNK_SWAP
     stripe_size: int = 1
-    comm: str = "all_gather"
+    kv: str = DEFAULTS.kv
     head_parallel: int = 1
     windows: tuple[int, ...] = ()
     capacity: Capacity | None = None
+    kernel: str | None = DEFAULTS.kernel
+    kv_chunks: int = DEFAULTS.kv_chunks
 
     def __post_init__(self) -> None:
         # A plain string is accepted as its enum member; anything else is rejected here, so no
         # layout function ever sees a value that matches none of its branches.
         object.__setattr__(self, "strategy", _to_enum(self.strategy))
-        check_comm(self.comm)
         if not isinstance(self.stripe_size, int) or isinstance(self.stripe_size, bool) or self.stripe_size < 1:
             raise ValueError(f"stripe_size must be a positive int, got {self.stripe_size!r}")
         if self.strategy is not Strategy.STRIPED and self.stripe_size != 1:
             raise ValueError(
                 f"stripe_size={self.stripe_size} only applies to strategy 'striped', not {self.strategy.value!r}"
             )
+        check_choice("kv", self.kv, KV)
+        check_choice("kernel", self.kernel, (None, *KERNELS))
+        check_kv_chunks(self.kv_chunks)
         u = self.head_parallel
         if not isinstance(u, int) or isinstance(u, bool) or u < 1:
             raise ValueError(f"head_parallel must be a positive int (1: no head parallelism), got {u!r}")
+        if (self.kv == "heads") != (u > 1):
+            raise ValueError(
+                f"kv='heads' and head_parallel > 1 go together (head_parallel: the ranks that split heads, the CP "
+                f"size for pure head parallelism, a divisor of it for the hybrid; 1 for every other kv), got "
+                f"kv={self.kv!r} with head_parallel={u}"
+            )
         windows = self.windows
         if not isinstance(windows, (tuple, list)) or any(
             not isinstance(w, int) or isinstance(w, bool) or w < -1 for w in windows
@@ -144,6 +164,12 @@ class StrategySpec:
             object.__setattr__(self, "capacity", _capacity(self.capacity))
             if u != 1:
                 raise ValueError(f"capacity={tuple(self.capacity)} is not supported with head_parallel={u} yet")
+
+    @property
+    def exchange(self) -> str:
+        """The all-gather path's sparse exchange setting (``plan.exchange.SETTINGS``): ``"never"``
+        where ``kv`` does not take that path."""
+        return _EXCHANGE.get(self.kv, "never")
 
 
 def _capacity(value) -> Capacity:
@@ -243,7 +269,7 @@ def resolve_strategy(strategy: StrategyLike = None, *, stripe_size: int | None =
         )
         spec = active if active.strategy is kind else StrategySpec(kind)
     if stripe_size is not None and stripe_size != spec.stripe_size:
-        spec = StrategySpec(spec.strategy, stripe_size)
+        spec = dataclasses.replace(spec, stripe_size=stripe_size)
     return spec
 
 
@@ -298,50 +324,59 @@ def layout_in_force(strategy: object, *, cp_size: int, what: str) -> tuple[Strat
     return resolve_strategy(strategy), current_rows()[0]
 
 
+#: What of a spec decides a batch's layout (``strategy(batch)`` keeps the batch's).
+_LAYOUT = ("stripe_size", "head_parallel", "windows", "capacity")
+
+
 @contextlib.contextmanager
 def strategy(
     value: object,
     *,
     stripe_size: int | None = None,
-    comm: str | None = None,
+    kv: str | None = None,
     head_parallel: int | None = None,
+    windows: tuple[int, ...] | None = None,
+    capacity: Capacity | tuple[int, int] | None = None,
+    kernel: str | None = None,
+    kv_chunks: int | None = None,
 ) -> Iterator[StrategySpec]:
-    """Make ``value`` the active strategy inside the ``with`` block.
+    """Make ``value``, with the keywords given, the active :class:`StrategySpec` inside the ``with`` block.
 
     ``value``: a :class:`Strategy`, its string value, a :class:`StrategySpec`, or a sharded batch
     (:class:`cpcompile.ShardedBatch`): its strategy as it was asked for, and what its rows were laid
     out for (CP size, rank, layout, pack), which attention inside the block checks against its group
     and ``cu_seqlens`` (a batch of another rank or pack raises on every rank).
 
-    ``comm`` (one of :data:`COMMS`, default ``"all_gather"`` or the spec's) is how the
-    compiled attention communicates; the layout does not depend on it. ``head_parallel``
-    (default 1 or the spec's): ranks that split heads instead of tokens (:class:`StrategySpec`).
+    The keywords are :class:`StrategySpec`'s fields (``None``: the spec's, or its default): the
+    layout's (``stripe_size``, ``head_parallel``, ``windows``, ``capacity``; not with a batch,
+    whose layout they are) and how attention runs (``kv``, ``kernel``, ``kv_chunks``).
 
     Example::
 
-        with cpcompile.strategy("striped", stripe_size=128, comm="ring"):
+        with cpcompile.strategy("striped", stripe_size=128, kv="ring"):
             batch = cpcompile.shard_batch(...)   # striped layout
         with cpcompile.strategy(batch):
             loss = compiled_model(batch)         # striped ring attention, rows checked
     """
+    given = {"stripe_size": stripe_size, "kv": kv, "head_parallel": head_parallel, "windows": windows}
+    given |= {"capacity": capacity, "kernel": kernel, "kv_chunks": kv_chunks}
+    given = {name: v for name, v in given.items() if v is not None}
     rows = _sharded_for(value)
     if rows is not None:
-        if stripe_size is not None or head_parallel is not None:
+        layout = [name for name in _LAYOUT if name in given]
+        if layout:
             raise ValueError(
-                "stripe_size and head_parallel decide a batch's layout: with strategy(batch) they are the batch's "
-                f"({layout_name(rows.requested)}, head_parallel={rows.requested.head_parallel}); pass only comm"
+                f"{', '.join(layout)} decide(s) a batch's layout: with strategy(batch) they are the batch's "
+                f"({layout_name(rows.requested)}, head_parallel={rows.requested.head_parallel}); pass only kv, "
+                "kernel or kv_chunks"
             )
         value = rows.requested
     if isinstance(value, StrategySpec):
-        spec = resolve_strategy(value, stripe_size=stripe_size)
+        spec = resolve_strategy(value, stripe_size=given.pop("stripe_size", None))
     else:
-        kind = _to_enum(value, "a Strategy, a str, a StrategySpec or a ShardedBatch")
-        spec = StrategySpec(kind, 1 if stripe_size is None else stripe_size)
-    if comm is not None:
-        spec = dataclasses.replace(spec, comm=check_comm(comm))
-    if head_parallel is not None:
-        spec = dataclasses.replace(spec, head_parallel=head_parallel)
-    if rows is None:  # a block nested in one that knows its batch (to change comm, say) keeps knowing it
+        spec = StrategySpec(_to_enum(value, "a Strategy, a str, a StrategySpec or a ShardedBatch"))
+    spec = dataclasses.replace(spec, **given) if given else spec
+    if rows is None:  # a block nested in one that knows its batch (to change kv, say) keeps knowing it
         _active.append(_Active(spec, _active[-1].rows, _active[-1].given))
     else:
         _active.append(_Active(spec, rows, True))

@@ -7,7 +7,7 @@ the same packs, and checks that the two loss curves match.
 
     torchrun --nproc-per-node 2 examples/train_packed.py --strategy dual_chunk_swap
     torchrun --nproc-per-node 3 examples/train_packed.py --doclens lengths.json
-    torchrun --nproc-per-node 2 examples/train_packed.py --strategy striped --comm ring
+    torchrun --nproc-per-node 2 examples/train_packed.py --strategy striped --kv ring
 
 --doclens FILE: document lengths as a JSON list of token counts, or a CSV of
 ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF); without it,
@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 
 import cpcompile
 from cpcompile.advisor.advise import cut_pack, length_sampler, positive_int
-from cpcompile.spec import COMMS
+from cpcompile.config import KV
 from cpcompile.testing import GPTConfig, PackedGPT, sample_lengths, summed_loss, synthetic_pack
 
 
@@ -41,7 +41,9 @@ def parse_args() -> argparse.Namespace:
     strategies = [s.value for s in cpcompile.Strategy]
     p.add_argument("--strategy", default="dual_chunk_swap", choices=strategies, help="how tokens are split over ranks")
     p.add_argument("--stripe-size", type=int, default=None, help="tokens per stripe for --strategy striped")
-    p.add_argument("--comm", default="all_gather", choices=COMMS, help="how K/V travel")
+    p.add_argument(
+        "--kv", default="auto", choices=KV[:-1], help="how K/V move (StrategySpec.kv; 'heads' needs head_parallel)"
+    )
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per packed batch (whole CP group)")
     p.add_argument(
@@ -58,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     stripe = 1 if args.stripe_size is None else args.stripe_size
     try:
-        args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe, comm=args.comm)
+        args.spec = cpcompile.StrategySpec(cpcompile.Strategy(args.strategy), stripe_size=stripe, kv=args.kv)
     except ValueError as e:
         p.error(f"--stripe-size: {e}")
     try:
@@ -140,7 +142,7 @@ def main() -> None:
         return loss.item()
 
     with cpcompile.strategy(args.spec):
-        label = f"cp={world} {cpcompile.spec.current_spec().strategy.value} {args.comm}"
+        label = f"cp={world} {cpcompile.spec.current_spec().strategy.value} {args.kv}"
         cp_losses = train(model, cp_step, data, torch.optim.AdamW(model.parameters(), lr=args.lr), label, rank == 0)
     graphs = counters["stats"]["unique_graphs"]
 

@@ -65,7 +65,7 @@ def test_shard_batch_follows_the_active_strategy():
         ({"x": torch.zeros(10)}, {"pad_values": 7}, r"pad_values must be a dict .*got 7"),
         (
             {"x": torch.zeros(10)},
-            {"strategy": cpcompile.StrategySpec("striped", head_parallel=3)},
+            {"strategy": cpcompile.StrategySpec("striped", kv="heads", head_parallel=3)},
             "head_parallel=3 must divide the CP size 2",
         ),
         ({"x": torch.zeros(10)}, {"cu_device": "meta"}, "cu_seqlens must hold its values .*got a meta tensor"),
@@ -225,14 +225,14 @@ def test_no_default_layout_under_cp():
         )
         _, rows = layout_in_force(None, cp_size=2, what="cp_attention")  # the block learned its batch
         assert rows == batch.sharded_for and current_rows() == (rows, False)
-        with cpcompile.strategy("balanced", comm="ring"):  # a nested block knows it too
+        with cpcompile.strategy("balanced", kv="ring"):  # a nested block knows it too
             assert layout_in_force(None, cp_size=2, what="cp_attention")[1] == batch.sharded_for
     batch = cpcompile.shard_batch({"x": torch.arange(8.0)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0)
-    with pytest.raises(ValueError, match="stripe_size and head_parallel decide a batch's layout"):
+    with pytest.raises(ValueError, match="head_parallel decide.s. a batch's layout"):
         with cpcompile.strategy(batch, head_parallel=2):
             pass
-    with cpcompile.strategy(batch, comm="ring") as spec:
-        assert spec.comm == "ring" and spec.strategy.value == "dual_chunk_swap"
+    with cpcompile.strategy(batch, kv="ring") as spec:
+        assert spec.kv == "ring" and spec.strategy.value == "dual_chunk_swap"
 
 
 def test_a_block_checks_the_last_batch_it_learned():

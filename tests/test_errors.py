@@ -50,22 +50,22 @@ def test_packed_attention_under_cpu_autocast(autocast, dtype, causal):
 
 
 def _cp_attention_under_autocast(rank: int, world: int) -> None:
-    spec = cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP)
     cu, _, q, k, v, dout = attention_case([3, 2 * world + 7, 1, 6], seed=2)
-    for dtype, comm in ((torch.float32, "all_gather"), (torch.bfloat16, "all_gather"), (torch.bfloat16, "ring")):
+    for dtype, kv in ((torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "ring")):
+        spec = cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP, kv=kv)
         tensors = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "dout": dout.to(dtype)}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=True)
         local = [sharded.tensors[name] for name in ("q", "k", "v", "dout")]
 
-        def attend(q, k, v, cu=sharded.cu_seqlens, comm=comm, batch=sharded):
-            return cpcompile.cp_attention(q, k, v, cu, strategy=batch, comm=comm)
+        def attend(q, k, v, cu=sharded.cu_seqlens, batch=sharded):
+            return cpcompile.cp_attention(q, k, v, cu, strategy=batch)
 
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = _forward_backward(attend, *local)
         tolerance = FP32 if dtype == torch.float32 else HALF
         for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
-            label = f"rank {rank} {name} {dtype} {comm}"
+            label = f"rank {rank} {name} {dtype} {kv}"
             assert g.dtype == dtype, label
             assert relative_error(g, w) < tolerance, f"{label}: {relative_error(g, w)}"
 

@@ -92,7 +92,7 @@ def test_progress_is_one_line_per_step_in_a_log(tmp_path):
     assert "\r" not in run.stdout
     steps = [line for line in run.stdout.splitlines() if " step " in line]
     assert [line.split(" step ")[1].split()[0] for line in steps] == ["1/3", "2/3", "3/3"]
-    assert all(line.startswith("cp=1 dual_chunk_swap all_gather") for line in steps)
+    assert all(line.startswith("cp=1 dual_chunk_swap auto") for line in steps)
 
 
 @pytest.mark.distributed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
@@ -49,8 +50,34 @@ def test_context_restores_after_error():
         (lambda: cpcompile.strategy("nope").__enter__(), ValueError, "got 'nope'"),
         (lambda: StrategySpec("foo"), ValueError, "strategy must be one of 'dual_chunk_swap'.*got 'foo'"),
         (lambda: StrategySpec(None), TypeError, "got NoneType"),
-        (lambda: StrategySpec(head_parallel=0), ValueError, "head_parallel must be a positive int .*got 0"),
-        (lambda: StrategySpec(head_parallel=True), ValueError, "head_parallel must be a positive int .*got True"),
+        (lambda: StrategySpec(kv="heads", head_parallel=0), ValueError, "head_parallel must be a positive int .*got 0"),
+        (
+            lambda: StrategySpec(kv="heads", head_parallel=True),
+            ValueError,
+            "head_parallel must be a positive int .*got True",
+        ),
+        (
+            lambda: StrategySpec(head_parallel=2),
+            ValueError,
+            "kv='heads' and head_parallel > 1 go together.*got kv='auto' with head_parallel=2",
+        ),
+        (
+            lambda: StrategySpec(kv="heads"),
+            ValueError,
+            "kv='heads' and head_parallel > 1 go together.*got kv='heads' with head_parallel=1",
+        ),
+        (
+            lambda: StrategySpec(kv="gather"),
+            ValueError,
+            r"kv must be one of \('auto', 'all_gather', 'exchange', 'ring', 'heads'\), got 'gather'",
+        ),
+        (
+            lambda: StrategySpec(kernel="fa9"),
+            ValueError,
+            r"kernel must be one of \(None, 'reference', 'flash', 'cudnn', 'fa4', 'auto'\), got 'fa9'",
+        ),
+        (lambda: StrategySpec(kv_chunks=0), ValueError, "kv_chunks must be an int >= 1, got 0"),
+        (lambda: StrategySpec(kv_chunks="2"), ValueError, "kv_chunks must be an int >= 1, got '2'"),
         (lambda: check_head_parallel(3, 4), ValueError, "head_parallel=3 must divide the CP size 4"),
         (lambda: check_head_parallel(4, 4, 6), ValueError, "head_parallel=4 must divide the number of query heads 6"),
     ],
@@ -61,12 +88,33 @@ def test_bad_strategies_name_the_argument(call, error, message):
 
 
 def test_head_parallel_is_part_of_the_spec():
-    with cpcompile.strategy("balanced", head_parallel=4) as spec:
-        assert spec == StrategySpec(Strategy.BALANCED, head_parallel=4)
+    with cpcompile.strategy("balanced", kv="heads", head_parallel=4) as spec:
+        assert spec == StrategySpec(Strategy.BALANCED, kv="heads", head_parallel=4)
         assert resolve_strategy("balanced") == spec  # the loader and attention read the same u
         assert "head_parallel=4" in sys.modules["cpcompile.spec"].guard_key  # the compiler's guard
-    with cpcompile.strategy(StrategySpec("striped", 2, head_parallel=2), comm="ring") as spec:
-        assert (spec.stripe_size, spec.comm, spec.head_parallel) == (2, "ring", 2)
+    with cpcompile.strategy(StrategySpec("striped", 2), kv="ring") as spec:
+        assert (spec.stripe_size, spec.kv, spec.head_parallel) == (2, "ring", 1)
     check_head_parallel(1, 3, 5)  # no head parallelism: any cp and heads
     check_head_parallel(4, 4, 8)
     check_head_parallel(2, 4, 6)  # the hybrid: heads over pairs of ranks, sequence between the pairs
+
+
+def test_every_choice_is_a_field_of_the_one_spec_and_of_the_guard():
+    """How K/V move, the kernel and the chunks are the spec's, set by the strategy block and part of
+    the compiler's guard; a batch's block may change them but not its layout."""
+    with cpcompile.strategy("balanced", kv="exchange", kernel="reference", kv_chunks=2) as spec:
+        assert spec == StrategySpec("balanced", kv="exchange", kernel="reference", kv_chunks=2)
+        assert (spec.exchange, StrategySpec(kv="all_gather").exchange, StrategySpec(kv="ring").exchange) == (
+            "always",
+            "never",
+            "never",
+        )
+        key = sys.modules["cpcompile.spec"].guard_key
+        assert "kv='exchange'" in key and "kernel='reference'" in key and "kv_chunks=2" in key
+    sharded = cpcompile.shard_batch(
+        {"x": torch.arange(8)}, torch.tensor([0, 8], dtype=torch.int32), cp_size=2, rank=0, strategy="balanced"
+    )
+    with cpcompile.strategy(sharded, kv="ring", kernel="reference") as spec:
+        assert (spec.strategy, spec.kv, spec.kernel) == (Strategy.BALANCED, "ring", "reference")
+    with pytest.raises(ValueError, match="stripe_size, windows decide.s. a batch's layout"):
+        cpcompile.strategy(sharded, stripe_size=2, windows=(4,)).__enter__()

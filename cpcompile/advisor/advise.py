@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from cpcompile.advisor.comm_model import Heads, Link, StepPrediction, candidates_with_heads, check_heads, predict_step
-from cpcompile.advisor.timing import Option, StepTime, Topology, decide, parse_topology
+from cpcompile.advisor.timing import StepTime, Topology, decide, option_name, parse_topology
 from cpcompile.cost.model import CostModel, RankCosts, auto_candidates, predict_rank_costs
 from cpcompile.spec import Strategy, StrategySpec
 
@@ -240,7 +240,7 @@ class TopologyAdvice:
 
     topology: Topology
     heads: Heads
-    options: tuple[Option, ...]  # decide's order
+    options: tuple[StrategySpec, ...]  # decide's order
     times: list[list[StepTime]]  # [option][pack]
     picks: list[str]  # per pack: what decide picks
     recommended: str  # the lowest total as run
@@ -265,8 +265,8 @@ def advise_topology(packs: list[torch.Tensor], *, cp_size: int, heads: Heads, to
     choices = decisions[0].options
     times = [[d.times[i] for d in decisions] for i in range(len(choices))]
     totals = [sum(t.as_run for t in per_pack) for per_pack in times]
-    best = choices[totals.index(min(totals))].name(cp_size)
-    return TopologyAdvice(topology, heads, choices, times, [d.option.name(cp_size) for d in decisions], best)
+    best = option_name(choices[totals.index(min(totals))], cp_size)
+    return TopologyAdvice(topology, heads, choices, times, [option_name(d.spec, cp_size) for d in decisions], best)
 
 
 def advise_heads(
@@ -392,7 +392,7 @@ def format_topology(advice: TopologyAdvice, cp: int) -> list[str]:
     n = len(advice.times[0])
     best = min(sum(x.as_run for x in per_pack) for per_pack in advice.times)
     for option, per_pack in zip(advice.options, advice.times, strict=True):
-        name = option.name(cp)
+        name = option_name(option, cp)
         run, over = (sum(getattr(x, a) for x in per_pack) / n / 1e3 for a in ("as_run", "overlapped"))
         compute, comm = (sum(max(getattr(x, a)) for x in per_pack) / n / 1e3 for a in ("compute", "comm"))
         mb = sum(max(x.received) for x in per_pack) / n / 1e6
@@ -444,7 +444,8 @@ def format_heads(advice: HeadAdvice, cp: int) -> list[str]:
     return [
         *lines,
         "",
-        f"u=N: head_parallel=N (N = cp {cp}: pure head parallelism, whole documents on every rank; else the hybrid);",
+        f"u=N: kv='heads', head_parallel=N (N = cp {cp}: pure head parallelism, whole documents on every rank; "
+        "else the hybrid);",
         "work: attention pairs per rank on its heads (max/mean, and the max in millions, in all-heads pairs);",
         "MB: what the busiest rank receives per layer in its attention's forward, and forward and backward;",
         "comm ms: that at the bandwidth above, not overlapped; step+comm: the step (Gpairs) with it added;",

@@ -26,7 +26,7 @@ float64):
   and the output; backward the output's gradient and q's, K's and V's), and the all-gather
   path between the ``cp / u`` groups over ``u T_l`` tokens of ``Hkv f / u`` heads.
 
-Not counted: the small cross-rank agreement (``checks``), the ring (``comm="ring"``: its bytes per
+Not counted: the small cross-rank agreement (``checks``), the ring (``kv="ring"``: its bytes per
 peer and step are :func:`peer_bytes`').
 
 :func:`choose_spec` is the opt-in that lets head parallelism compete: given the heads,
@@ -55,7 +55,7 @@ from cpcompile.cost.model import (
 )
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import read_ranges
-from cpcompile.plan.exchange import SETTINGS, read_counts, use_exchange
+from cpcompile.plan.exchange import read_counts, use_exchange
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -107,13 +107,11 @@ def _all_gather(peers: int, rows: int, width: int, heads: Heads) -> tuple[int, i
     return kv * heads.itemsize, kv * (heads.itemsize + heads.acc_itemsize)
 
 
-def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads, kv_exchange: str):
+def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads):
     """``(cu, spec, heads)``: the checked arguments of a layer's model (:func:`layer_bytes`,
     :func:`peer_bytes`): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
     check_cp(cp_size)
     heads = check_heads(heads)
-    if kv_exchange not in SETTINGS:
-        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {kv_exchange!r}")
     cu = _host("cu_seqlens", cu_seqlens)
     return cu, resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size), heads
 
@@ -126,23 +124,22 @@ def layer_bytes(
     heads: Heads,
     cu_seqlens_padded: torch.Tensor | None = None,
     causal: bool = True,
-    kv_exchange: str = "auto",
 ) -> LayerBytes:
     """Bytes each rank receives in one layer's attention, forward and backward (module docstring).
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
-        strategy: any strategy (``auto`` is resolved first, keeping its ``head_parallel``);
-            default the active one. ``comm="ring"`` is not modelled (a ``ValueError``).
+        strategy: any strategy (``auto`` is resolved first, keeping its ``kv`` and ``head_parallel``);
+            default the active one. Its ``kv`` says how K/V move: ``"auto"`` exchanges K/V rows where
+            it pays, ``"exchange"`` always, ``"all_gather"`` never (the hybrid never does); ``"ring"`` is
+            not modelled (a ``ValueError``).
         heads: the attention's :class:`Heads`; ``heads.q`` must divide by ``head_parallel``.
         cu_seqlens_padded: ``[B + 1]`` int32 physical offsets; default :func:`cpcompile.layouts.pad_for_cp`.
-        kv_exchange: ``Config.kv_exchange`` (one of ``comm.exchange.SETTINGS``): whether sequence CP
-            exchanges K/V rows where it pays (``"auto"``), always or never; the hybrid never does.
     """
-    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
-    if spec.comm != "all_gather":
-        raise ValueError(f"layer_bytes models comm='all_gather' (with the exchange), got comm={spec.comm!r}")
-    kw = {"cu_seqlens_padded": cu_seqlens_padded, "causal": causal, "kv_exchange": kv_exchange}
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads)
+    if spec.kv == "ring":
+        raise ValueError("layer_bytes models every kv but 'ring' (the all-gather, the exchange, heads), got kv='ring'")
+    kw = {"cu_seqlens_padded": cu_seqlens_padded, "causal": causal}
     layer = peer_bytes(cu, cp_size=cp_size, strategy=spec, heads=heads, **kw)
 
     def received(passes: str) -> torch.Tensor:
@@ -179,9 +176,9 @@ class Layer(NamedTuple):
 
 
 def layout_key(spec: StrategySpec) -> StrategySpec:
-    """What a spec's layout depends on: all of it but ``comm`` and ``head_parallel`` (head parallelism
-    runs a head group's layouts one after the other)."""
-    return dataclasses.replace(spec, comm="all_gather", head_parallel=1)
+    """What a spec's layout depends on: all of it but how attention runs (``kv``, ``head_parallel``: head
+    parallelism runs a head group's layouts one after the other; ``kernel``, ``kv_chunks``)."""
+    return dataclasses.replace(spec, kv="auto", head_parallel=1, kernel=None, kv_chunks=1)
 
 
 def memoized(memo: dict | None, key: tuple, make):
@@ -215,17 +212,16 @@ def peer_bytes(
     heads: Heads,
     cu_seqlens_padded: torch.Tensor | None = None,
     causal: bool = True,
-    kv_exchange: str = "auto",
     _memo: dict | None = None,
 ) -> Layer:
     """Every phase of one layer's attention with the bytes each rank receives from each other rank.
 
     Summed over peers and phases of a pass, the bytes are :func:`layer_bytes`' (which the gloo tests check
-    against the collectives), and for ``comm="ring"``: forward ``cp - 1`` K/V blocks from the previous rank,
+    against the collectives), and for ``kv="ring"``: forward ``cp - 1`` K/V blocks from the previous rank,
     backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks. ``cu_seqlens_padded``: the pack's
     physical offsets where given (then ``_memo``, which keys on the layout alone, is not used).
     """
-    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads, kv_exchange)
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads)
     u, cp = spec.head_parallel, cp_size
     check_head_parallel(u, cp, heads.q)
     padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
@@ -234,9 +230,7 @@ def peer_bytes(
     t_local = pack.layout.shape[1]
     b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
     others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
-    if spec.comm == "ring":
-        if u != 1:
-            raise ValueError(f"comm='ring' runs sequence CP only (head_parallel 1), got head_parallel={u}")
+    if spec.kv == "ring":
         prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
         block = t_local * 2 * g
         steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
@@ -247,11 +241,11 @@ def peer_bytes(
         ]
         return Layer(spec, "ring", phases)
     if u == 1:
-        if cp > 1 and kv_exchange != "never":
+        if cp > 1 and spec.exchange != "never":
             matrix = memoized(_memo, ("matrix", layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
         else:
             matrix = None
-        if matrix is not None and use_exchange(matrix, t_local, kv_exchange):
+        if matrix is not None and use_exchange(matrix, t_local, spec.exchange):
             row = 2 * g
             recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
             sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
@@ -327,9 +321,9 @@ def candidates_with_heads(cp_size: int, heads: Heads, model: CostModel | None = 
     specs = list(sequence)
     for u in head_parallel_options(cp_size, check_heads(heads).q):
         if u == cp_size:
-            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=u))
+            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=u))
         else:
-            specs += [dataclasses.replace(c, head_parallel=u) for c in sequence]
+            specs += [dataclasses.replace(c, kv="heads", head_parallel=u) for c in sequence]
     return tuple(specs)
 
 

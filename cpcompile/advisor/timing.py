@@ -59,7 +59,7 @@ from cpcompile.layouts.partition import piece_marks
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
-#: (``comm="ring"``), pure head parallelism (``head_parallel == cp``) and the hybrid (``1 < u < cp``).
+#: (``kv="ring"``), pure head parallelism (``kv="heads"``, ``head_parallel == cp``) and the hybrid (``1 < u < cp``).
 PATHS = ("all-gather", "exchange", "ring", "heads", "hybrid")
 PASSES = ("forward", "forward+backward")
 
@@ -245,7 +245,6 @@ def layer_terms(
     heads: Heads,
     passes: str = "forward+backward",
     causal: bool = True,
-    kv_exchange: str = "auto",
     _memo: dict | None = None,
 ) -> LayerTerms:
     """The terms of :func:`predict_time`, computed once (the plans): :func:`evaluate` prices them.
@@ -255,14 +254,14 @@ def layer_terms(
         raise ValueError(f"passes must be one of {PASSES}, got {passes!r}")
     heads = check_heads(heads)
     cu = _host("cu_seqlens", cu_seqlens)
-    kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "kv_exchange": kv_exchange}
+    kw = {"cp_size": cp_size, "heads": heads, "causal": causal}
     layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
     key = layout_key(spec)
     pack = (_memo or {}).get(("pack", key))  # peer_bytes laid it out
     costs = memoized(
         _memo,
-        ("costs", dataclasses.replace(spec, comm="all_gather"), causal),
+        ("costs", key, spec.head_parallel, causal),
         lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal), pack),
     )
     backward = passes == "forward+backward"
@@ -359,41 +358,33 @@ def predict_time(
     speed: KernelSpeed | None = None,
     passes: str = "forward+backward",
     causal: bool = True,
-    kv_exchange: str = "auto",
 ) -> StepTime:
     """Each rank's predicted time of one layer (attention, plus ``speed.token_ns`` per token) under
-    ``strategy`` (its ``comm`` and ``head_parallel`` included) over ``topology`` (module docstring).
+    ``strategy`` (its ``kv`` and ``head_parallel`` included) over ``topology`` (module docstring).
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
         heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads`.
         passes: ``"forward"`` or ``"forward+backward"``.
-        kv_exchange: ``Config.kv_exchange`` (whether sequence CP takes the sparse exchange).
     """
-    kw = {"heads": heads, "passes": passes, "causal": causal, "kv_exchange": kv_exchange}
+    kw = {"heads": heads, "passes": passes, "causal": causal}
     return evaluate(layer_terms(cu_seqlens, cp_size=cp_size, strategy=strategy, **kw), topology, speed)
 
 
-class Option(NamedTuple):
-    """A choice ``decide`` weighs: the spec (layout, ``comm``, ``head_parallel``) and ``Config.kv_exchange``
-    for it (``"always"``: the sparse exchange; ``"never"``: the all-gather; the others ignore it)."""
-
-    spec: StrategySpec
-    kv_exchange: str
-
-    def name(self, cp_size: int) -> str:
-        """``balanced exchange``, ``dual_chunk_swap ring``, ``no_load_balance heads u=8``, ``balanced hybrid u=2``."""
-        layout, u = self.spec.strategy.value, self.spec.head_parallel
-        if self.spec.strategy is Strategy.STRIPED and self.spec.stripe_size != 1:
-            layout = f"striped_{self.spec.stripe_size}"
-        if self.spec.comm == "ring":
-            return f"{layout} ring"
-        if u > 1:
-            return f"{layout} {'heads' if u == cp_size else 'hybrid'} u={u}"
-        return f"{layout} {'exchange' if self.kv_exchange == 'always' else 'all-gather'}"
+def option_name(spec: StrategySpec, cp_size: int) -> str:
+    """A choice :func:`decide` weighs (a spec: its layout and ``kv``), by name: ``balanced exchange``,
+    ``dual_chunk_swap ring``, ``no_load_balance heads u=8``, ``balanced hybrid u=2``."""
+    layout, u = spec.strategy.value, spec.head_parallel
+    if spec.strategy is Strategy.STRIPED and spec.stripe_size != 1:
+        layout = f"striped_{spec.stripe_size}"
+    if spec.kv == "ring":
+        return f"{layout} ring"
+    if u > 1:
+        return f"{layout} {'heads' if u == cp_size else 'hybrid'} u={u}"
+    return f"{layout} {'exchange' if spec.kv == 'exchange' else 'all-gather'}"
 
 
-def options(cp_size: int, heads: Heads, paths: tuple[str, ...] = PATHS) -> tuple[Option, ...]:
+def options(cp_size: int, heads: Heads, paths: tuple[str, ...] = PATHS) -> tuple[StrategySpec, ...]:
     """The options :func:`decide` weighs, in tie-breaking order: each of ``auto``'s layouts with the
     all-gather, then the exchange, then the ring; pure head parallelism (``u == cp``) on no_load_balance
     (every layout gives it the same attention); the hybrid for each ``1 < u < cp`` that divides ``cp`` and
@@ -404,35 +395,25 @@ def options(cp_size: int, heads: Heads, paths: tuple[str, ...] = PATHS) -> tuple
     layouts = auto_candidates()
     found = []
     if cp_size == 1:
-        return (Option(layouts[0], "never"),)
-    for path, exchange in (("all-gather", "never"), ("exchange", "always")):
+        return (dataclasses.replace(layouts[0], kv="all_gather"),)
+    for path, kv in (("all-gather", "all_gather"), ("exchange", "exchange"), ("ring", "ring")):
         if path in paths:
-            found += [Option(s, exchange) for s in layouts]
-    if "ring" in paths:
-        found += [Option(dataclasses.replace(s, comm="ring"), "never") for s in layouts]
+            found += [dataclasses.replace(s, kv=kv) for s in layouts]
     for u in head_parallel_options(cp_size, check_heads(heads).q):
         if u == cp_size and "heads" in paths:
-            found.append(Option(StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=u), "never"))
+            found.append(StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=u))
         elif u < cp_size and "hybrid" in paths:
-            found += [Option(dataclasses.replace(s, head_parallel=u), "never") for s in layouts]
+            found += [dataclasses.replace(s, kv="heads", head_parallel=u) for s in layouts]
     return tuple(found)
 
 
 class Decision(NamedTuple):
     """What :func:`decide` chose, and every option's predicted layer (``times``, in :func:`options`' order)."""
 
-    option: Option
+    spec: StrategySpec
     time: StepTime
-    options: tuple[Option, ...]
+    options: tuple[StrategySpec, ...]
     times: list[StepTime]
-
-    @property
-    def spec(self) -> StrategySpec:
-        return self.option.spec
-
-    @property
-    def kv_exchange(self) -> str:
-        return self.option.kv_exchange
 
 
 def decide(
@@ -444,7 +425,7 @@ def decide(
     speed: KernelSpeed | None = None,
     causal: bool = True,
     paths: tuple[str, ...] = PATHS,
-    choices: tuple[Option, ...] | None = None,
+    choices: tuple[StrategySpec, ...] | None = None,
 ) -> Decision:
     """The layout, K/V path and head parallelism ``u`` with the lowest predicted layer as it runs
     (:func:`predict_time`'s ``as_run``, forward and backward) for this pack over ``topology``; ties go to
@@ -453,7 +434,8 @@ def decide(
     A pure function of its arguments, computed on the host in a fixed order: every rank that calls it
     with the same ``cu_seqlens`` gets the same :class:`Decision`, without communicating. Run it in the data
     loader and pass the choice on: ``shard_batch(..., strategy=decision.spec)`` and
-    ``Config(kv_exchange=decision.kv_exchange)``.
+    ``with cpcompile.strategy(batch)`` (the spec holds the layout and ``kv``; the options' ``kernel`` and
+    ``kv_chunks`` are the defaults).
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
@@ -469,9 +451,7 @@ def decide(
         raise ValueError(f"paths={paths} leave no option at cp_size={cp_size} with {heads.q} query heads")
     memo: dict = {}  # the options share layouts: each built once
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "_memo": memo}
-    times = [
-        evaluate(layer_terms(cu, strategy=o.spec, kv_exchange=o.kv_exchange, **kw), topology, speed) for o in choices
-    ]
+    times = [evaluate(layer_terms(cu, strategy=o, **kw), topology, speed) for o in choices]
     steps = [t.as_run for t in times]
     best = steps.index(min(steps))
     return Decision(choices[best], times[best], choices, times)
@@ -485,16 +465,17 @@ def resolve(
     heads: Heads,
     topology: Topology = H200,
     speed: KernelSpeed | None = None,
-) -> Option:
-    """``auto`` resolved with communication: :func:`decide`'s layout, path and ``u`` for ``auto`` (its
-    ``kv_exchange`` the setting for ``Config.kv_exchange``); any other spec itself, with ``"auto"`` (the
-    runtime's own exchange rule). Where the model does not reach, ``auto`` keeps the cost model's rule
-    (:func:`cpcompile.cost.model.resolve_auto`, the requested ``comm`` and ``head_parallel``): under
+) -> StrategySpec:
+    """``auto`` resolved with communication: :func:`decide`'s layout, ``kv`` and ``u`` for ``auto`` (with the
+    spec's ``kernel`` and ``kv_chunks``); any other spec itself. Where the model does not reach, ``auto``
+    keeps the cost model's rule (:func:`cpcompile.cost.model.resolve_auto`, the requested ``kv`` and
+    ``head_parallel``): under
     sliding ``windows`` (the step-time model counts causal layers) and under a ``capacity`` (sequence
     layouts that fit it). The hook the runtime's ``auto`` needs (docs/cost-model.md, "Communication")."""
     spec = resolve_strategy(spec)
     if spec.strategy is not Strategy.AUTO:
-        return Option(spec, "auto")
+        return spec
     if spec.windows or spec.capacity is not None:
-        return Option(resolve_auto(spec, cu_seqlens, cp_size=cp_size), "auto")
-    return decide(cu_seqlens, cp_size=cp_size, heads=heads, topology=topology, speed=speed).option
+        return resolve_auto(spec, cu_seqlens, cp_size=cp_size)
+    picked = decide(cu_seqlens, cp_size=cp_size, heads=heads, topology=topology, speed=speed).spec
+    return dataclasses.replace(picked, kernel=spec.kernel, kv_chunks=spec.kv_chunks)

@@ -10,7 +10,7 @@
 - :mod:`~cpcompile.attention.common`: what the ops share (agreement, autograd registration).
 """
 
-from cpcompile.attention import ring  # noqa: F401  (registers cpcompile::cp_ring_attention, which cp_attention(comm="ring") runs)
+from cpcompile.attention import ring  # noqa: F401  (registers cpcompile::cp_ring_attention, which kv="ring" runs)
 from cpcompile.attention.api import cp_attention, packed_attention
 from cpcompile.comm.kv_gather import release_grad_buffers
 

@@ -14,8 +14,6 @@ is again a custom op. Groups travel by name.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from cpcompile import kernels
@@ -47,7 +45,7 @@ from cpcompile.checks import (
     rows_are_real,
 )
 from cpcompile.comm.groups import agree_on, digest, resolve_group
-from cpcompile.config import Config, resolve_config
+from cpcompile.config import DEFAULTS, KERNELS, check_choice
 from cpcompile.plan.exchange import exchange_plan
 from cpcompile.plan.pieces import (
     AttentionPlan,
@@ -63,7 +61,6 @@ from cpcompile.plan.window import UNBANDED, beyond_gpu, is_causal, resolve_windo
 from cpcompile.spec import (
     Strategy,
     StrategyLike,
-    check_comm,
     check_head_parallel,
     current_rows,
     layout_in_force,
@@ -187,7 +184,7 @@ def packed_attention(
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
-    config: Config | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Single-device attention over packed documents (THD).
 
@@ -203,7 +200,9 @@ def packed_attention(
             ``None``: from ``causal``. With ``causal=True`` its right side must be 0.
         sinks: ``[Hq]`` learnable sink logits (GPT-OSS), one per query head, each joining its head's
             softmax denominators as a key of no value (``cpcompile.attention.sinks``); differentiable.
-        config: its ``kernel`` (:class:`cpcompile.Config`; default: :func:`cpcompile.config.default_config`).
+        kernel: one of :data:`cpcompile.config.KERNELS` (``StrategySpec.kernel``'s; this call has no strategy);
+            ``None``: the default the environment seeded (``cpcompile.config.DEFAULTS``), else chosen by
+            what is installed.
     Returns:
         ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
     """
@@ -216,7 +215,7 @@ def packed_attention(
         check_offsets_type("cu_seqlens_padded", cu_seqlens_padded)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     # the offsets' values: by the op (_check_pack_of), which a compiled graph calls too
-    kernel = resolve_config(config).kernel
+    kernel = DEFAULTS.kernel if kernel is None else check_choice("kernel", kernel, KERNELS)
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     window_args = () if window in UNBANDED else window
     return torch.ops.cpcompile.packed_attention(*args, *window_args, **({} if sinks is None else {"sinks": sinks}))[0]
@@ -276,7 +275,7 @@ def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window):
     offsets the plan carries (``None`` where the op was not given them)."""
     group = resolve_group(group_name)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v)  # before any communication
-    ex = exchange_plan(*plan, window, group_name, kv)  # kv: Config.kv_exchange
+    ex = exchange_plan(*plan, window, group_name, kv)  # kv: StrategySpec.exchange
     return group, kern, ex, _kernel_keywords(q, scale, window)
 
 
@@ -384,14 +383,12 @@ def cp_attention(
     cu_seqlens_padded: torch.Tensor | None = None,
     group=None,
     strategy: StrategyLike = None,
-    comm: str | None = None,
     causal: bool = True,
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     max_seqlen: int | None = None,
     plan: AttentionPlan | RingPlan | None = None,
     sinks: torch.Tensor | None = None,
-    config: Config | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over packed documents; call it on every rank of ``group``.
 
@@ -402,27 +399,22 @@ def cp_attention(
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
             :func:`cpcompile.layouts.pad_for_cp` of ``cu_seqlens``).
         group: the CP process group, its name, or ``None`` (default group).
-        strategy: layout of q/k/v: a strategy, a spec, or this rank's :class:`cpcompile.ShardedBatch`
-            (its layout, and what its rows were laid out for, checked); default: the active
-            :func:`cpcompile.strategy` block's. Under CP one of them must give it, and attention
+        strategy: layout of q/k/v and how attention runs (a :class:`cpcompile.StrategySpec`: ``kv``,
+            ``kernel``, ``kv_chunks``): a strategy, a spec, or this rank's :class:`cpcompile.ShardedBatch`
+            (its spec, and what its rows were laid out for, checked); default: the active
+            :func:`cpcompile.strategy` block's. Under CP one of them must give the layout, and attention
             must know which rank the rows are for (a batch, or the batch's own ``cu_seqlens``:
-            ``batch.check_rows``). Its
-            ``head_parallel`` equal to the group's size runs head-parallel (Ulysses) attention
-            (``cpcompile.attention.heads``), ignoring ``comm``; a smaller one > 1 the hybrid
-            (``cpcompile.attention.hybrid``, ``comm="all_gather"``). Either needs ``Hq`` divisible by
-            it and takes no ``plan``.
-        comm: ``"all_gather"`` (bring K/V once: all-gathered, or only the rows read, exchanged,
-            ``cpcompile.comm.exchange``) or ``"ring"`` (pass K/V blocks around the
-            ring, ``cpcompile.attention.ring``); ``None``: the strategy's ``comm`` (``"all_gather"``
-            unless set, e.g. by ``cpcompile.strategy("striped", comm="ring")``).
+            ``batch.check_rows``). With ``kv="heads"``, ``head_parallel`` equal to the group's size runs
+            head-parallel (Ulysses) attention (``cpcompile.attention.heads``), a smaller one the hybrid
+            (``cpcompile.attention.hybrid``); either needs ``Hq`` divisible by it and takes no ``plan``.
         window_size: ``(left, right)``, ``varlen_attn``'s sliding window (``cpcompile.plan.window``):
             query ``i`` sees its document's keys ``j`` with ``i - left <= j <= i + right`` (-1:
             unbounded); ``None``: from ``causal``; with ``causal=True`` its right side must be 0.
             Pieces then read only their windows' keys: the exchange moves fewer rows, the ring
-            skips blocks no piece reads. Not with ``head_parallel > 1``. GPU kernels run windows
+            skips blocks no piece reads. Not with ``kv="heads"``. GPU kernels run windows
             ``(left, 0)`` on the all-gather and exchange paths; others run the reference kernel.
         max_seqlen: longest document, a launch bound for GPU kernels (optional).
-        plan: a prebuilt :func:`cpcompile.plan.make_plan` (all_gather) or
+        plan: a prebuilt :func:`cpcompile.plan.make_plan` (``kv`` other than ring) or
             :func:`cpcompile.plan.ring.make_ring_plan` (ring) for this rank, to share across layers;
             moved to the GPU with :func:`cpcompile.cache.upload` (host twins: what derives from it,
             and the check that it is this call's plan, read no value from the GPU).
@@ -430,8 +422,6 @@ def cp_attention(
             softmax denominator (``cpcompile.attention.sinks``), on every path. Their gradient on each
             rank is its own rows' share: summed over the CP group with the model's other gradients
             (as a data-parallel trainer sums them over dp x cp), it is the single-device gradient.
-        config: kernel and K/V transport (:class:`cpcompile.Config`; default
-            :func:`cpcompile.config.default_config`).
     Returns:
         ``[T_local, Hq, D]`` in layout order; padding rows are 0.
     """
@@ -441,7 +431,7 @@ def cp_attention(
     # that raised here while the others entered a collective would leave them waiting.
 
     def prepare():
-        """``(config, spec, comm, window, plan, max_seqlen_q)`` of the call, resolved and checked."""
+        """``(spec, window, plan, max_seqlen_q)`` of the call, resolved and checked."""
         check_qkv(q, k, v)
         check_sinks(sinks, q)
         check_scale_and_bound(scale, max_seqlen)
@@ -451,7 +441,6 @@ def cp_attention(
         check_longest(cu_seqlens, max_seqlen)
         window = resolve_window(causal, window_size)
         spec, rows = layout_in_force(strategy, cp_size=cp, what="cp_attention")
-        path = check_comm(spec.comm if comm is None else comm)
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
         # q/k/v are this rank's rows of spec's layout (a plan says which rank it is for, not whose rows q holds)
         check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg))
@@ -464,14 +453,12 @@ def cp_attention(
             layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
             if spec.head_parallel == cp:
                 made = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
-            elif path != "all_gather":
-                raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp} runs comm='all_gather' only")
             else:
                 args = (q.shape[0] * cp, cp, spec.head_parallel, rank, *layout)
                 made = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
         elif plan is None:
             tokens = q.shape[0] * cp
-            if path == "ring" and window in UNBANDED:
+            if spec.kv == "ring" and window in UNBANDED:
                 made = ring_plan_of(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
@@ -481,39 +468,38 @@ def cp_attention(
             if max_seqlen is not None:
                 bound = max_piece_len(spec, cp, max_seqlen)
         else:
-            _check_plan(plan, path, window, q.shape[0], cp, rank, cu_seqlens, cu_seqlens_padded, spec)
-        return resolve_config(config), spec, path, window, made, bound
+            _check_plan(plan, spec.kv, window, q.shape[0], cp, rank, cu_seqlens, cu_seqlens_padded, spec)
+        return spec, window, made, bound
 
     def record(prepared) -> dict[str, object]:
-        config, spec, comm, window, *_ = prepared
-        call = _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale, sinks)
-        return call | dataclasses.asdict(config)
+        spec, window, *_ = prepared
+        return _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks)
 
-    config, spec, comm, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
+    spec, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
     sink = {} if sinks is None else {"sinks": sinks}  # by name: the ops' arguments before it keep their defaults
     if 1 < spec.head_parallel < cp:
-        kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": config.kernel}
+        kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": spec.kernel}
         return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw)
     if spec.head_parallel > 1:
-        args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, config.kernel)
+        args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, spec.kernel)
         return torch.ops.cpcompile.cp_head_attention(*args, **sink)[0]
-    if comm == "ring" and isinstance(plan, RingPlan):
+    if spec.kv == "ring" and isinstance(plan, RingPlan):
         args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, config.kernel, **sink)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, spec.kernel, **sink)[0]
     k_start, k_len, q_pos = window_keys(*plan.pieces, window)
-    if comm == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
+    if spec.kv == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
         ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
-        return torch.ops.cpcompile.cp_ring_attention(*args, config.kernel, q_pos, ranges[2], *window, **sink)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, spec.kernel, q_pos, ranges[2], *window, **sink)[0]
     args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
-    kv = (config.kernel, config.kv_exchange, config.kv_chunks, None if causal else q_pos)
+    kv = (spec.kernel, spec.exchange, spec.kv_chunks, None if causal else q_pos)
     pack = (plan.cu_seqlens, plan.cu_seqlens_padded)  # for the sparse exchange
     return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack, **sink)[0]
 
 
-def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, scale, sinks=None) -> dict[str, object]:
+def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks=None) -> dict[str, object]:
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
@@ -523,8 +509,10 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, sca
         "stripe_size": spec.stripe_size,
         "windows": spec.windows,
         "capacity": spec.capacity,
-        "comm": comm,
+        "kv": spec.kv,
         "head_parallel": spec.head_parallel,
+        "kernel": spec.kernel,
+        "kv_chunks": spec.kv_chunks,
         "window": window,
         "scale": scale,
         "sinks": sinks is not None,
@@ -538,17 +526,17 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, comm, window, sca
     }
 
 
-def _check_plan(plan, comm: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, cu_seqlens_padded, spec):
-    """A caller's plan must be of the kind ``comm`` runs (a windowed ring runs from an
+def _check_plan(plan, kv: str, window, local_tokens: int, cp: int, rank: int, cu_seqlens, cu_seqlens_padded, spec):
+    """A caller's plan must be of the kind ``kv`` runs (a windowed ring runs from an
     :class:`AttentionPlan`), made for this rank's token count and cp, and, where its values can be read
     without a host sync (on the host, through host twins, or with data checks on:
     ``checks.data_checks_enabled``), be the plan this call makes for ``rank``, ``strategy``,
     ``cu_seqlens`` and ``cu_seqlens_padded`` (:func:`_plan_differs`): a plan of another rank, layout or
     pack would compute other documents' attention without an error, or leave ranks in mismatched
     collectives."""
-    kind = RingPlan if comm == "ring" and window in UNBANDED else AttentionPlan
+    kind = RingPlan if kv == "ring" and window in UNBANDED else AttentionPlan
     if not isinstance(plan, kind):
-        what = f"comm={comm!r}" + (f" with window_size={window}" if comm == "ring" and window not in UNBANDED else "")
+        what = f"kv={kv!r}" + (f" with window_size={window}" if kv == "ring" and window not in UNBANDED else "")
         raise TypeError(f"plan must be a {kind.__name__} for {what}, got {type(plan).__name__}")
     if kind is RingPlan and plan.k_start.shape[0] != cp:
         raise ValueError(f"plan has key ranges for {plan.k_start.shape[0]} ranks, the group has cp_size {cp}")

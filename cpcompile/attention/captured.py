@@ -61,8 +61,8 @@ CAPTURED_KERNELS = (None, "auto", "fa4", "reference")
 def capturable(spec: StrategySpec, q: torch.Tensor, kernel_name: str | None, window) -> str | None:
     """Why a call on ``q`` (a fake tensor will do) under ``spec`` cannot be a captured op, or ``None``
     where it can."""
-    if spec.comm != "all_gather" or spec.head_parallel != 1:
-        return f"comm={spec.comm!r}, head_parallel={spec.head_parallel} (captured: the all-gather, no heads)"
+    if spec.kv not in ("auto", "all_gather"):
+        return f"kv={spec.kv!r} (captured: the all-gather, kv 'auto' or 'all_gather')"
     if spec.strategy not in LAYERS:
         return f"strategy {spec.strategy.value!r} (captured: {', '.join(s.value for s in LAYERS)})"
     if window not in UNBANDED:

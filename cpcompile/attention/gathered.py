@@ -1,6 +1,6 @@
 """All-gather CP attention: the kernel over K/V that ``comm.kv_gather`` brings.
 
-K/V heads may be split into ``chunks`` groups (``Config.kv_chunks``): attention for group
+K/V heads may be split into ``chunks`` groups (``StrategySpec.kv_chunks``): attention for group
 i, whose query heads are exactly those that read its K/V heads (GQA keeps them
 contiguous), runs while group i+1 is still in flight; the backward does the same with
 the re-gather, and starts each group's dK/dV reduce-scatter as soon as that group's

@@ -1,6 +1,6 @@
 """The all-gather path's transport: K/V all-gathered in head groups, dK/dV reduce-scattered.
 
-K/V heads are split into ``chunks`` groups (``Config.kv_chunks``, lowered to a divisor of
+K/V heads are split into ``chunks`` groups (``StrategySpec.kv_chunks``, lowered to a divisor of
 the K/V head count); every group's all-gather is issued at once, asynchronously, so that
 attention over group i can run while group i+1 is in flight. K and V go in separate
 collectives, so that nothing copies them into one buffer first. The backward's dK/dV
@@ -22,7 +22,7 @@ from cpcompile.comm.collectives import all_gather_rows, reduce_scatter_rows
 
 
 def kv_chunks(want: int, kv_heads: int) -> int:
-    """How many head groups to pipeline: ``want`` (``Config.kv_chunks``), lowered to a divisor of ``kv_heads``."""
+    """How many head groups to pipeline: ``want`` (``StrategySpec.kv_chunks``), lowered to a divisor of ``kv_heads``."""
     if not isinstance(want, int) or isinstance(want, bool) or want < 1:
         raise ValueError(f"kv_chunks must be a positive int, got {want!r}")
     return max(c for c in range(1, min(want, kv_heads) + 1) if kv_heads % c == 0)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import agree
 
-#: How the TP rings move chunks on CUDA (``Config.tp_comm``): symmetric memory or NCCL p2p.
+#: How the TP rings move chunks on CUDA (``backend(tp_comm=...)``): symmetric memory or NCCL p2p.
 TRANSPORTS = ("symm_mem", "p2p")
 
 
@@ -99,7 +99,7 @@ BUFFERS = CapacityBuffers()
 class TpRing(NamedTuple):
     """A TP group's ring for :func:`gather_ring` and :func:`reduce_scatter_ring`: the group, the
     rows per rank its buffers hold (``None``: each call's own), and the transport
-    (``Config.tp_comm``: ``"symm_mem"`` where it runs, else p2p)."""
+    (``backend(tp_comm=...)``: ``"symm_mem"`` where it runs, else p2p)."""
 
     group: dist.ProcessGroup
     capacity: int | None

@@ -11,7 +11,6 @@ strategy compiles, or picks, its own graph, never the old one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -20,8 +19,8 @@ import torch
 from cpcompile.checks import check_int, group_agrees
 from cpcompile.comm.groups import agree, held_group, resolve_group
 from cpcompile.compiler.shard_attention import check_unsupported, find_packed_attention, shard_attention_pass
-from cpcompile.config import Config, resolve_config
-from cpcompile.spec import check_comm, current_spec, layout_in_force
+from cpcompile.config import DEFAULTS, TP_COMMS, check_choice
+from cpcompile.spec import StrategySpec, current_spec, layout_in_force
 from cpcompile.tp.rewrite import overlap_matmul_pass
 
 Backend = Callable[[torch.fx.GraphModule, list], Callable]
@@ -241,11 +240,10 @@ def backend(
     *,
     group=None,
     inner: str | Backend = "inductor",
-    comm: str | None = None,
     overlap_tp: bool = True,
+    tp_comm: str | None = None,
     tp_capacity_tokens: int | None = None,
     unsupported: str = "raise",
-    config: Config | None = None,
     captured_step: bool = False,
     overlap_kv: bool = False,
 ) -> Backend:
@@ -257,20 +255,18 @@ def backend(
         inner: the compiler that gets the rewritten graph: ``"inductor"``,
             ``"aot_eager"``, another registered backend name, or a callable
             ``(gm, example_inputs) -> callable``.
-        comm: how attention moves K/V, ``"all_gather"`` or ``"ring"``; ``None``: the
-            active strategy's (``cpcompile.strategy(..., comm=...)``, default all_gather).
         overlap_tp: rewrite functional-collective all-gather -> matmul and
             matmul -> reduce-scatter (tensor/sequence parallel layers) into the
             overlapped ``ag_gemm`` / ``gemm_rs``; their groups come from the graph.
+        tp_comm: how their rings move chunks on CUDA with NCCL, one of
+            :data:`cpcompile.config.TP_COMMS`, passed to the ops as an argument; ``None``: the default
+            the environment seeded (``cpcompile.config.DEFAULTS``).
         tp_capacity_tokens: the most tokens per TP rank, so overlap buffers are
             allocated once (``None``: they grow to the largest call seen).
         unsupported: a packed attention call CP cannot compute exactly (different query
             and key documents, ``seqused_k``, paged keys, an invalid window):
             ``"raise"`` (default) fails the compile naming it; ``"single_device"``
             leaves it as it is, with a warning, so it attends within each rank's tokens.
-        config: kernel, K/V transport and TP transport (:class:`cpcompile.Config`), passed
-            to the inserted ops as arguments, so the compiled graph holds them (default:
-            :func:`cpcompile.config.default_config`, as the environment seeded it at import).
         captured_step: the compiled model runs inside :class:`cpcompile.CapturedStep` (a whole step
             captured as one CUDA graph by hand): attention becomes the captured op where it can
             (``attention.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
@@ -280,11 +276,11 @@ def backend(
             reduce-scatters are waited for where dK and dV are first read (``compiler.overlap``), so the
             graph computes what does not depend on them (the Q projection and RoPE; the dQ path and the
             weight gradients) while they travel. Calls on the all-gather path move K/V by all-gather
-            only, never by the sparse exchange (``config.kv_exchange`` ``"always"`` and ``kv_chunks > 1``
-            are refused, and so are CUDA graphs); the ring, head parallelism and the hybrid are unchanged. The
-            waits are moved for ``inner="inductor"`` and ``"aot_eager"``; another ``inner`` gets the split
-            graph with the backward's waits where autograd puts them (docs/communication.md, "Transfers
-            as graph nodes").
+            only, never by the sparse exchange (a strategy spec with ``kv="exchange"`` or ``kv_chunks > 1``
+            is refused when the graph is compiled, and so are CUDA graphs); the ring, head parallelism and
+            the hybrid are unchanged. The waits are moved for ``inner="inductor"`` and ``"aot_eager"``;
+            another ``inner`` gets the split graph with the backward's waits where autograd puts them
+            (docs/communication.md, "Transfers as graph nodes").
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
     (``mode="reduce-overhead"``, ``triton.cudagraphs``) the forward and the backward are each
@@ -306,12 +302,8 @@ def backend(
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if tp_capacity_tokens is not None:
         check_int("tp_capacity_tokens", tp_capacity_tokens, minimum=1)
-    if comm is not None:
-        check_comm(comm)
+    tp_comm = DEFAULTS.tp_comm if tp_comm is None else check_choice("tp_comm", tp_comm, TP_COMMS)
     check_unsupported(unsupported)
-    config = resolve_config(config)
-    if overlap_kv:
-        _check_overlap(config)
 
     def cpcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, **inductor) -> Callable:
         refused = _refuse_suppressed_errors(gm, group)
@@ -328,13 +320,15 @@ def backend(
             )
         pg = resolve_group(group)
         rewritten = 0
-        spec = current_spec() if comm is None else dataclasses.replace(current_spec(), comm=comm)
+        spec = current_spec()
         if pg.size() > 1:
             _guard_on_strategy()
             attends = _attends(gm)
             with _failure_shared(pg, attends):
                 if attends:  # no default layout under CP: a strategy block must give it
                     layout_in_force(None, cp_size=pg.size(), what="packed attention compiled for a CP group")
+                    if overlap_kv:
+                        _check_overlap(spec)
                 rewritten = shard_attention_pass(
                     gm,
                     group_name=pg.group_name,
@@ -342,7 +336,6 @@ def backend(
                     rank=pg.rank(),
                     spec=spec,
                     unsupported=unsupported,
-                    config=config,
                     captured=cuda_graphs and spec.capacity is not None,
                     overlap_kv=overlap_kv,
                 )
@@ -352,23 +345,24 @@ def backend(
             if cuda_graphs:
                 _check_capturable(gm, spec)
             if overlap_tp:
-                overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=config.tp_comm)
+                overlap_matmul_pass(gm, capacity_tokens=tp_capacity_tokens, transport=tp_comm)
             return compile_rest(gm, example_inputs)
 
     return cpcompile_backend
 
 
-def _check_overlap(config: Config) -> None:
+def _check_overlap(spec: StrategySpec) -> None:
     """``overlap_kv`` moves K/V of the all-gather path by one all-gather each of K and V."""
-    if config.kv_exchange == "always":
+    if spec.kv == "exchange":
         raise ValueError(
-            "overlap_kv=True moves K/V by all-gather (the sparse exchange is not split into graph nodes), but "
-            "config.kv_exchange='always': use kv_exchange='auto' or 'never', or overlap_kv=False"
+            "overlap_kv=True moves K/V by all-gather (the sparse exchange is not split into graph nodes), but the "
+            "strategy has kv='exchange': use kv='auto' or 'all_gather' (cpcompile.strategy(..., kv=...)), or "
+            "overlap_kv=False"
         )
-    if config.kv_chunks != 1:
+    if spec.kv_chunks != 1:
         raise ValueError(
-            f"overlap_kv=True gathers K and V in one collective each, but config.kv_chunks={config.kv_chunks}: use "
-            "kv_chunks=1, or overlap_kv=False"
+            f"overlap_kv=True gathers K and V in one collective each, but the strategy has kv_chunks={spec.kv_chunks}: "
+            "use kv_chunks=1, or overlap_kv=False"
         )
 
 

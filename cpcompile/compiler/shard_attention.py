@@ -8,13 +8,13 @@ Their schemas differ between versions, so arguments are read by name; flash-attn
 not be installed (the pass only compares op names).
 Each becomes ``cpcompile::cp_attention`` (``rewrite_packed_attention``) fed by one
 ``cpcompile::cp_plan`` per distinct ``(cu_seqlens, cu_seqlens_padded)``: the plan is
-built once per step and shared by every layer. With ``spec.comm == "ring"`` it becomes
+built once per step and shared by every layer. With ``spec.kv == "ring"`` it becomes
 ``cpcompile::cp_ring_attention``, fed by one ``cpcompile::ring_key_ranges`` per plan
 and mask (the plan's key ranges as rows of every rank's block). A sliding window
 (``window_size``, ``cpcompile.plan.window``) is one ``cpcompile::window_keys`` per plan and window
 (each piece's keys within it), and travels in the CP op's arguments (a symbolic window, and
 ``packed_attention``'s causal flag computed from one, is specialized: its graph is guarded on it). With
-``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
+``spec.kv == "heads"`` and ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
 ``cpcompile.attention.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
 ``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
 the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. A variant the
@@ -48,7 +48,6 @@ from cpcompile.attention.api import op_window
 from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, kv_replication
-from cpcompile.config import Config, resolve_config
 from cpcompile.plan.pieces import AttentionPlan, max_piece_len, plan_extras
 from cpcompile.plan.window import UNBANDED, check_window
 from cpcompile.spec import StrategySpec, check_head_parallel
@@ -341,7 +340,7 @@ def _token_mixer(node: fx.Node) -> str | None:
     )
 
 
-def _describe_call(m: AttentionMatch, op: str, config: Config) -> str:
+def _describe_call(m: AttentionMatch, op: str, spec: StrategySpec) -> str:
     """What call ``m`` makes of its plan, for the ranks to compare in the plan op, the step's one
     agreement (the attention ops compare nothing again): the op it became, its mask, whether autograd
     runs its backward (its output requires grad: Dynamo's fake values follow the grad mode and the
@@ -355,7 +354,7 @@ def _describe_call(m: AttentionMatch, op: str, config: Config) -> str:
     dims = () if q is None or k is None else (q.shape[1], k.shape[1], q.shape[2])
     heads = ", heads {}/{} x {}".format(*dims) if dims and all(isinstance(d, int) for d in dims) else ""
     dtype = heads + ("" if q is None else f", {q.dtype}")
-    transport = f"kernel {config.kernel}, kv_exchange {config.kv_exchange}, kv_chunks {config.kv_chunks}"
+    transport = f"kernel {spec.kernel}, kv {spec.kv}, kv_chunks {spec.kv_chunks}"
     backward = "backward" if getattr(out, "requires_grad", False) else "no backward"
     sinks = ", sinks" if m.sinks is not None else ""
     return f"{op}: {mask}{sinks}, {backward}{dtype}, scale {m.scale}, {transport}"
@@ -379,7 +378,7 @@ def _max_piece_len(graph: fx.Graph, spec: StrategySpec, cp_size: int, max_seqlen
     return bound.node if isinstance(bound, fx.Proxy) else bound
 
 
-def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size: int, group_name: str, config):
+def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size: int, group_name: str):
     """The hybrid's ops for match ``m`` (``cpcompile.attention.hybrid``): K/V heads replicated, the head
     all-to-alls inside the rank's head group around ``cp_attention`` between the groups; returns
     the nodes of the outputs the graph reads, by index: the output, and ``lse`` where it is read
@@ -394,7 +393,7 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     if f > 1:
         qkv[1:] = [insert(torch.ops.aten.repeat_interleave.self_int, (x, f, 1), "kv_copies", m.node) for x in qkv[1:]]
     qkv = [insert(a2a, (x, heads, True, group_name), "heads_to_tokens", m.node) for x in qkv]
-    kv = (config.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
+    kv = (spec.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
     sinks = None
     if m.sinks is not None:  # those of the heads this rank holds between the all-to-alls (sinks.head_slice)
@@ -420,12 +419,12 @@ def rewrite_packed_attention(
     cp_size: int,
     rank: int,
     spec: StrategySpec,
-    config: Config | None = None,
     captured: bool = False,
     overlap_kv: bool = False,
 ) -> None:
-    """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.comm == "ring"``,
-    ``cp_head_attention`` for ``spec.head_parallel > 1``), one shared plan per ``cu_seqlens``.
+    """Replace each match with ``cp_attention`` (``cp_ring_attention`` for ``spec.kv == "ring"``,
+    ``cp_head_attention`` for ``spec.kv == "heads"``), one shared plan per ``cu_seqlens``; the ops
+    get ``spec``'s kernel and K/V transport as arguments.
 
     ``overlap_kv``: a ``cp_attention`` call becomes its all-gathers as graph nodes, started as soon as
     K and V exist (after the plan, whose agreement comes first), their waits, and
@@ -437,7 +436,6 @@ def rewrite_packed_attention(
     captured parts), and their plans are made at the start of the graph, right after their inputs,
     so that the plan op (kept out of CUDA graphs) does not cut the captured forward in two."""
     graph = gm.graph
-    config = resolve_config(config)
     own, freed = set(graph.nodes), []  # the graph's nodes before the rewrite; the replaced calls' inputs
     heads = spec.head_parallel > 1
     hybrid = 1 < spec.head_parallel < cp_size
@@ -458,7 +456,7 @@ def rewrite_packed_attention(
         # a symbolic token count (dynamic shapes) cannot be captured: _check_capturable then says so
         why = "its token count is symbolic" if isinstance(q.shape[0], torch.SymInt) else None
         why = why or ("it has sinks, which the captured op does not take" if m.sinks is not None else None)
-        why = why or capturable(spec, q, config.kernel, m.window)
+        why = why or capturable(spec, q, spec.kernel, m.window)
         if why is not None:
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
         return why is None
@@ -485,7 +483,7 @@ def rewrite_packed_attention(
 
     for m in matches:
         captured_call = in_capture(m)
-        split = overlap_kv and not (heads or captured_call or spec.comm == "ring")
+        split = overlap_kv and not (heads or captured_call or spec.kv == "ring")
         plan_at = transfers_from(m) if split else m.node
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
@@ -548,14 +546,14 @@ def rewrite_packed_attention(
             op_kwargs = None
             if hybrid:
                 name = "head_all_to_all + cp_attention (hybrid)"
-                cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name, config)
+                cp = _insert_hybrid(insert, m, (gather_index, cu_q, k_start, k_len), spec, cp_size, group_name)
             elif heads:
                 name = "cp_head_attention"
                 check_head_parallel(spec.head_parallel, cp_size, m.q.meta["example_value"].shape[1])
                 args = (m.q, m.k, m.v, gather_index, cu_q, k_start, k_len, group_name, m.causal, m.scale)
                 cp = insert(
                     torch.ops.cpcompile.cp_head_attention.default,
-                    (*args, m.max_seqlen, config.kernel),
+                    (*args, m.max_seqlen, spec.kernel),
                     "cp_head_attention",
                     m.node,
                     None if m.sinks is None else {"sinks": m.sinks},
@@ -563,8 +561,8 @@ def rewrite_packed_attention(
             elif captured_call:
                 name, target = "cp_attention_captured", torch.ops.cpcompile.cp_attention_captured.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
-                config_args = (config.kernel, config.kv_chunks, LAYERS[spec.strategy])
-            elif spec.comm == "ring":
+                config_args = (spec.kernel, spec.kv_chunks, LAYERS[spec.strategy])
+            elif spec.kv == "ring":
                 banded = m.window not in UNBANDED
                 ring_key = (*key, m.window)
                 if ring_key not in ring_ranges:
@@ -580,7 +578,7 @@ def rewrite_packed_attention(
                     ]
                 name, target = "cp_ring_attention", torch.ops.cpcompile.cp_ring_attention.default
                 plan_args = (cu_q, *ring_ranges[ring_key][:2])
-                config_args = (config.kernel,)
+                config_args = (spec.kernel,)
                 if banded:
                     config_args += (q_pos, ring_ranges[ring_key][2], *m.window)
             elif split:
@@ -599,14 +597,14 @@ def rewrite_packed_attention(
                     insert(torch.ops._c10d_functional.wait_tensor.default, (p,), f"{p.name}ed") for p in pending
                 ]
                 plan_args = (gather_index, cu_q, k_start, k_len)
-                config_args = (config.kernel,)
+                config_args = (spec.kernel,)
                 if m.window not in UNBANDED:
                     config_args += (None if m.causal else q_pos, *m.window)
                 qkv = (m.q, m.k, m.v, *gathered)
             else:
                 name, target = "cp_attention", torch.ops.cpcompile.cp_attention.default
                 plan_args = (gather_index, cu_q, k_start, k_len)
-                config_args = (config.kernel, config.kv_exchange, config.kv_chunks)
+                config_args = (spec.kernel, spec.exchange, spec.kv_chunks)
                 if m.window not in UNBANDED:  # bottom-right aligned when causal: no positions
                     config_args += (None if m.causal else q_pos, *m.window)
                 # the pack the plan was made from: the sparse exchange derives every rank's reads from it
@@ -628,7 +626,7 @@ def rewrite_packed_attention(
                     m.node,
                     (op_kwargs or {}) | ({} if m.sinks is None else {"sinks": m.sinks}) or None,
                 )
-            calls.setdefault(key, []).append(_describe_call(m, name, config))
+            calls.setdefault(key, []).append(_describe_call(m, name, spec))
             if split:
                 _defer_query_path(graph, m.q, pending)
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
@@ -741,7 +739,6 @@ def shard_attention_pass(
     rank: int,
     spec: StrategySpec,
     unsupported: str = "raise",
-    config: Config | None = None,
     captured: bool = False,
     overlap_kv: bool = False,
 ) -> int:
@@ -751,8 +748,8 @@ def shard_attention_pass(
 
     ``unsupported``: ``"raise"`` (:class:`UnsupportedAttentionError` for a call CP cannot
     compute exactly) or ``"single_device"`` (leave it, warn: each rank then attends
-    within its own tokens only). ``config``: the kernel and K/V transport the inserted
-    ops get as arguments (default :func:`cpcompile.config.default_config`). ``captured``:
+    within its own tokens only). ``spec``: the layout, and the kernel and K/V transport the
+    inserted ops get as arguments. ``captured``:
     CUDA graphs are on, and calls that can be captured become ``cp_attention_captured``
     (:func:`rewrite_packed_attention`). ``overlap_kv``: the all-gathers as graph nodes
     (:func:`rewrite_packed_attention`, ``attention.split``).
@@ -761,8 +758,6 @@ def shard_attention_pass(
     # each checkpointed layer in one): a call left in a body would run single-device on a
     # rank's tokens, silently wrong, so every graph is searched and rewritten alike.
     check_head_parallel(spec.head_parallel, cp_size)  # before anything is rewritten; the heads per call
-    if 1 < spec.head_parallel < cp_size and spec.comm != "all_gather":  # as cp_attention refuses it
-        raise ValueError(f"head_parallel={spec.head_parallel} < CP size {cp_size} runs comm='all_gather' only")
     found = [(m, *find_packed_attention(m)) for m in gm.modules() if isinstance(m, fx.GraphModule)]
     # A call in an autograd.Function's forward body (flash-attn's flash_attn_varlen_func) keeps that
     # Function's backward, a single-device kernel on the CP output: wrong gradients, so refuse it
@@ -799,7 +794,7 @@ def shard_attention_pass(
         if not matches:
             continue
         rewrite_packed_attention(
-            module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec, config=config,
+            module, matches, group_name=group_name, cp_size=cp_size, rank=rank, spec=spec,
             captured=captured, overlap_kv=overlap_kv,
         )  # fmt: skip
         module.graph.lint()

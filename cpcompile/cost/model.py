@@ -46,7 +46,7 @@ are the group's keys and those of them other groups hold.
 the model's layer windows, ``StrategySpec.windows``, the sum over the layers of each layer's
 slowest rank under its window) and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
 no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced,
-compared as sequence CP; the pick keeps the requested ``head_parallel``
+compared as sequence CP; the pick keeps the requested ``kv`` and ``head_parallel``
 (:func:`resolve_auto`). ``auto`` never changes ``head_parallel`` itself: the cost above
 has no communication and no head count, which head parallelism trades against (its
 all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and
@@ -317,15 +317,16 @@ def resolve_auto(
     spec: StrategySpec, cu_seqlens: torch.Tensor, *, cp_size: int, model: CostModel | None = None
 ) -> StrategySpec:
     """``spec`` itself, or for ``auto`` the concrete spec :func:`choose_strategy` picks under the
-    spec's ``windows``, keeping the requested ``comm`` and ``head_parallel`` (the layout choice
-    does not change how K/V travel). The layouts are compared as sequence CP (``head_parallel``
+    spec's ``windows``, keeping the requested ``kv``, ``head_parallel``, ``kernel`` and ``kv_chunks`` (the
+    layout choice does not change how attention runs). The layouts are compared as sequence CP (``head_parallel``
     1), whatever was requested: the plan ops, which get only the layout's name and the windows,
     resolve ``auto`` alike."""
     if spec.strategy is not Strategy.AUTO:
         return spec
     candidates = None if spec.capacity is None else _fitting(cu_seqlens, cp_size, spec.capacity, model)
     picked = choose(cu_seqlens, cp_size, CostModel() if model is None else model, candidates, spec.windows)
-    return dataclasses.replace(picked, comm=spec.comm, head_parallel=spec.head_parallel, capacity=spec.capacity)
+    keep = {f: getattr(spec, f) for f in ("kv", "head_parallel", "kernel", "kv_chunks", "capacity")}
+    return dataclasses.replace(picked, **keep)
 
 
 def _fitting(cu_seqlens: torch.Tensor, cp_size: int, capacity, model: CostModel | None) -> tuple[StrategySpec, ...]:

@@ -73,8 +73,10 @@ class CPConfig:
     Args:
         cp_size: ranks per CP group (adjacent ranks); the world size must be a multiple of it, the quotient
             is the data-parallel size. 1: data parallelism alone (the model still runs cpcompile's attention).
-        strategy: the layout (a :class:`cpcompile.Strategy`, its name or a :class:`cpcompile.StrategySpec`);
-            default ``balanced`` told each layer's sliding window (:func:`cpcompile.integrations.hf.layer_windows`).
+        strategy: every choice of how CP runs, one :class:`cpcompile.StrategySpec` (layout, ``kv``, ``kernel``,
+            ...; or a :class:`cpcompile.Strategy` or its name, the rest defaults); the batches are sharded under it
+            and each step runs under ``cpcompile.strategy(batch)``, so its attention runs as the spec says.
+            Default ``balanced`` told each layer's sliding window (:func:`cpcompile.integrations.hf.layer_windows`).
         inner: the compiler after the CP pass (``"inductor"``, ``"aot_eager"``, ...).
         regional: compile each decoder layer on its own (the model's ``_no_split_modules`` classes: one graph
             for all layers, compile time independent of depth; the default), or with False the whole model.

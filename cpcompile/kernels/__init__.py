@@ -30,7 +30,7 @@ def select(
 ) -> AttentionKernel:
     """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
 
-    ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``Config.kernel``); this function
+    ``name``, one of :data:`KERNELS`, comes from the caller's configuration (``StrategySpec.kernel``); this function
     reads no environment. ``None`` chooses by what is installed: CUDA fp16/bf16 tensors get
     ``auto`` where cudnn-frontend imports, else ``fa4`` where FA4 runs ``q``, else ``flash``;
     every other tensor ``reference``. A named GPU kernel for other tensors, ``cudnn``/``auto``
@@ -56,7 +56,7 @@ def select(
     usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if band is not None and usable:
         if name is not None:
-            raise ValueError(f"kernel {name!r} cannot run {band}; use Config(kernel='reference') for it")
+            raise ValueError(f"kernel {name!r} cannot run {band}; use kernel='reference' (StrategySpec.kernel) for it")
         warnings.warn(f"no GPU kernel runs {band}: the exact reference kernel runs it (slow)", stacklevel=2)
         return reference
     if name is not None and not usable:
@@ -68,7 +68,9 @@ def select(
     variant = None if v is None else contract.variant(q, v)
     if variant is not None and name != "fa4":
         if name in ("flash", "cudnn"):
-            raise ValueError(f"kernel {name!r} cannot run {variant}; use Config(kernel='fa4') or 'reference'")
+            raise ValueError(
+                f"kernel {name!r} cannot run {variant}; use kernel='fa4' or 'reference' (StrategySpec.kernel)"
+            )
         if fa4.supports(q, v):
             return fa4
         why = f"cuDNN and torch's flash kernel cannot run {variant}, and FlashAttention-4 cannot run it here"

@@ -196,7 +196,7 @@ def gpu_window(kernel: str, causal: bool, window: tuple[int, int], pieces: Piece
         raise ValueError(
             f"kernel {kernel!r} runs sliding windows (left, 0) of the all-gather and exchange paths only, got "
             f"window_size={window} ({'a ring step' if pieces.k_pos is not None else 'keys past the query'}); "
-            "use Config(kernel='reference') for it"
+            "use kernel='reference' (StrategySpec.kernel) for it"
         )
     return window
 
@@ -214,8 +214,7 @@ def refuse_variant(kernel: str, q: Tensor, v: Tensor) -> None:
     what = variant(q, v)
     if what is not None:
         raise ValueError(
-            f"kernel {kernel!r} cannot run {what}: FlashAttention-4 (Config(kernel='fa4')) or the reference "
-            "kernel runs it"
+            f"kernel {kernel!r} cannot run {what}: FlashAttention-4 (kernel='fa4') or the reference kernel runs it"
         )
 
 

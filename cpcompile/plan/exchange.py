@@ -27,9 +27,9 @@ from cpcompile.layouts.reads import keys_read, read_ranges
 from cpcompile.plan.pieces import layout_of
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
-#: all-gather's ``(cp - 1) x T_local``; ``Config.kv_exchange`` overrides.
+#: all-gather's ``(cp - 1) x T_local``; ``StrategySpec.kv`` ``"exchange"`` and ``"all_gather"`` override it.
 EXCHANGE_AT = 0.75
-#: ``Config.kv_exchange``: exchange where it pays, always, or never (all-gather).
+#: ``StrategySpec.exchange`` (of ``kv``): exchange where it pays, always, or never (all-gather).
 SETTINGS = ("auto", "always", "never")
 
 
@@ -125,13 +125,13 @@ def exchange_plan(
     under ``window``, ``(left, right)``) of the pack of ``cu_seqlens`` and ``cu_seqlens_padded``
     (``[B + 1]`` int32, an :class:`~cpcompile.plan.pieces.AttentionPlan`'s) laid out as ``gather_index``
     ``[T]`` says, or ``None`` where the all-gather is used; ``choice``: one of :data:`SETTINGS`
-    (``Config.kv_exchange``).
+    (``StrategySpec.exchange``).
 
     No communication: the plan carries the whole pack, which every rank holds alike, so each rank
     derives every rank's reads itself (:func:`make_exchange`), and all reach the same answer to
     :func:`use_exchange`. Made once per plan and window (``per_plan``) on the host, from the plan's
     host twins where it has them (:func:`cpcompile.plan.pieces.step_plan`), else from a copy (one
-    host sync), and uploaded with twins. Ranks must agree on ``choice``: ``Config`` is one of what
+    host sync), and uploaded with twins. Ranks must agree on ``choice``: the spec's ``kv`` is one of what
     ranks compare where they check agreement (``checks.agreement_enabled``: always on gloo).
 
     Without the pack's offsets (``None``: an op called without them, as the hybrid's is) the
@@ -144,7 +144,7 @@ def exchange_plan(
     if cu_seqlens is None or cu_seqlens_padded is None:
         if choice == "always":
             raise ValueError(
-                "kv_exchange='always' needs the pack's offsets (the plan's cu_seqlens and cu_seqlens_padded): "
+                "kv='exchange' needs the pack's offsets (the plan's cu_seqlens and cu_seqlens_padded): "
                 "every rank's reads follow from the pack"
             )
         return None

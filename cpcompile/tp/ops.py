@@ -4,7 +4,7 @@
 ``reduce_scatter(x @ w.T)``, both along dim 0 (the tokens of sequence parallelism).
 Rank r multiplies the chunk it holds while the next one travels the ring of
 ``comm.ring`` (capacity buffers, since the token count is symbolic; symmetric memory
-or NCCL p2p on CUDA, as ``transport`` (``Config.tp_comm``) says, p2p otherwise).
+or NCCL p2p on CUDA, as ``transport`` (``backend(tp_comm=...)``) says, p2p otherwise).
 
 The backward of one op runs the other's ring: ag_gemm's dx is ``gemm_rs(dy, w.T)``,
 gemm_rs's dx is ``ag_gemm(dy, w.T)``; the weight gradient is accumulated (in float32
@@ -20,7 +20,7 @@ from cpcompile.cache import NOT_CAPTURED, refuse_capture
 from cpcompile.comm.groups import group_name as _group_name
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.ring import TpRing, gather_ring, reduce_scatter_ring
-from cpcompile.config import Config, resolve_config
+from cpcompile.config import DEFAULTS, TP_COMMS, check_choice
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ def ag_gemm(
     group=None,
     capacity_tokens: int | None = None,
     bias: torch.Tensor | None = None,
-    config: Config | None = None,
+    tp_comm: str | None = None,
 ) -> torch.Tensor:
     """``all_gather(x, dim=0) @ w.T + bias`` with the gather overlapped with the matmul.
 
@@ -236,12 +236,12 @@ def ag_gemm(
         capacity_tokens: the most tokens (rows ``t * ...``) a call may pass; the gather
             buffer ``[tp * capacity_tokens, K]`` is allocated once. ``None``: sized by the
             largest call so far, rounded up to a power of two.
-        config: its ``tp_comm`` picks the transport (:class:`cpcompile.Config`).
+        tp_comm: the transport, one of :data:`cpcompile.config.TP_COMMS` (``None``: ``cpcompile.config.DEFAULTS``'s).
     Returns:
         ``[tp * t, ..., N]``, rank-major like ``all_gather_into_tensor``; same dtype as x.
     """
     _check_args(x, w, bias, capacity_tokens)
-    transport = resolve_config(config).tp_comm
+    transport = DEFAULTS.tp_comm if tp_comm is None else check_choice("tp_comm", tp_comm, TP_COMMS)
     return torch.ops.cpcompile.ag_gemm(x, w, bias, _group_name(group), capacity_tokens, transport)
 
 
@@ -251,7 +251,7 @@ def gemm_rs(
     *,
     group=None,
     capacity_tokens: int | None = None,
-    config: Config | None = None,
+    tp_comm: str | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter(x @ w.T, dim=0)`` (sum) with the matmul overlapped with the communication.
 
@@ -261,7 +261,7 @@ def gemm_rs(
         group: the TP process group, its name, or ``None`` (default group).
         capacity_tokens: the most tokens (rows ``t * ...``) of the *output* per rank; the
             buffer ``[3 * capacity_tokens, N]`` is allocated once. ``None`` as in :func:`ag_gemm`.
-        config: its ``tp_comm`` picks the transport (:class:`cpcompile.Config`).
+        tp_comm: the transport, one of :data:`cpcompile.config.TP_COMMS` (``None``: ``cpcompile.config.DEFAULTS``'s).
     Returns:
         ``[t, ..., N]``: rank r's rows ``[r * t, (r + 1) * t)`` of the sum over ranks.
     """
@@ -271,5 +271,5 @@ def gemm_rs(
         tp = resolve_group(group).size()
         if x.shape[0] % tp != 0:
             raise ValueError(f"x.shape[0] = {x.shape[0]} must be a multiple of the group size {tp}")
-    transport = resolve_config(config).tp_comm
+    transport = DEFAULTS.tp_comm if tp_comm is None else check_choice("tp_comm", tp_comm, TP_COMMS)
     return torch.ops.cpcompile.gemm_rs(x, w, _group_name(group), capacity_tokens, transport)

@@ -304,7 +304,7 @@ def overlap_matmul_pass(gm: fx.GraphModule, *, capacity_tokens: int | None = Non
 
     ``capacity_tokens`` goes to every inserted op (see :func:`cpcompile.tp.ag_gemm`):
     the most tokens per rank, or None for buffers that grow to the largest call;
-    ``transport`` too (``Config.tp_comm``).
+    ``transport`` too (``backend(tp_comm=...)``).
     """
     rewrites = 0
     # the root graph and the bodies its higher-order ops call (each activation-checkpointed region)

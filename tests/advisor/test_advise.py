@@ -15,7 +15,7 @@ import torch
 import cpcompile
 from cpcompile.advisor import advise
 from cpcompile.advisor.comm_model import Heads, choose_spec
-from cpcompile.advisor.timing import decide, parse_topology
+from cpcompile.advisor.timing import decide, option_name, parse_topology
 from tests.fixtures import cu_seqlens
 
 
@@ -161,9 +161,9 @@ def test_topology_shows_the_predicted_layer_of_every_option(capsys):
     topology, heads = parse_topology("h200,gpus_per_node=2"), Heads(8, 2, 64)
     assert "2 node(s) of 2 GPUs, NVLink 294 GB/s, across nodes 50 GB/s per GPU" in out
     decisions = [decide(cu, cp_size=4, heads=heads, topology=topology) for cu in advice.packs]
-    assert advice.topology.picks == [d.option.name(4) for d in decisions]
+    assert advice.topology.picks == [option_name(d.spec, 4) for d in decisions]
     table = out.split("predicted layer over the topology")[1].split("\n\n")[1].splitlines()[1:]
-    assert [row[:30].strip() for row in table] == [o.name(4) for o in decisions[0].options]
+    assert [row[:30].strip() for row in table] == [option_name(o, 4) for o in decisions[0].options]
     for row, i in zip(table, range(len(table))):
         as_run = sum(d.times[i].as_run for d in decisions) / 2 / 1e3
         assert float(row[30:].split()[0]) == pytest.approx(as_run, abs=0.006)  # printed to 0.01 ms

@@ -63,10 +63,10 @@ CASES = [
     (StrategySpec(Strategy.DUAL_CHUNK_SWAP), Heads(8, 2, 8), "all-gather"),
     (StrategySpec(Strategy.NO_LOAD_BALANCE), Heads(4, 4, 8), "exchange"),
     (StrategySpec(Strategy.BALANCED), Heads(8, 2, 8), "exchange"),
-    (StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=4), Heads(8, 2, 8), "all-to-all"),
-    (StrategySpec(Strategy.DUAL_CHUNK_SWAP, head_parallel=4), Heads(4, 4, 8), "all-to-all"),
-    (StrategySpec(Strategy.DUAL_CHUNK_SWAP, head_parallel=2), Heads(8, 2, 8), "all-to-all + all-gather"),
-    (StrategySpec(Strategy.BALANCED, head_parallel=2), Heads(4, 1, 8), "all-to-all + all-gather"),
+    (StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=4), Heads(8, 2, 8), "all-to-all"),
+    (StrategySpec(Strategy.DUAL_CHUNK_SWAP, kv="heads", head_parallel=4), Heads(4, 4, 8), "all-to-all"),
+    (StrategySpec(Strategy.DUAL_CHUNK_SWAP, kv="heads", head_parallel=2), Heads(8, 2, 8), "all-to-all + all-gather"),
+    (StrategySpec(Strategy.BALANCED, kv="heads", head_parallel=2), Heads(4, 1, 8), "all-to-all + all-gather"),
 ]
 LENGTHS = [300, 5, 17, 1, 90, 40, 2, 61]
 
@@ -102,17 +102,19 @@ def test_layer_bytes_by_hand():
     kv = 7 * t_local * 8 * 128  # K or V elements from the 7 others
     assert gather.path == "all-gather" and gather.forward.tolist() == [2 * kv * 2] * 8
     assert gather.backward.tolist() == [2 * kv * 2 + 2 * kv * 4] * 8
-    pure = layer_bytes(cu, cp_size=8, strategy=StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=8), heads=heads)
+    pure = layer_bytes(
+        cu, cp_size=8, strategy=StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=8), heads=heads
+    )
     slot = t_local * 7 // 8 * 128  # one head's elements a rank sends away: 7/8 of its tokens
     forward = (32 + 8 + 8 + 32) * slot * 2 + 32 * t_local * 7 // 8 * 4  # q, k, v, out (bf16), lse (float32)
     backward = (32 * 3 + 8 * 2 + 32 + 8 * 2) * slot * 2 + 32 * t_local * 7 // 8 * 4  # dO, q, out, k, v, dq, dk, dv; lse
     assert pure.forward.tolist() == [forward] * 8 and pure.backward.tolist() == [backward] * 8
 
 
-def test_kv_exchange_forces_either_path():
+def test_kv_forces_either_path():
     cu, heads = cu_seqlens([300, 5, 17, 1, 90, 40, 2, 61]), Heads(4, 4, 8)
-    never = layer_bytes(cu, cp_size=4, strategy="balanced", heads=heads, kv_exchange="never")
-    always = layer_bytes(cu, cp_size=4, strategy="dual_chunk_swap", heads=heads, kv_exchange="always")
+    never = layer_bytes(cu, cp_size=4, strategy=StrategySpec("balanced", kv="all_gather"), heads=heads)
+    always = layer_bytes(cu, cp_size=4, strategy=StrategySpec("dual_chunk_swap", kv="exchange"), heads=heads)
     assert (never.path, always.path) == ("all-gather", "exchange")
 
 
@@ -123,8 +125,12 @@ def test_head_parallel_options_and_candidates():
     specs = candidates_with_heads(8, Heads(32, 8))
     assert specs[:4] == auto_candidates()
     assert {s.head_parallel for s in specs} == {1, 2, 4, 8}
-    assert [s for s in specs if s.head_parallel == 8] == [StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=8)]
-    assert [s for s in specs if s.head_parallel == 2] == [dataclasses.replace(s, head_parallel=2) for s in specs[:4]]
+    assert [s for s in specs if s.head_parallel == 8] == [
+        StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=8)
+    ]
+    assert [s for s in specs if s.head_parallel == 2] == [
+        dataclasses.replace(s, kv="heads", head_parallel=2) for s in specs[:4]
+    ]
 
 
 def test_choose_spec_is_the_lowest_step_with_communication_and_deterministic():
@@ -155,9 +161,11 @@ def test_comm_pairs():
         (dict(heads=(32,)), r"heads must be Heads\(q, kv, dim=128, itemsize=2\), got \(32,\)"),
         (dict(heads=Heads(32, 6)), "heads.q=32 must be a multiple of heads.kv=6"),
         (dict(heads=Heads(32, 8, itemsize=3)), "heads.itemsize must be 2, 4 or 8"),
-        (dict(heads=Heads(6, 6), strategy=StrategySpec(head_parallel=4)), "head_parallel=4 must divide the number"),
-        (dict(heads=Heads(8, 8), strategy=StrategySpec(comm="ring")), "layer_bytes models comm='all_gather'"),
-        (dict(heads=Heads(8, 8), kv_exchange="sometimes"), "kv_exchange must be one of"),
+        (
+            dict(heads=Heads(6, 6), strategy=StrategySpec(kv="heads", head_parallel=4)),
+            "head_parallel=4 must divide the number",
+        ),
+        (dict(heads=Heads(8, 8), strategy=StrategySpec(kv="ring")), "layer_bytes models every kv but 'ring'"),
     ],
 )
 def test_bad_arguments_name_themselves(kw, message):

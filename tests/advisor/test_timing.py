@@ -20,6 +20,7 @@ from cpcompile.advisor.timing import (
     decide,
     evaluate,
     layer_terms,
+    option_name,
     options,
     parse_topology,
     predict_time,
@@ -34,15 +35,16 @@ from tests.advisor.test_comm_model import CASES, LENGTHS
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, cu_seqlens
 
-RING = StrategySpec(Strategy.DUAL_CHUNK_SWAP, comm="ring")
+RING = StrategySpec(Strategy.DUAL_CHUNK_SWAP, kv="ring")
 
 
 @pytest.mark.parametrize("spec, heads, path", CASES)
-@pytest.mark.parametrize("exchange", ["auto", "never"])
-def test_peer_bytes_add_up_to_layer_bytes(spec, heads, path, exchange):
+@pytest.mark.parametrize("kv", ["auto", "all_gather"])
+def test_peer_bytes_add_up_to_layer_bytes(spec, heads, path, kv):
     cu = cu_seqlens(LENGTHS)
-    layer = peer_bytes(cu, cp_size=4, strategy=spec, heads=heads, kv_exchange=exchange)
-    want = layer_bytes(cu, cp_size=4, strategy=spec, heads=heads, kv_exchange=exchange)
+    spec = spec if spec.kv == "heads" else dataclasses.replace(spec, kv=kv)
+    layer = peer_bytes(cu, cp_size=4, strategy=spec, heads=heads)
+    want = layer_bytes(cu, cp_size=4, strategy=spec, heads=heads)
     names = {"all-to-all": "heads", "all-to-all + all-gather": "hybrid"}
     assert layer.path == names.get(want.path, want.path)
     for passes, total in (("forward", want.forward), ("backward", want.backward)):
@@ -104,7 +106,7 @@ def test_phase_times_by_hand():
 def test_as_run_is_compute_plus_comm_and_overlapped_their_max():
     cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
     heads = Heads(16, 16)
-    for spec in ("balanced", "dual_chunk_swap", StrategySpec(Strategy.BALANCED, head_parallel=2)):
+    for spec in ("balanced", "dual_chunk_swap", StrategySpec(Strategy.BALANCED, kv="heads", head_parallel=2)):
         t = predict_time(cu, cp_size=4, strategy=spec, heads=heads)
         assert t.as_run == pytest.approx(max(c + m for c, m in zip(t.compute, t.comm)))
         assert t.overlapped == pytest.approx(max(max(c, m) for c, m in zip(t.compute, t.comm)))
@@ -170,8 +172,6 @@ def test_bad_arguments():
     cu = cu_seqlens([64])
     with pytest.raises(ValueError, match="passes must be one of"):
         predict_time(cu, cp_size=2, strategy="balanced", heads=Heads(4, 4), passes="backward")
-    with pytest.raises(ValueError, match="comm='ring' runs sequence CP only"):
-        peer_bytes(cu, cp_size=2, strategy=StrategySpec(comm="ring", head_parallel=2), heads=Heads(4, 4))
     with pytest.raises(ValueError, match="KernelSpeed.memory_gbps must be a number > 0"):
         KernelSpeed(memory_gbps=0)
 
@@ -181,17 +181,17 @@ def test_decide_takes_the_lowest_layer_as_run_first_on_ties():
     heads = Heads(8, 2, 64)
     decision = decide(cu, cp_size=4, heads=heads)
     assert decision.options == options(4, heads)
-    names = [o.name(4) for o in decision.options]
+    names = [option_name(o, 4) for o in decision.options]
     assert names[:4] == [f"{s} all-gather" for s in ("no_load_balance", "dual_chunk_swap", "striped_128", "balanced")]
     assert names[4:12] == [n.replace("all-gather", p) for p in ("exchange", "ring") for n in names[:4]]
     assert names[12:] == [n.replace("all-gather", "hybrid u=2") for n in names[:4]] + ["no_load_balance heads u=4"]
     steps = [t.as_run for t in decision.times]
-    assert decision.option == decision.options[steps.index(min(steps))]
-    want = predict_time(cu, cp_size=4, strategy=decision.spec, heads=heads, kv_exchange=decision.kv_exchange)
+    assert decision.spec == decision.options[steps.index(min(steps))]
+    want = predict_time(cu, cp_size=4, strategy=decision.spec, heads=heads)
     assert decision.time == want
     # restricted paths; one rank has one option
-    assert {o.spec.comm for o in options(4, heads, ("ring",))} == {"ring"}
-    assert decide(cu, cp_size=1, heads=heads).option.name(1) == "no_load_balance all-gather"
+    assert {o.kv for o in options(4, heads, ("ring",))} == {"ring"}
+    assert option_name(decide(cu, cp_size=1, heads=heads).spec, 1) == "no_load_balance all-gather"
     with pytest.raises(ValueError, match=r"paths must be among .*, got \['tree'\]"):
         options(4, heads, ("tree",))
 
@@ -213,7 +213,7 @@ def _decide_on_rank(rank: int, world: int) -> None:
     cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
     picked = decide(cu, cp_size=4, heads=Heads(8, 2, 64), topology=parse_topology("h200,gpus_per_node=2"))
     found = [None] * world
-    torch.distributed.all_gather_object(found, (picked.option, [t.as_run for t in picked.times]))
+    torch.distributed.all_gather_object(found, (picked.spec, [t.as_run for t in picked.times]))
     assert all(f == found[0] for f in found), f"rank {rank}: {found}"
 
 
@@ -242,9 +242,11 @@ def test_ring_step_tiles_match_the_ring_plans():
 def test_resolve_decides_auto_and_keeps_everything_else():
     cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
     heads = Heads(8, 2, 64)
-    assert resolve("auto", cu, cp_size=4, heads=heads) == decide(cu, cp_size=4, heads=heads).option
-    fixed = StrategySpec(Strategy.DUAL_CHUNK_SWAP, comm="ring")
-    assert resolve(fixed, cu, cp_size=4, heads=heads) == (fixed, "auto")
+    assert resolve("auto", cu, cp_size=4, heads=heads) == decide(cu, cp_size=4, heads=heads).spec
+    chosen = resolve(StrategySpec("auto", kernel="reference", kv_chunks=2), cu, cp_size=4, heads=heads)
+    assert (chosen.kernel, chosen.kv_chunks) == ("reference", 2)  # decide picks how K/V move, not the kernel
+    fixed = StrategySpec(Strategy.DUAL_CHUNK_SWAP, kv="ring")
+    assert resolve(fixed, cu, cp_size=4, heads=heads) == fixed
     windowed = StrategySpec(Strategy.AUTO, windows=(64,))
     picked = resolve(windowed, cu, cp_size=4, heads=heads)
-    assert picked.kv_exchange == "auto" and picked.spec == resolve_auto(windowed, cu, cp_size=4)
+    assert picked.kv == "auto" and picked == resolve_auto(windowed, cu, cp_size=4)

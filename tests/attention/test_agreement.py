@@ -51,7 +51,6 @@ def _one_rank_is_wrong(rank: int, world: int) -> None:
     cases = [
         ("q heads", dict(q=torch.randn(8, 3 if bad else 2, 4)), r"q heads \(3\) must be a multiple"),
         ("dtype", dict(q=torch.randn(8, 2, 4, dtype=torch.float64 if bad else torch.float32)), "share dtype"),
-        ("comm", dict(comm="p2p" if bad else "all_gather"), r"comm must be one of .*got 'p2p'"),
         ("strategy", dict(strategy="stripes" if bad else "striped"), "strategy must be one of .*got 'stripes'"),
         (
             "tokens",
@@ -109,11 +108,13 @@ def _plans_of_another_call(rank: int, world: int) -> None:
             ),
         ]
         for _argument, plan, own in cases:
-            call = dict(strategy="no_load_balance", comm=comm, plan=plan if bad else plans[rank])
+            spec = cpcompile.StrategySpec("no_load_balance", kv="ring" if comm == "ring" else "auto")
+            call = dict(strategy=spec, plan=plan if bad else plans[rank])
             _expect(rank, 1, own, rejected.format(own), **call)
     ring = cpcompile.plan.ring.make_ring_plan(CU, cp_size=world, rank=rank, strategy="striped")
-    own = r"plan must be a AttentionPlan for comm='ring' with window_size=\(2, 0\), got RingPlan"
-    _expect(rank, rank, own, own, strategy="striped", comm="ring", window_size=(2, 0), plan=ring)
+    own = r"plan must be a AttentionPlan for kv='ring' with window_size=\(2, 0\), got RingPlan"
+    striped_ring = cpcompile.StrategySpec("striped", kv="ring")
+    _expect(rank, rank, own, own, strategy=striped_ring, window_size=(2, 0), plan=ring)
 
 
 def _ranks_disagree(rank: int, world: int) -> None:
@@ -130,7 +131,11 @@ def _ranks_disagree(rank: int, world: int) -> None:
         ),
         ("window", dict(causal=(True, False), strategy=("striped",) * 2), (r"\(-1, 0\)", r"\(-1, -1\)")),
         ("window", dict(window_size=((4, 0), (3, 0)), strategy=("striped",) * 2), (r"\(4, 0\)", r"\(3, 0\)")),
-        ("comm", dict(comm=("ring", "all_gather"), strategy=("striped",) * 2), ("'ring'", "'all_gather'")),
+        (
+            "kv",
+            dict(strategy=tuple(cpcompile.StrategySpec("striped", kv=kv) for kv in ("ring", "auto"))),
+            ("'ring'", "'auto'"),
+        ),
         ("cu_seqlens", dict(cu=(CU, CU_COLLIDING), strategy=("no_load_balance",) * 2), ("'[0-9a-f]+'", "'[0-9a-f]+'")),
     ]
     gradients = r"\(True, True, True, True\)", r"\(True, False, False, False\)"
@@ -172,22 +177,22 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     q = torch.randn(8, 2, 4)
     # The same padding for both layouts (documents of 8): only the layout tells them apart.
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    for comm in ("all_gather", "ring"):
+    for kv in ("auto", "ring"):
         layouts = ("'no_load_balance'", "'dual_chunk_swap'")
-        spec = dict(value=layouts[rank].strip("'"), comm=comm)
+        spec = dict(value=layouts[rank].strip("'"), kv=kv)
         expect(disagree("strategy", layouts), spec, cu)
         # striped's gather_index depends on the token count alone: only the pack tells the packs apart
-        expect(disagree("cu_seqlens", ("'[0-9a-f]+'",) * 2), dict(value="striped", comm=comm), cu if rank else CU)
-        stripes = cpcompile.StrategySpec("striped", 2 if rank else 1, comm=comm)
+        expect(disagree("cu_seqlens", ("'[0-9a-f]+'",) * 2), dict(value="striped", kv=kv), cu if rank else CU)
+        stripes = cpcompile.StrategySpec("striped", 2 if rank else 1, kv=kv)
         expect(disagree("stripe_size", ("1", "2")), dict(value=stripes), cu)
-    heads = dict(value="no_load_balance", head_parallel=2)
+    heads = dict(value="no_load_balance", kv="heads", head_parallel=2)
     expect(disagree("cu_seqlens", ("'[0-9a-f]+'",) * 2), heads, cu if rank else CU)
     falling = torch.tensor([0, 8, 4, 12, 16], dtype=torch.int32)
     own = r"cu_seqlens must be non-decreasing \(cumulative lengths\), got \[0, 8, 4, 12, 16\]"
     message = own if rank else r"rank 1 rejected its arguments \(ValueError: " + own
     expect(message, dict(value="no_load_balance"), falling if rank else CU)
     ops = r"disagree on the calls it feeds .*\(rank 0: \('cp_attention: .*rank 1: \('cp_ring_attention: "
-    expect(ops, dict(value="striped", comm="ring" if rank else "all_gather"), cu)
+    expect(ops, dict(value="striped", kv="ring" if rank else "auto"), cu)
     # rank 1's call runs no backward (grad mode off, or inputs that need no gradient): rank 0 would
     # wait in its backward's collectives
     calls = r"\(rank 0: \('cp_attention: causal, backward, .*rank 1: \('cp_attention: causal, no backward, "
@@ -267,20 +272,21 @@ def _configs_differ(rank: int, world: int) -> None:
     the exchange alone, and the ranks would wait in different collectives."""
     q = torch.randn(8, 2, 4)
     cu = torch.tensor([0, 16], dtype=torch.int32)
-    for mine, other in (("never", "always"), ("auto", "always")):
-        config = cpcompile.Config(kv_exchange=other if rank else mine)
-        with pytest.raises(ValueError, match=rf"disagree on kv_exchange \(rank 0: '{mine}'; rank 1: '{other}'\)"):
-            cpcompile.cp_attention(q, q, q, cu, strategy=_declared("no_load_balance", cu, rank, world), config=config)
+    for mine, other in (("all_gather", "exchange"), ("auto", "exchange")):
+        kv = other if rank else mine
+        spec = cpcompile.StrategySpec("no_load_balance", kv=kv)
+        with pytest.raises(ValueError, match=rf"disagree on kv \(rank 0: '{mine}'; rank 1: '{other}'\)"):
+            cpcompile.cp_attention(q, q, q, cu, strategy=_declared(spec, cu, rank, world))
 
         def model(q, k, v, cu):
             return cpcompile.packed_attention(q, k, v, cu)
 
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=True)
-        with cpcompile.strategy("no_load_balance"):
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with cpcompile.strategy("no_load_balance", kv=kv):
             cpcompile.shard_batch({"x": torch.zeros(16)}, cu, cp_size=world, rank=rank)  # the block's batch
             # the plan op compares what each call it feeds does: its kernel and K/V transport among it
-            calls = rf"disagree on the calls it feeds .*kv_exchange {mine}, .*kv_exchange {other}, "
+            calls = rf"disagree on the calls it feeds .*kv {mine}, .*kv {other}, "
             with pytest.raises(ValueError, match=calls):
                 compiled(q, q, q, cu)
 

@@ -148,8 +148,9 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
                                       strategy=spec)  # fmt: skip
         graphs: list = []
         torch._dynamo.reset()
-        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
-        with _inductor_as_aot_eager(graphs), cpcompile.strategy(batch):
+        kv = "all_gather" if spec.kv == "auto" else spec.kv  # the fake group: no exchange
+        with _inductor_as_aot_eager(graphs), cpcompile.strategy(batch, kv=kv):
+            backend = cpcompile.backend()
             compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False, mode="reduce-overhead")
             compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
         return graphs[0][0]
@@ -176,7 +177,7 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
         bucket = Capacity(tokens=48, documents=4)
         for spec, op in (
             (StrategySpec("striped", capacity=bucket), "cp_attention"),
-            (StrategySpec("balanced", comm="ring", capacity=bucket), "cp_ring_attention"),
+            (StrategySpec("balanced", kv="ring", capacity=bucket), "cp_ring_attention"),
         ):
             targets = _targets(self._compile(spec))
             assert f"cpcompile.{op}.default" in targets and not any("captured" in t for t in targets), (spec, targets)
@@ -185,7 +186,8 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
         for args, why in (
             ((spec, q, None, (4, 0)), "window_size=(4, 0)"),
             ((spec, q, "cudnn", (-1, 0)), "kernel 'cudnn'"),
-            ((StrategySpec("balanced", head_parallel=2), q, None, (-1, 0)), "head_parallel=2"),
+            ((StrategySpec("balanced", kv="heads", head_parallel=2), q, None, (-1, 0)), "kv='heads'"),
+            ((StrategySpec("balanced", kv="exchange"), q, None, (-1, 0)), "kv='exchange'"),
             ((StrategySpec("striped"), q, None, (-1, 0)), "strategy 'striped'"),
         ):
             assert why in capturable(*args), (args, capturable(*args))
@@ -205,13 +207,13 @@ def _train_captured(rank: int, world: int) -> None:
         torch.manual_seed(0)
         reference, model = PackedGPT(cfg), PackedGPT(cfg)
         model.load_state_dict(reference.state_dict())
-        spec = StrategySpec(strategy, capacity=Capacity(tokens=96, documents=8))
+        # dual_chunk_swap's K/V come in two head groups (StrategySpec.kv_chunks): one captured backward each
+        chunks = 2 if strategy == "dual_chunk_swap" else 1
+        spec = StrategySpec(strategy, capacity=Capacity(tokens=96, documents=8), kv_chunks=chunks)
         graphs: list = []
         torch._dynamo.reset()
         with _inductor_as_aot_eager(graphs):
-            # dual_chunk_swap's K/V come in two head groups (Config.kv_chunks): one captured backward each
-            config = cpcompile.Config(kv_chunks=2 if strategy == "dual_chunk_swap" else 1)
-            backend = cpcompile.backend(config=config)
+            backend = cpcompile.backend()
             compiled = torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead")
             g = torch.Generator().manual_seed(3)
             for step, lengths in enumerate(([5, 17, 1, 9], [40], [2, 0, 11, 1, 6, 3])):
@@ -229,7 +231,6 @@ def _train_captured(rank: int, world: int) -> None:
                 with cpcompile.strategy(batch):
                     loss = summed_loss(compiled(t["input_ids"], t["position_ids"], batch.cu_seqlens, 40), t["labels"])
                 loss.backward()
-                chunks = 2 if strategy == "dual_chunk_swap" else 1
                 assert len(calls) == 2 * chunks * LAYERS[spec.strategy], f"{len(calls)} backward calls, {strategy}"
                 label = f"captured {strategy} step {step}"
                 assert_matches_summed_over_ranks(loss, want, model, reference, label, 1e-4)
@@ -388,9 +389,10 @@ class CapturedStepBackend(FakeGroupTestCase):
                 return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
             torch._dynamo.reset()
-            backend = cpcompile.backend(inner=inner, captured_step=True, config=cpcompile.Config(kv_exchange="never"))
+            backend = cpcompile.backend(inner=inner, captured_step=True)
             compiled = torch.compile(PackedGPT(cfg), backend=backend, dynamic=False)
-            with cpcompile.strategy(batch), contextlib.ExitStack() as stack:
+            # the fake group: no exchange
+            with cpcompile.strategy(batch, kv="all_gather"), contextlib.ExitStack() as stack:
                 if spec.capacity is None:
                     stack.enter_context(pytest.raises(BackendCompilerFailed, match="capacity bucket"))
                 compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9)

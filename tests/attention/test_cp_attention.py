@@ -7,6 +7,7 @@ so cases share it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -25,7 +26,8 @@ TOLERANCE = 1e-4
 SPECS = strategy_specs(stripe_size=4)
 
 
-def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
+def _check_rank(rank: int, world: int, choice: dict) -> None:
+    """Every spec of :data:`SPECS` with ``choice`` (how attention runs: ``kv``, ``kv_chunks``) on top."""
     for case, (spec, causal, (hq, hkv)) in enumerate(
         (s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2))
     ):
@@ -34,6 +36,7 @@ def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
         dv = VALUE_DIMS[case % len(VALUE_DIMS)]  # each layout with every value head dim
         cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        spec = dataclasses.replace(spec, **choice)
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         ref, *ref_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
@@ -45,10 +48,9 @@ def _check_rank(rank: int, world: int, config: cpcompile.Config | None) -> None:
             cu_seqlens_padded=sharded.cu_seqlens_padded,
             strategy=sharded,
             causal=causal,
-            config=config,
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv} {config}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv}"
         assert relative_error(out, ref) < TOLERANCE, f"out {label}"
         for name, got, want in zip("qkv", grads, ref_grads):
             assert relative_error(got, want) < TOLERANCE, f"d{name} {label}"
@@ -71,19 +73,19 @@ def _gathered_reference(local: torch.Tensor, sharded) -> torch.Tensor:
     return out
 
 
-def _masks_share_a_plan(rank: int, world: int, config: cpcompile.Config | None) -> None:
+def _masks_share_a_plan(rank: int, world: int, choice: dict) -> None:
     """A causal and a full layer on one plan, in both orders: they read different keys, so their
     backwards write different rows of the same kept dK/dV buffers (all-gather) or exchange
     different rows (float64 reference on one device)."""
     cu = torch.tensor([0, 3, 24, 32], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(32, 2, 8, generator=g) for _ in range(4))
-    spec = cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE)  # no padding: physical = global rows
+    spec = cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE, **choice)  # no padding: physical = global rows
     sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank, strategy=spec)
     plan = cpcompile.plan.make_plan(cu, sharded.cu_seqlens_padded, cp_size=world, rank=rank, strategy=spec)
     for causal_first in (True, False):
         local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
-        kw = {"strategy": sharded, "plan": plan, "config": config}
+        kw = {"strategy": sharded, "plan": plan}
         x = cpcompile.cp_attention(*local, cu, causal=causal_first, **kw)
         out = cpcompile.cp_attention(x, *local[1:], cu, causal=not causal_first, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"])
@@ -91,7 +93,7 @@ def _masks_share_a_plan(rank: int, world: int, config: cpcompile.Config | None) 
         y = attention_fp64(*full, cu, causal=causal_first)
         ref_grads = torch.autograd.grad(attention_fp64(y, *full[1:], cu, causal=not causal_first), full, dout.double())
         for name, got, want in zip("qkv", grads, ref_grads):
-            label = f"d{name} causal first: {causal_first} {config}"
+            label = f"d{name} causal first: {causal_first} {spec}"
             assert relative_error(got, want[sharded.indices]) < TOLERANCE, label
 
 
@@ -119,16 +121,16 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
 
 def _every_case(rank: int, world: int, kv_env: str) -> None:
     """Both K/V paths forced, the all-gather and the sparse exchange of the rows that are read: ``kv_env``
-    through the environment the ranks imported cpcompile with, the other through ``Config``."""
-    assert cpcompile.config.default_config().kv_exchange == kv_env
-    other = cpcompile.Config(kv_exchange="always" if kv_env == "never" else "never")
-    for config in (None, other):
-        _check_rank(rank, world, config)
+    through the environment the ranks imported cpcompile with, the other through the spec."""
+    assert cpcompile.config.DEFAULTS.kv == cpcompile.StrategySpec().kv == kv_env
+    other = {"kv": "exchange" if kv_env == "all_gather" else "all_gather"}
+    for choice in ({}, other):
+        _check_rank(rank, world, choice)
     if world == 2:
         # the K/V gather pipelined over two head groups (opt-in)
-        _check_rank(rank, world, cpcompile.Config(kv_exchange="never", kv_chunks=2))
-        for config in (None, other):
-            _masks_share_a_plan(rank, world, config)
+        _check_rank(rank, world, {"kv": "all_gather", "kv_chunks": 2})
+        for choice in ({}, other):
+            _masks_share_a_plan(rank, world, choice)
     else:
         _ranks_that_read_nothing(rank, world)  # through the exchange, from the environment
 
@@ -148,7 +150,6 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
     kernel = emulated.fa4()
     kernels.select = lambda *args, **kw: kernel  # this spawned process's own module
     order.ROWS = 4  # forward entries in chunks of 4 rows
-    config = cpcompile.Config(kv_exchange="always")
     rng = random.Random(world)
     cases = [[1, 13, 1, 7, 2], [0, 9, 1], [2, 0, 1], [23]] + [random_pack(rng, world, kind) for kind in KINDS]
     for copies, (case, lengths), name, causal in itertools.product(
@@ -156,12 +157,12 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
     ):
         varlen.IN_PLACE_LAYERS = varlen.IN_PLACE_LAYERS_GQA = 0 if copies else 2
         hq, hkv = (4, 2) if causal else (2, 2)
-        spec = cpcompile.StrategySpec(cpcompile.Strategy(name))
+        spec = cpcompile.StrategySpec(cpcompile.Strategy(name), kv="exchange")
         cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         local = [sharded.tensors[n].double().requires_grad_() for n in "qkv"]
-        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": sharded, "causal": causal, "config": config}
+        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": sharded, "causal": causal}
         out = cpcompile.cp_attention(*local, cu, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"].double())
         want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
@@ -176,7 +177,7 @@ def test_kernel_parts_through_the_exchange_match_fp64_reference(world):
     run_ranks(_parts_through_the_exchange, world)
 
 
-@pytest.mark.parametrize(("world", "kv_env"), [(2, "never"), (3, "always")])
+@pytest.mark.parametrize(("world", "kv_env"), [(2, "all_gather"), (3, "exchange")])
 def test_cp_attention_matches_fp64_reference(world, kv_env, monkeypatch):
-    monkeypatch.setenv("CPCOMPILE_KV_EXCHANGE", kv_env)  # spawned ranks inherit it
+    monkeypatch.setenv("CPCOMPILE_KV", kv_env)  # spawned ranks inherit it
     run_ranks(_every_case, world, kv_env)

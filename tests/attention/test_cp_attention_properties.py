@@ -12,6 +12,7 @@ cases are the property test's examples, many per process group so CI stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -23,8 +24,8 @@ from tests.fixtures import KINDS, TOLERANCE, attention_case, random_pack, strate
 from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 SPECS = strategy_specs()
-#: (comm, Config.kv_exchange): the all-gather path with the exchange chosen per plan, forced, or off.
-PATHS = [("all_gather", "auto"), ("all_gather", "always"), ("all_gather", "never"), ("ring", "auto")]
+#: ``StrategySpec.kv``: the exchange chosen per plan, forced, or off (the all-gather), and the ring.
+PATHS = ["auto", "exchange", "all_gather", "ring"]
 
 
 def cases(cp: int, seed: int):
@@ -45,7 +46,8 @@ def cases(cp: int, seed: int):
 
 
 def _check_rank(rank: int, world: int, seed: int) -> None:
-    for spec, (comm, exchange), causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
+    for spec, kv, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed):
+        spec = dataclasses.replace(spec, kv=kv)
         cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case_seed, dtype=dtype)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
@@ -55,12 +57,10 @@ def _check_rank(rank: int, world: int, seed: int) -> None:
             cu,
             cu_seqlens_padded=sharded.cu_seqlens_padded,
             strategy=sharded,
-            comm=comm,
             causal=causal,
-            config=cpcompile.Config(kv_exchange=exchange),
         )
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
-        label = f"rank {rank}/{world} {spec} {comm}/{exchange} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} {dtype} docs {lengths}"
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 

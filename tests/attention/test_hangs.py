@@ -31,14 +31,14 @@ from tests.dist import run_ranks
 pytestmark = pytest.mark.distributed
 
 CU = torch.tensor([0, 5, 16], dtype=torch.int32)
-#: (strategy, comm) per K/V path: all-gather, sparse exchange, ring, head-parallel (Ulysses)
+#: (strategy, kv, head_parallel) per K/V path: all-gather, sparse exchange, ring, head-parallel (Ulysses)
 PATHS = [
-    ("no_load_balance", "all_gather", 1),
-    ("balanced", "all_gather", 1),
+    ("no_load_balance", "auto", 1),
+    ("balanced", "auto", 1),
     ("striped", "ring", 1),
-    ("no_load_balance", "all_gather", 2),
+    ("no_load_balance", "heads", 2),
 ]
-OPS = {"all_gather": "cp_attention", "ring": "cp_ring_attention"}
+OPS = {"auto": "cp_attention", "ring": "cp_ring_attention"}
 #: the timeout of each item-10 case's group: the bound on the wait of the rank that did not fail
 TIMEOUT_S = 3
 
@@ -51,15 +51,14 @@ def _inputs(rank: int, world: int, spec, seed: int):
     return batch, [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
 
 
-def _spec(strategy: str, head_parallel: int):
-    return cpcompile.StrategySpec(cpcompile.Strategy(strategy), head_parallel=head_parallel)
+def _spec(strategy: str, kv: str, head_parallel: int):
+    return cpcompile.StrategySpec(cpcompile.Strategy(strategy), kv=kv, head_parallel=head_parallel)
 
 
 def _attention(rank, world, path, seed, group=None):
-    strategy, comm, head_parallel = path
-    spec = _spec(strategy, head_parallel)
+    spec = _spec(*path)
     batch, (q, k, v) = _inputs(rank, world, spec, seed)
-    kw = dict(cu_seqlens_padded=batch.cu_seqlens_padded, strategy=batch, comm=comm, group=group)
+    kw = dict(cu_seqlens_padded=batch.cu_seqlens_padded, strategy=batch, group=group)
     return cpcompile.cp_attention(q, k, v, batch.cu_seqlens, **kw)
 
 
@@ -151,7 +150,7 @@ def _hybrid_skips_backward(rank: int, world: int) -> None:
     """As :func:`_skips_backward`, on the hybrid (heads inside groups of 2 of 4 ranks): its backward starts
     with an all-to-all inside a head group, which first agrees on the whole CP group, where rank 1's next
     forward meets it."""
-    path = ("no_load_balance", "all_gather", 2)
+    path = ("no_load_balance", "heads", 2)
     start = time.monotonic()
     out = _attention(rank, world, path, seed=0)
     with pytest.raises(RuntimeError) as raised:

@@ -51,7 +51,7 @@ def _check_rank(rank: int, world: int) -> None:
 
 def _check_u(rank: int, world: int, seed: int, u: int) -> None:
     for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed, u):
-        spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, head_parallel=u)
+        spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, kv="heads", head_parallel=u)
         dv = VALUE_DIMS[case_seed % len(VALUE_DIMS)]
         cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, dv=dv, seed=case_seed, dtype=dtype)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
@@ -77,11 +77,14 @@ def _errors(rank: int, world: int) -> None:
     both before any communication of the op."""
     cu = torch.tensor([0, 5, 8], dtype=torch.int32)
     q = torch.randn(4, 2, 4)
-    good = cpcompile.StrategySpec("no_load_balance", head_parallel=2)
+    good = cpcompile.StrategySpec("no_load_balance", kv="heads", head_parallel=2)
     plan = cpcompile.plan.make_plan(cu, cp_size=2, rank=rank, strategy="no_load_balance")
     odd_heads = torch.randn(4, 3, 4), torch.randn(4, 1, 4), torch.randn(4, 1, 4)
     cases = [
-        (dict(strategy=cpcompile.StrategySpec(head_parallel=3)), "head_parallel=3 must divide the CP size 2"),
+        (
+            dict(strategy=cpcompile.StrategySpec(kv="heads", head_parallel=3)),
+            "head_parallel=3 must divide the CP size 2",
+        ),
         (dict(qkv=odd_heads), "head_parallel=2 must divide the number of query heads 3"),
         (dict(plan=plan), "plan is not accepted with head_parallel > 1"),
     ]
@@ -92,8 +95,8 @@ def _errors(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match=expected):
             cpcompile.cp_attention(*qkv, cu, **{"strategy": rows_of(cu, cp_size=2, rank=rank, strategy=good), **call})
     # ranks that disagree on head_parallel
-    mine = cpcompile.StrategySpec("no_load_balance", head_parallel=2 if rank else 1)
-    with pytest.raises(ValueError, match=r"disagree on head_parallel \(rank 0: 1; rank 1: 2\)"):
+    mine = cpcompile.StrategySpec("no_load_balance", kv="heads" if rank else "auto", head_parallel=2 if rank else 1)
+    with pytest.raises(ValueError, match=r"disagree on kv \(rank 0: 'auto'; rank 1: 'heads'\)"):
         cpcompile.cp_attention(q, q, q, cu, strategy=rows_of(cu, cp_size=2, rank=rank, strategy=mine))
 
 
@@ -107,7 +110,7 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
     q = torch.randn(8, 2, 4)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    with cpcompile.strategy("no_load_balance", head_parallel=2 if rank else 1):
+    with cpcompile.strategy("no_load_balance", kv="heads" if rank else "auto", head_parallel=2 if rank else 1):
         cpcompile.shard_batch({"x": torch.zeros(16)}, cu, cp_size=2, rank=rank)  # the block's batch: these rows
         with pytest.raises(ValueError, match=r"disagree on plan op \(rank 0: 'cp_plan'; rank 1: 'cp_head_plan'\)"):
             compiled(q, q, q, cu)

@@ -59,7 +59,7 @@ def test_opcheck_cp_attention(single_rank_group):
             None,
             9,
             9,
-            None,  # kernel, kv_exchange, kv_chunks: cpcompile.Config's
+            None,  # kernel, kv_exchange, kv_chunks: from the StrategySpec's kernel, kv and kv_chunks
             "auto",
             1,
         )
@@ -136,8 +136,10 @@ def test_compiled_packed_attention_checks_the_token_count():
 
 def test_cp_attention_rejects_bad_arguments(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
-    with pytest.raises(ValueError, match="comm must be one of"):
-        cpcompile.cp_attention(q, k, v, cu, comm="p2p")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'comm'"):  # one channel: the spec's kv
+        cpcompile.cp_attention(q, k, v, cu, comm="ring")
+    with pytest.raises(ValueError, match=r"kernel must be one of \('reference', .*got 'fa9'"):
+        cpcompile.packed_attention(q, k, v, cu, kernel="fa9")
     with pytest.raises(ValueError, match="strategy must be one of"):
         cpcompile.cp_attention(q, k, v, cu, strategy="zigzag")
     padded = torch.tensor([0, 4, 14, 16], dtype=torch.int32)

@@ -4,8 +4,8 @@ One spawn per world size (2, 3, 4) runs every strategy, causal and not, GQA and 
 on packs with 1-token documents, documents shorter than cp and one spanning every
 rank; forward and every gradient are checked against the float64 single-device
 reference and against the all-gather path on the same inputs. At cp=3 the spawn also
-compiles a model under ``cpcompile.strategy(..., comm="ring")`` and under the
-backend's ``comm`` argument, and checks it runs the ring op and equals eager ring.
+compiles a model under ``cpcompile.strategy(..., kv="ring")`` of two layouts, and checks it
+runs the ring op and equals eager ring.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ SAME = 1e-5  # ring against all-gather: both float32, only the summation order d
 SPECS = strategy_specs(stripe_size=4)
 
 
-def _run(sharded, cu, spec, causal, comm):
+def _run(sharded, cu, spec, causal, kv):
     local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
-    out = cpcompile.cp_attention(
-        *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, causal=causal, comm=comm
-    )
+    with cpcompile.strategy(sharded, kv=kv):  # the batch's layout and rows, K/V moved as kv says
+        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, causal=causal)
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 
 
@@ -42,7 +41,7 @@ def _check_rank(rank: int, world: int) -> None:
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         ring = _run(sharded, cu, spec, causal, "ring")
-        gathered = _run(sharded, cu, spec, causal, "all_gather")
+        gathered = _run(sharded, cu, spec, causal, "auto")
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
         label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv}"
         for name, got, same, ref in zip(("out", "dq", "dk", "dv"), ring, gathered, want):
@@ -58,7 +57,7 @@ def _model(q, k, v, cu_seqlens, max_seqlen):
 
 
 def _check_compiled(rank: int, world: int) -> None:
-    """The single-device model, compiled, runs ring attention from the strategy or the backend argument."""
+    """The single-device model, compiled, runs ring attention from the strategy block."""
     from torch._dynamo.backends.registry import lookup_backend
 
     ops = []
@@ -68,13 +67,13 @@ def _check_compiled(rank: int, world: int) -> None:
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     cu, _, q, k, v, dout = attention_case(doc_lengths(world, 0), 4, 2, 8, seed=0)
-    for active, comm in (
-        (cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring"), None),  # MaxText's pick for packing
-        (cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP), "ring"),
+    for active in (
+        cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, kv="ring"),  # MaxText's pick for packing
+        cpcompile.StrategySpec(cpcompile.Strategy.DUAL_CHUNK_SWAP, kv="ring"),
     ):
         torch._dynamo.reset()
         ops.clear()
-        compiled = torch.compile(_model, backend=cpcompile.backend(inner=inner, comm=comm), dynamic=True)
+        compiled = torch.compile(_model, backend=cpcompile.backend(inner=inner), dynamic=True)
         with cpcompile.strategy(active):
             sharded = cpcompile.shard_batch({"q": q, "k": k, "v": v, "dout": dout}, cu, cp_size=world, rank=rank)
             local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
@@ -83,7 +82,7 @@ def _check_compiled(rank: int, world: int) -> None:
         assert "cpcompile.cp_ring_attention.default" in ops and "cpcompile.cp_attention.default" not in ops, ops
         want = _run(sharded, cu, active, True, "ring")
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            assert relative_error(a, b) < SAME, f"compiled {name}, rank {rank}/{world} {active} comm={comm}"
+            assert relative_error(a, b) < SAME, f"compiled {name}, rank {rank}/{world} {active}"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

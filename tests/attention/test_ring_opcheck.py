@@ -28,49 +28,37 @@ def test_ring_on_one_rank_is_packed_attention(single_rank_group):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want = cpcompile.packed_attention(*leaves, cu, causal=causal)
         want_grads = torch.autograd.grad(want, leaves, dout)
-        got = cpcompile.cp_attention(*leaves, cu, strategy="no_load_balance", comm="ring", causal=causal)
+        ring = cpcompile.StrategySpec("no_load_balance", kv="ring")
+        got = cpcompile.cp_attention(*leaves, cu, strategy=ring, causal=causal)
         for a, b in zip((got, *torch.autograd.grad(got, leaves, dout)), (want, *want_grads)):
             assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
-def test_comm_comes_from_the_strategy_unless_given(single_rank_group):
+def test_kv_comes_from_the_strategy(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
     ring = make_ring_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
-    with cpcompile.strategy("no_load_balance", comm="ring") as spec:
-        assert spec == cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE, comm="ring")
-        cpcompile.cp_attention(q, k, v, cu, plan=ring)  # the active spec's comm: a ring plan fits
-        with pytest.raises(TypeError, match="plan must be a AttentionPlan for comm='all_gather', got RingPlan"):
-            cpcompile.cp_attention(q, k, v, cu, plan=ring, comm="all_gather")
-    with pytest.raises(TypeError, match="plan must be a RingPlan for comm='ring', got AttentionPlan"):
-        cpcompile.cp_attention(q, k, v, cu, plan=cpcompile.plan.make_plan(cu, cp_size=1, rank=0), comm="ring")
+    ring_spec = cpcompile.StrategySpec(cpcompile.Strategy.NO_LOAD_BALANCE, kv="ring")
+    with cpcompile.strategy("no_load_balance", kv="ring") as spec:
+        assert spec == ring_spec
+        cpcompile.cp_attention(q, k, v, cu, plan=ring)  # the active spec's kv: a ring plan fits
+        with pytest.raises(TypeError, match="plan must be a AttentionPlan for kv='auto', got RingPlan"):
+            cpcompile.cp_attention(q, k, v, cu, plan=ring, strategy=cpcompile.StrategySpec("no_load_balance"))
+    with pytest.raises(TypeError, match="plan must be a RingPlan for kv='ring', got AttentionPlan"):
+        cpcompile.cp_attention(q, k, v, cu, plan=cpcompile.plan.make_plan(cu, cp_size=1, rank=0), strategy=ring_spec)
     two_ranks = make_ring_plan(cu, cp_size=2, rank=0, strategy="no_load_balance")
     with pytest.raises(ValueError, match="plan has key ranges for 2 ranks, the group has cp_size 1"):
-        cpcompile.cp_attention(q, k, v, cu, plan=two_ranks, comm="ring")
+        cpcompile.cp_attention(q, k, v, cu, plan=two_ranks, strategy=ring_spec)
 
 
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: cpcompile.strategy("striped", comm="p2p").__enter__(),
-        lambda: cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="p2p"),
-        lambda: cpcompile.backend(comm="p2p"),
+        lambda: cpcompile.strategy("striped", kv="p2p").__enter__(),
+        lambda: cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, kv="p2p"),
     ],
 )
-def test_bad_comm_names_the_argument(call):
-    with pytest.raises(ValueError, match=r"comm must be one of \('all_gather', 'ring'\), got 'p2p'"):
+def test_bad_kv_names_the_argument(call):
+    with pytest.raises(
+        ValueError, match=r"kv must be one of \('auto', 'all_gather', 'exchange', 'ring', 'heads'\), got 'p2p'"
+    ):
         call()
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        ({"overlap_tp": "no"}, TypeError, "overlap_tp must be a bool, got 'no'"),
-        ({"captured_step": 1}, TypeError, "captured_step must be a bool, got 1"),
-        ({"tp_capacity_tokens": -5}, ValueError, "tp_capacity_tokens must be an int >= 1, got -5"),
-        ({"tp_capacity_tokens": "x"}, ValueError, "tp_capacity_tokens must be an int >= 1, got 'x'"),
-    ],
-)
-def test_backend_names_a_bad_argument(kwargs, error, message):
-    """The backend refuses its arguments when made, not at the first compile."""
-    with pytest.raises(error, match=message):
-        cpcompile.backend(**kwargs)

@@ -142,17 +142,17 @@ WINDOWS = {
 }
 
 
-def _paths(world: int) -> list[tuple[str, dict, object]]:
-    """``(name, StrategySpec keywords, Config)`` of every path at this CP size."""
+def _paths(world: int) -> list[tuple[str, dict]]:
+    """``(name, StrategySpec keywords)`` of every path at this CP size."""
     paths = [
-        ("all_gather", {}, cpcompile.Config(kv_exchange="never")),
-        ("exchange", {}, cpcompile.Config(kv_exchange="always")),
-        ("ring", {"comm": "ring"}, None),
-        ("heads", {"head_parallel": world}, None),
-        ("split", {}, None),
+        ("all_gather", {"kv": "all_gather"}),
+        ("exchange", {"kv": "exchange"}),
+        ("ring", {"kv": "ring"}),
+        ("heads", {"kv": "heads", "head_parallel": world}),
+        ("split", {}),
     ]
     if world == 4:
-        paths.append(("hybrid", {"head_parallel": 2}, None))
+        paths.append(("hybrid", {"kv": "heads", "head_parallel": 2}))
     return paths
 
 
@@ -168,7 +168,7 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
     hq, hkv = (6, 2) if world == 3 else (4, 2)
     specs = strategy_specs(stripe_size=2, auto=False)
     case = 0
-    for name, spec_kw, config in _paths(world):
+    for name, spec_kw in _paths(world):
         runs = [(window, False) for window in WINDOWS[name]] + (
             [(COMPILED[name], True)] if world == compiled_at else []
         )
@@ -185,11 +185,11 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             leaves = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"] + [sinks.clone().requires_grad_()]
             mask = {"causal": causal} if ref_window is None else {"causal": False, "window_size": window}
             if compiled:
-                out = _compiled(leaves, cu, sharded, mask, config, overlap_kv=name == "split")
+                out = _compiled(leaves, cu, sharded, mask, overlap_kv=name == "split")
             else:
                 out = cpcompile.cp_attention(
                     *leaves[:3], cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, sinks=leaves[3],
-                    config=config, **mask,
+                    **mask,
                 )  # fmt: skip
             got = [out, *torch.autograd.grad(out, leaves, sharded.tensors["dout"])]
             dist.all_reduce(got[4])  # each rank's rows' share
@@ -199,7 +199,7 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             case += 1
 
 
-def _compiled(leaves, cu, sharded, mask: dict, config, overlap_kv: bool) -> torch.Tensor:
+def _compiled(leaves, cu, sharded, mask: dict, overlap_kv: bool) -> torch.Tensor:
     """The single-device call with sinks, compiled with the backend and run in the batch's strategy block;
     the graph must hold no packed_attention left (every call rewritten, the sinks an input of the CP op)."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -214,7 +214,7 @@ def _compiled(leaves, cu, sharded, mask: dict, config, overlap_kv: bool) -> torc
         return cpcompile.packed_attention(q, k, v, cu_seqlens, sinks=sinks, **mask)
 
     torch._dynamo.reset()
-    backend = cpcompile.backend(inner=inner, config=config, overlap_kv=overlap_kv)
+    backend = cpcompile.backend(inner=inner, overlap_kv=overlap_kv)
     fn = torch.compile(model, backend=backend, dynamic=True)
     with cpcompile.strategy(sharded):
         out = fn(*leaves[:3], cu, leaves[3])

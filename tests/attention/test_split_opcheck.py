@@ -43,10 +43,15 @@ def test_split_on_one_rank_is_packed_attention(single_rank_group, window):
 
 
 def test_overlap_kv_refuses_what_it_cannot_split():
-    with pytest.raises(ValueError, match="config.kv_exchange='always'"):
-        cpcompile.backend(overlap_kv=True, config=cpcompile.Config(kv_exchange="always"))
-    with pytest.raises(ValueError, match="config.kv_chunks=2"):
-        cpcompile.backend(overlap_kv=True, config=cpcompile.Config(kv_chunks=2))
+    """The strategy in force when a CP graph is compiled (the backend checks it there) must move K/V by
+    one all-gather each."""
+    from cpcompile.compiler.backend import _check_overlap
+
+    with pytest.raises(ValueError, match="the strategy has kv='exchange': use kv='auto' or 'all_gather'"):
+        _check_overlap(cpcompile.StrategySpec(kv="exchange"))
+    with pytest.raises(ValueError, match="the strategy has kv_chunks=2"):
+        _check_overlap(cpcompile.StrategySpec(kv_chunks=2))
+    _check_overlap(cpcompile.StrategySpec(kv="ring"))  # the ring is left as it is
     with pytest.raises(TypeError, match="overlap_kv must be a bool, got 'yes'"):
         cpcompile.backend(overlap_kv="yes")
 

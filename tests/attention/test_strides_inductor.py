@@ -147,21 +147,21 @@ def _cp_any_layout(rank: int, world: int) -> None:
     # eager, every CP attention op in both directions: what each returns is what its fake says
     dual = cpcompile.Strategy.DUAL_CHUNK_SWAP
     paths = [
-        (cpcompile.StrategySpec(dual), cpcompile.Config(kv_exchange="never")),  # all-gather
-        (cpcompile.StrategySpec(dual), cpcompile.Config(kv_exchange="always")),  # exchange
-        (cpcompile.StrategySpec(dual, comm="ring"), None),
-        (cpcompile.StrategySpec(dual, head_parallel=world), None),
+        cpcompile.StrategySpec(dual, kv="all_gather"),
+        cpcompile.StrategySpec(dual, kv="exchange"),
+        cpcompile.StrategySpec(dual, kv="ring"),
+        cpcompile.StrategySpec(dual, kv="heads", head_parallel=world),
     ]
-    for spec, config in paths:
+    for spec in paths:
         batch = cpcompile.shard_batch(full, cu, cp_size=world, rank=rank, strategy=spec)
         leaves, views = _inputs(batch.tensors["q"], batch.tensors["k"], batch.tensors["v"])
         calls = _Calls()
         with calls:
             for lv, vw in zip(leaves, views):
                 qkv = (view(leaf) for view, leaf in zip(vw, lv))
-                out = cpcompile.cp_attention(*qkv, batch.cu_seqlens, strategy=batch, config=config)
+                out = cpcompile.cp_attention(*qkv, batch.cu_seqlens, strategy=batch)
                 torch.autograd.grad(out, lv, batch.tensors["dout"])
-        label = f"rank {rank} {spec} {config}"
+        label = f"rank {rank} {spec}"
         assert _check_fakes(calls.calls, label) == 5 * len(CASES), label  # (out, lse) and (dq, dk, dv) per case
 
     # compiled with inductor through the backend: head-major and sliced inputs, forward and backward

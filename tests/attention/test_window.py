@@ -33,21 +33,16 @@ from tests.reference import assert_attention_matches, attention_fp64, attention_
 
 EXACT = 1e-10  # float64 throughout: only the summation order differs
 WINDOWS = [(3, 0), (2, 2), (0, 1)]
-PATHS = [("all_gather", "never"), ("all_gather", "always"), ("ring", "never")]
+#: ``StrategySpec.kv``: the all-gather, the sparse exchange, the ring
+PATHS = ["all_gather", "exchange", "ring"]
 
 
-def _run(sharded, cu, spec, window, comm, kv_exchange):
+def _run(sharded, cu, spec, window, kv):
     local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
-    out = cpcompile.cp_attention(
-        *local,
-        cu,
-        cu_seqlens_padded=sharded.cu_seqlens_padded,
-        strategy=sharded,
-        causal=False,
-        window_size=window,
-        comm=comm,
-        config=cpcompile.Config(kernel="reference", kv_exchange=kv_exchange),
-    )
+    with cpcompile.strategy(sharded, kv=kv, kernel="reference"):  # the batch's layout and rows
+        out = cpcompile.cp_attention(
+            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, causal=False, window_size=window
+        )
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 
 
@@ -66,9 +61,9 @@ def _check_rank(rank: int, world: int) -> None:
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         for window in WINDOWS:
             want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
-            for comm, kv in PATHS:
-                got = _run(sharded, cu, spec, window, comm, kv)
-                label = f"rank {rank}/{world} {spec} window={window} comm={comm} kv_exchange={kv} dv={dv}"
+            for kv in PATHS:
+                got = _run(sharded, cu, spec, window, kv)
+                label = f"rank {rank}/{world} {spec} window={window} kv={kv} dv={dv}"
                 assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
     _check_random_packs(rank, world)
     _check_exchange_rows(rank, world)
@@ -81,11 +76,11 @@ SIDES = (-1, 0, 1, 3, 100)
 
 
 def random_cases(cp: int, seed: int, count: int = 48):
-    """Seeded cases (every rank draws the same): ``(spec, (comm, kv_exchange), window, lengths, seed)`` over
+    """Seeded cases (every rank draws the same): ``(spec, kv, window, lengths, seed)`` over
     every layout and path, each pack kind of ``tests.fixtures.KINDS`` in turn, window sides cycling
     through :data:`SIDES` (left) and drawn from them (right)."""
     rng = random.Random(seed)
-    specs, paths = [*strategy_specs(), *TOLD], [*PATHS, ("all_gather", "auto")]
+    specs, paths = [*strategy_specs(), *TOLD], [*PATHS, "auto"]
     for i in range(count):
         window = (SIDES[i % len(SIDES)], rng.choice(SIDES))
         pack = random_pack(rng, cp, KINDS[i % len(KINDS)])
@@ -95,14 +90,14 @@ def random_cases(cp: int, seed: int, count: int = 48):
 def _check_random_packs(rank: int, world: int) -> None:
     """Random packs of every kind (1-token documents, one document, one token per rank, zero-length
     documents, many documents), random windows, every layout and path: float64-exact."""
-    for spec, (comm, kv), window, lengths, seed in random_cases(world, 2000 + world):
+    for spec, kv, window, lengths, seed in random_cases(world, 2000 + world):
         dv = (None, 8)[seed % 2]  # values of their own head dim in half the cases
         cu, _, q, k, v, dout = attention_case(lengths, 2, 1, 4, dv=dv, seed=seed, dtype=torch.float64)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
-        got = _run(sharded, cu, sharded.spec, window, comm, kv)
+        got = _run(sharded, cu, sharded.spec, window, kv)
         want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
-        label = f"rank {rank}/{world} {spec} window={window} comm={comm}/{kv} docs {lengths}"
+        label = f"rank {rank}/{world} {spec} window={window} kv={kv} docs {lengths}"
         assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
 
 

@@ -87,13 +87,13 @@ def test_documents_take_the_real_tokens_back_to_back_and_put_the_output_back(spe
 
 def test_auto_keeps_head_parallel():
     cu = cu_seqlens([1, 7, 0, 12, 3])
-    assert resolve_auto(StrategySpec("auto", head_parallel=2), cu, cp_size=2).head_parallel == 2
+    assert resolve_auto(StrategySpec("auto", kv="heads", head_parallel=2), cu, cp_size=2).head_parallel == 2
 
 
 def test_shard_batch_makes_the_head_plan_ahead():
     """``shard_batch(..., device=...)`` makes, ahead of the step, the head plan that head-parallel ops ask for."""
     cu = cu_seqlens([1, 7, 0, 12, 3])
-    spec = StrategySpec("dual_chunk_swap", head_parallel=2)
+    spec = StrategySpec("dual_chunk_swap", kv="heads", head_parallel=2)
     batch = cpcompile.shard_batch({"x": torch.arange(23)}, cu, cp_size=2, rank=1, strategy=spec, device="cpu")
     tokens = 2 * batch.indices.shape[0]
     made = head_step_plan(batch.cu_seqlens, None, tokens, 2, "dual_chunk_swap", 1)

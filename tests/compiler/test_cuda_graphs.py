@@ -83,13 +83,15 @@ def test_each_call_of_a_captured_step_is_one_training_step_on_its_own_pack():
     packs = [synthetic_pack(m, cfg.vocab, torch.Generator().manual_seed(i)) for i, m in enumerate(mixes)]
     base = cpcompile.StrategySpec("balanced")
     capacity = cpcompile.layouts.capacity_for([p["cu_seqlens"] for p in packs], cp_size=2, strategy=base)
-    spec, names = dataclasses.replace(base, capacity=capacity), ("input_ids", "position_ids", "labels")
+    # the fake group: no exchange
+    spec = dataclasses.replace(base, capacity=capacity, kv="all_gather")
+    names = ("input_ids", "position_ids", "labels")
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         for inside in (True, False):
             torch._dynamo.reset()
             model = PackedGPT(cfg).to("cuda", torch.bfloat16)
-            backend = cpcompile.backend(captured_step=True, config=cpcompile.Config(kv_exchange="never"))
+            backend = cpcompile.backend(captured_step=True)
             compiled = torch.compile(model, backend=backend, dynamic=False)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
 

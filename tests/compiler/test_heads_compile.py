@@ -1,6 +1,6 @@
 """Compiled head-parallel training equals the single-device eager model on real gloo ranks.
 
-Under ``cpcompile.strategy(..., head_parallel=u)`` the backend rewrites the model's packed
+Under ``cpcompile.strategy(..., kv="heads", head_parallel=u)`` the backend rewrites the model's packed
 attention (``packed_attention`` and ``varlen_attn``) into ``cp_head_attention`` (``u == cp``)
 or the hybrid's head all-to-alls around ``cp_attention`` (``1 < u < cp``); each rank
 trains on packs of varying length and document count with one compilation, and the loss
@@ -33,7 +33,7 @@ def _check_training(rank: int, world: int, u: int, kv_heads: int, inner: str, st
     model = PackedGPT(cfg)
     model.load_state_dict(reference.state_dict())
     for name in strategies:
-        spec = cpcompile.StrategySpec(name, head_parallel=u)
+        spec = cpcompile.StrategySpec(name, kv="heads", head_parallel=u)
         torch._dynamo.reset()
         counters.clear()
         backend = cpcompile.backend(inner=inner)
@@ -53,7 +53,7 @@ def _hybrid_lse(rank: int, world: int) -> None:
     compiled = torch.compile(attend, backend=cpcompile.backend(inner="aot_eager"), dynamic=True, fullgraph=True)
     cu, _, q, k, v, _ = attention_case([37, 5, 1, 60, 9], 4, 2, 8, dtype=torch.float64)
     for name in ("dual_chunk_swap", "balanced"):
-        spec = cpcompile.StrategySpec(name, head_parallel=2)
+        spec = cpcompile.StrategySpec(name, kv="heads", head_parallel=2)
         batch = cpcompile.shard_batch({"q": q, "k": k, "v": v}, cu, cp_size=world, rank=rank, strategy=spec)
         with cpcompile.strategy(batch):
             out, lse = compiled(*(batch.tensors[n] for n in "qkv"), cu)

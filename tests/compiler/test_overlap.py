@@ -121,8 +121,8 @@ def test_split_graphs_train_exactly():
     runs = [
         (S("dual_chunk_swap"), windowed, False),
         (S("balanced", windows=(-1, 3)), windowed, True),
-        (S("dual_chunk_swap", comm="ring"), windowed, False),
-        (S("dual_chunk_swap", head_parallel=2), causal, False),
+        (S("dual_chunk_swap", kv="ring"), windowed, False),
+        (S("dual_chunk_swap", kv="heads", head_parallel=2), causal, False),
     ]
     run_ranks(_check_exact, 2, runs)
 

@@ -34,14 +34,14 @@ from tests.reference import assert_attention_matches, attention_fp64_on_rank
 EXACT = 1e-10  # float64 throughout: only the summation order differs
 #: (2, 3) first: dynamic=None compiles it with constant ints, the next window with symbolic ones
 WINDOWS = [(2, 3), (4, 4), (1, 5), (-1, -1), (3, 3), (2, 0)]
-#: (comm, kv_exchange, dynamic, windows): the pass reads the window alike for every path (each window is
-#: a graph of its own: the all-gather takes them all, the exchange and the ring a banded window with
-#: right > 0, full attention and a causal band, symbolic)
+#: (kv, dynamic, windows): the pass reads the window alike for every path (each window is a graph of its
+#: own: the all-gather takes them all, the exchange and the ring a banded window with right > 0, full
+#: attention and a causal band, symbolic)
 PATHS = [
-    ("all_gather", "never", None, WINDOWS),
-    ("all_gather", "never", True, WINDOWS),
-    ("all_gather", "always", True, [(1, 5), (-1, -1), (2, 0)]),
-    ("ring", "never", True, [(1, 5), (-1, -1), (2, 0)]),
+    ("all_gather", None, WINDOWS),
+    ("all_gather", True, WINDOWS),
+    ("exchange", True, [(1, 5), (-1, -1), (2, 0)]),
+    ("ring", True, [(1, 5), (-1, -1), (2, 0)]),
 ]
 SPEC = "balanced"
 
@@ -63,18 +63,17 @@ def _local(sharded):
 def _check_window_argument(rank: int, world: int) -> None:
     tensors, sharded = _case(rank, world)
     cu = sharded.cu_seqlens
-    for comm, kv, dynamic, windows in PATHS:
+    for kv, dynamic, windows in PATHS:
         torch._dynamo.reset()
-        config = cpcompile.Config(kernel="reference", kv_exchange=kv)
-        backend = cpcompile.backend(inner="aot_eager", config=config)
+        backend = cpcompile.backend(inner="aot_eager")
         compiled = torch.compile(windowed, backend=backend, dynamic=dynamic)
-        with cpcompile.strategy(sharded, comm=comm):
+        with cpcompile.strategy(sharded, kv=kv, kernel="reference"):
             for window in windows:
                 local = _local(sharded)
                 out = compiled(*local, cu, window)
                 got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
                 want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
-                label = f"rank {rank} window={window} dynamic={dynamic} comm={comm} kv_exchange={kv}"
+                label = f"rank {rank} window={window} dynamic={dynamic} kv={kv}"
                 assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
 
 
@@ -213,7 +212,7 @@ class FakeGroupGraphs(FakeGroupTestCase):
         """A symbolic window under head parallelism: the refusal shows its values, not graph nodes."""
         q, k, v, cu, _ = fake_rank_inputs()
         gm = dynamo_graph(windowed, q, k, v, cu, (2, 3))
-        spec = cpcompile.StrategySpec(head_parallel=2)
+        spec = cpcompile.StrategySpec(kv="heads", head_parallel=2)
         with self.assertRaisesRegex(ValueError, r"window_size=\(2, 3\) is not supported with head_parallel > 1"):
             shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec)
 

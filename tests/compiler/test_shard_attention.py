@@ -24,8 +24,9 @@ from tests.fixtures import readable
 from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, packed_model, two_layers, varlen_model
 
 
-def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
-    """The AOT forward and backward graphs ``cpcompile.backend(**backend_kwargs)`` hands its inner compiler."""
+def aot_graphs(fn, **spec) -> dict[str, str]:
+    """The AOT forward and backward graphs ``cpcompile.backend()`` hands its inner compiler, under
+    ``cpcompile.strategy("dual_chunk_swap", **spec)``."""
     graphs = {}
 
     def capture(name):
@@ -37,8 +38,9 @@ def aot_graphs(fn, **backend_kwargs) -> dict[str, str]:
 
     inner = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=cpcompile.backend(inner=inner, **backend_kwargs), dynamic=True, fullgraph=True)
-    compiled(*fake_rank_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
+    compiled = torch.compile(fn, backend=cpcompile.backend(inner=inner), dynamic=True, fullgraph=True)
+    with cpcompile.strategy("dual_chunk_swap", **spec):
+        compiled(*fake_rank_inputs()).sum().backward()  # fake group: values are garbage, graphs are real
     return graphs
 
 
@@ -82,7 +84,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -134,7 +136,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -165,8 +167,8 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(
             "\n".join(plans),
             """\
-%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
-%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
         )
 
     def test_layers_share_one_plan(self):
@@ -183,7 +185,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
@@ -226,18 +228,18 @@ class GraphModule(torch.nn.Module):
             o = varlen_attn(o, k, v, cu, cu, m, m, window_size=(4, 0), **VARLEN_GQA)  # shares window_keys
             return varlen_attn(o, k, v, cu, cu, m, m, window_size=(2, 3), **VARLEN_GQA)
 
-        for spec in (cpcompile.StrategySpec(), cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring")):
+        for spec in (cpcompile.StrategySpec(), cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, kv="ring")):
             gm, count = self.shard(windows, spec)
             self.assertEqual(count, 3)
             nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
             keys = [n.args[4:] for n in nodes if n.target is torch.ops.cpcompile.window_keys.default]
             self.assertEqual(keys, [(4, 0), (2, 3)])
-            op = torch.ops.cpcompile.cp_ring_attention if spec.comm == "ring" else torch.ops.cpcompile.cp_attention
+            op = torch.ops.cpcompile.cp_ring_attention if spec.kv == "ring" else torch.ops.cpcompile.cp_attention
             calls = [n for n in nodes if n.target is op.default]
             self.assertEqual([c.args[-2:] for c in calls], [(4, 0), (4, 0), (2, 3)])
-            causal = 7 if spec.comm == "ring" else 8
+            causal = 7 if spec.kv == "ring" else 8
             self.assertEqual([c.args[causal] for c in calls], [True, True, False])
-            if spec.comm != "ring":
+            if spec.kv != "ring":
                 self.assertEqual([c.args[-3] is None for c in calls], [True, True, False])  # q_pos
 
     def test_unsupported_variants_raise_unless_asked_to_stay_single_device(self):
@@ -300,11 +302,10 @@ class GraphModule(torch.nn.Module):
             return gm.forward
 
         torch._dynamo.reset()
-        # no_load_balance exchanges here, where rank 1 receives rows but sends none: the fake group fails
-        config = cpcompile.Config(kv_exchange="never")
-        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture, config=config), dynamic=True)
+        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture), dynamic=True)
         for name in ("dual_chunk_swap", "striped", "dual_chunk_swap", "no_load_balance"):
-            with cpcompile.strategy(name):
+            # no_load_balance exchanges here, where rank 1 receives rows but sends none: the fake group fails
+            with cpcompile.strategy(name, kv="all_gather"):
                 compiled(*fake_rank_inputs(name))
         self.assertEqual(seen, ["dual_chunk_swap", "striped", "no_load_balance"])
 
@@ -312,14 +313,13 @@ class GraphModule(torch.nn.Module):
         """Past torch._dynamo.config.recompile_limit Dynamo runs the function eagerly, where attention is
         single-device on each rank's tokens: the graph that reaches the limit is refused, naming it."""
         torch._dynamo.reset()
-        config = cpcompile.Config(kv_exchange="never")
-        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner="eager", config=config), dynamic=True)
+        compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner="eager"), dynamic=True)
         with torch._dynamo.config.patch(recompile_limit=3):
             for name in ("dual_chunk_swap", "striped", "dual_chunk_swap"):  # two graphs, the first reused
-                with cpcompile.strategy(name):
+                with cpcompile.strategy(name, kv="all_gather"):
                     compiled(*fake_rank_inputs(name))
             with (
-                cpcompile.strategy("no_load_balance"),
+                cpcompile.strategy("no_load_balance", kv="all_gather"),
                 self.assertRaisesRegex(
                     BackendCompilerFailed, r"this would be graph 3 .*recompile_limit is 3: past the limit Dynamo runs"
                 ),
@@ -335,8 +335,8 @@ class GraphModule(torch.nn.Module):
 
         specs = {
             "cp_attention": cpcompile.StrategySpec(),
-            "cp_ring_attention": cpcompile.StrategySpec(comm="ring"),
-            "cp_head_attention": cpcompile.StrategySpec(head_parallel=2),
+            "cp_ring_attention": cpcompile.StrategySpec(kv="ring"),
+            "cp_head_attention": cpcompile.StrategySpec(kv="heads", head_parallel=2),
         }
         for op, spec in specs.items():
             gm, count = self.shard(fn, spec)
@@ -344,8 +344,8 @@ class GraphModule(torch.nn.Module):
             self.assertEqual(node.kwargs["sinks"].target, operator.mul, op)
 
     def test_ring_rewrite_shares_plan_and_key_ranges(self):
-        """comm="ring": one cp_plan, one ring_key_ranges per causal flag, cp_ring_attention per call."""
-        gm, count = self.shard(two_layers, cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, comm="ring"))
+        """kv="ring": one cp_plan, one ring_key_ranges per causal flag, cp_ring_attention per call."""
+        gm, count = self.shard(two_layers, cpcompile.StrategySpec(cpcompile.Strategy.STRIPED, kv="ring"))
         self.assertEqual(count, 2)
         self.assertExpectedInline(
             readable(gm),
@@ -361,7 +361,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1', 'cp_ring_attention: full, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1', 'cp_ring_attention: full, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 2*s40 + s85 - 2) + 1]" = cp_plan[1]
@@ -389,7 +389,7 @@ class GraphModule(torch.nn.Module):
         )
 
     def test_ring_aot_forward_and_backward_graphs(self):
-        graphs = aot_graphs(packed_model, comm="ring")
+        graphs = aot_graphs(packed_model, kv="ring")
         self.assertExpectedInline(
             graphs["forward"],
             """\
@@ -397,7 +397,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1']);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
@@ -442,8 +442,8 @@ class GraphModule(torch.nn.Module):
 
         torch._dynamo.reset()
         compiled = torch.compile(varlen_model, backend=cpcompile.backend(inner=capture), dynamic=True)
-        for comm in ("all_gather", "ring", "all_gather", "ring"):
-            with cpcompile.strategy("striped", comm=comm):
+        for kv in ("auto", "ring", "auto", "ring"):
+            with cpcompile.strategy("striped", kv=kv):
                 compiled(*fake_rank_inputs("striped"))
         self.assertEqual(seen, ["cpcompile::cp_attention", "cpcompile::cp_ring_attention"])
 
@@ -458,11 +458,10 @@ class ManyPacks(FakeGroupTestCase):
         model = PackedGPT(cfg)
         # the fake group fills an all-to-all's output with its input, and fails where a rank
         # receives rows but sends none: the sparse exchange cannot run on it in general
-        config = cpcompile.Config(kv_exchange="never")
         for strategy in ("balanced", "dual_chunk_swap"):
             torch._dynamo.reset()
             counters.clear()
-            compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=True)
+            compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
             g = torch.Generator().manual_seed(0)
             for i in range(50):
                 docs = 1 if i % 7 == 0 else int(torch.randint(2, 12, (1,), generator=g))
@@ -475,7 +474,7 @@ class ManyPacks(FakeGroupTestCase):
                 batch = cpcompile.shard_batch(
                     {n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1, strategy=strategy
                 )
-                with cpcompile.strategy(batch):
+                with cpcompile.strategy(batch, kv="all_gather"):
                     out = compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, max(lengths))
                 out.sum().backward()
             self.assertEqual(counters["stats"]["unique_graphs"], 1, strategy)

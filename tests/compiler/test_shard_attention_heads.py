@@ -16,7 +16,7 @@ from cpcompile.compiler.shard_attention import shard_attention_pass
 from tests.fixtures import readable
 from tests.graphs import FakeGroupTestCase, dynamo_graph, fake_rank_inputs, two_layers
 
-SPEC = cpcompile.StrategySpec("no_load_balance", head_parallel=2)
+SPEC = cpcompile.StrategySpec("no_load_balance", kv="heads", head_parallel=2)
 
 
 class HeadParallelGraphs(FakeGroupTestCase):
@@ -37,7 +37,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_head_plan = torch.ops.cpcompile.cp_head_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 'no_load_balance', 1, group_name = '0', calls = ['cp_head_attention: causal, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1', 'cp_head_attention: full, backward, torch.float32, scale None, kernel None, kv_exchange auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_head_plan = torch.ops.cpcompile.cp_head_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 'no_load_balance', 1, group_name = '0', calls = ['cp_head_attention: causal, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1', 'cp_head_attention: full, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
 
         gather_index: "i64[2*s85]" = cp_head_plan[0]
         cu_q: "i32[Min(2*s85, 2*s40 - 2) + 1]" = cp_head_plan[1]
@@ -64,12 +64,6 @@ class GraphModule(torch.nn.Module):
         gm = dynamo_graph(two_layers, *fake_rank_inputs(SPEC))
         with pytest.raises(ValueError, match="head_parallel=2 must divide the CP size 3"):
             shard_attention_pass(gm, group_name=self.group, cp_size=3, rank=1, spec=SPEC)
-
-    def test_hybrid_over_the_ring_is_refused(self):
-        gm = dynamo_graph(two_layers, *fake_rank_inputs(SPEC))
-        ring = cpcompile.StrategySpec("no_load_balance", comm="ring", head_parallel=2)
-        with pytest.raises(ValueError, match="head_parallel=2 < CP size 4 runs comm='all_gather' only"):
-            shard_attention_pass(gm, group_name=self.group, cp_size=4, rank=1, spec=ring)
 
     def test_compiled_model_trains_on_fake_ranks(self):
         """Through ``cpcompile.backend`` (AOT forward and backward ops traced; values are garbage)."""

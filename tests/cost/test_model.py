@@ -108,7 +108,7 @@ def test_head_parallel_costs_are_their_groups_split_over_heads(lengths, cp_u, sp
     layouts one after the other, pure head parallelism's whole pack in physical order (its backward
     reads keys in place: no key rows copied)."""
     cp, u = cp_u
-    spec = dataclasses.replace(spec, head_parallel=u)
+    spec = dataclasses.replace(spec, kv="heads", head_parallel=u)
     model = CostModel(block_q=4, block_k=2, token_cost=5, key_cost=3, causal=causal)
     cu = cu_seqlens(lengths)
     padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
@@ -133,13 +133,15 @@ def test_head_parallel_costs_are_their_groups_split_over_heads(lengths, cp_u, sp
 
 def test_head_parallel_costs_are_even_and_auto_keeps_head_parallel():
     cu = cu_seqlens([3000, 40, 7, 900, 1, 260])
-    pure = predict_rank_costs(cu, cp_size=4, strategy=StrategySpec(Strategy.NO_LOAD_BALANCE, head_parallel=4))
+    pure = predict_rank_costs(
+        cu, cp_size=4, strategy=StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=4)
+    )
     assert len(set(pure.cost.tolist())) == 1  # every rank runs every document for its heads
-    auto = StrategySpec(Strategy.AUTO, head_parallel=2)
+    auto = StrategySpec(Strategy.AUTO, kv="heads", head_parallel=2)
     picked = cpcompile.shard_batch({"x": torch.arange(int(cu[-1]))}, cu, cp_size=4, rank=0, strategy=auto).spec
-    assert picked == dataclasses.replace(choose_strategy(cu, cp_size=4), head_parallel=2)
+    assert picked == dataclasses.replace(choose_strategy(cu, cp_size=4), kv="heads", head_parallel=2)
     with pytest.raises(ValueError, match="head_parallel=3 must divide the CP size 4"):
-        predict_rank_costs(cu, cp_size=4, strategy=StrategySpec(head_parallel=3))
+        predict_rank_costs(cu, cp_size=4, strategy=StrategySpec(kv="heads", head_parallel=3))
 
 
 def test_auto_takes_the_cheapest_and_the_first_on_ties():
@@ -224,10 +226,10 @@ def test_auto_needs_values_not_tracing():
         choose_strategy(torch.empty(4, dtype=torch.int32), cp_size=2)
 
 
-def test_auto_keeps_the_requested_comm():
+def test_auto_keeps_the_requested_kv():
     """auto picks a layout; how K/V travel (ring or all-gather) stays the caller's choice."""
     cu = torch.tensor([0, 5, 300, 310, 900], dtype=torch.int32)
-    with cpcompile.strategy("auto", comm="ring"):
+    with cpcompile.strategy("auto", kv="ring", kernel="reference"):
         batch = cpcompile.shard_batch({"x": torch.arange(900)}, cu, cp_size=2, rank=0)
     assert batch.spec.strategy is not Strategy.AUTO
-    assert batch.spec.comm == "ring"
+    assert (batch.spec.kv, batch.spec.kernel) == ("ring", "reference")

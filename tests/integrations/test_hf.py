@@ -170,7 +170,9 @@ def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
 
 def _regional_head_parallel_and_many_packs(rank: int, world: int) -> None:
     _check_cp_training(rank, world, ["llama"], True)
-    _check_cp_training(rank, world, ["llama"], False, cpcompile.StrategySpec("no_load_balance", head_parallel=2))
+    _check_cp_training(
+        rank, world, ["llama"], False, cpcompile.StrategySpec("no_load_balance", kv="heads", head_parallel=2)
+    )
     _count_graphs_over_packs(rank, world, 50)
 
 

@@ -77,7 +77,7 @@ def test_packed_attention_bf16_within_twice_the_kernel_error(causal, kernel):
     ref, ref_grads = _reference(q, k, v, dout, cu, causal)
     base, base_grads = _torch_varlen(q, k, v, dout, cu, causal)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cpcompile.packed_attention(*leaves, cu, causal=causal, config=cpcompile.Config(kernel=kernel))
+    out = cpcompile.packed_attention(*leaves, cu, causal=causal, kernel=kernel)
     grads = torch.autograd.grad(out, leaves, dout)
     for got, baseline, want in zip([out, *grads], [base, *base_grads], [ref, *ref_grads]):
         assert _err(got, want) <= max(2 * _err(baseline, want), 1e-3)
@@ -259,18 +259,18 @@ def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
     return full[0], full[1:]
 
 
-@pytest.mark.parametrize("kv", ["never", "always"])
+@pytest.mark.parametrize("kv", ["all_gather", "exchange"])
 def test_cp_attention_on_one_nccl_rank(kv):
     """Both K/V paths through NCCL (at cp=1: an all-gather, or an all-to-all of no rows)."""
     import torch.distributed as dist
 
-    config = cpcompile.Config(kv_exchange=kv)
+    spec = cpcompile.StrategySpec("no_load_balance", kv=kv)
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         cu, q, k, v, dout = _case([3, 300, 77])
         want = cpcompile.packed_attention(q, k, v, cu)
-        got = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", config=config)
+        got = cpcompile.cp_attention(q, k, v, cu, strategy=spec)
         assert torch.equal(got, want)
         # the backward (the all-gather path's through its kept dK/dV buffers), for two plans in turn
         for lengths in ([3, 300, 77], [150, 2, 200, 28]):
@@ -278,7 +278,7 @@ def test_cp_attention_on_one_nccl_rank(kv):
             k = k.transpose(0, 1).contiguous().transpose(0, 1)  # dense, not contiguous: the sums handle it
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             want = torch.autograd.grad(cpcompile.packed_attention(*leaves, cu), leaves, dout)
-            got = cpcompile.cp_attention(*leaves, cu, strategy="no_load_balance", config=config)
+            got = cpcompile.cp_attention(*leaves, cu, strategy=spec)
             got = torch.autograd.grad(got, leaves, dout)
             for g, w in zip(got, want):
                 assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max()
@@ -310,8 +310,7 @@ def test_head_parallel_rank_call_is_packed_attention(kernel, padded_lengths, lay
         for causal in (True, False):
             ref, ref_grads = _reference(*(t[real] for t in (q, k, v, dout)), cu, causal)
             leaves = [t[real].clone().requires_grad_() for t in (q, k, v)]
-            config = cpcompile.Config(kernel=kernel)
-            want = cpcompile.packed_attention(*leaves, cu, causal=causal, config=config)
+            want = cpcompile.packed_attention(*leaves, cu, causal=causal, kernel=kernel)
             want_grads = torch.autograd.grad(want, leaves, dout[real])
             gather_index, cu_q, k_start, *k_lens = torch.ops.cpcompile.cp_head_plan(cu, cu_p, q.shape[0], 1, layout, 1)
             in_place = heads.documents(gather_index, k_start, k_lens[0]).in_place
@@ -411,9 +410,9 @@ def _no_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("kv_exchange", ["never", "always"])
+@pytest.mark.parametrize("kv", ["all_gather", "exchange"])
 @pytest.mark.parametrize("strategy", ["balanced", "dual_chunk_swap"])
-def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv_exchange):
+def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv):
     """``shard_batch(device=...)`` uploads the pack with its host copy and makes the plan, so a
     compiled CP step (two layers, forward and backward, the kernels' scratch and the sparse
     exchange's plan included) makes no host sync. Rank 1 of 4 on the fake group, whose
@@ -432,14 +431,16 @@ def test_a_compiled_step_from_the_loader_never_waits_for_the_gpu(strategy, kv_ex
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
     try:
-        backend = cpcompile.backend(config=cpcompile.Config(kv_exchange=kv_exchange))
+        backend = cpcompile.backend()
         compiled = torch.compile(two_layers, backend=backend, dynamic=True)
         packs = ([3000, 5, 1200, 700], [1500, 1500, 1, 2000, 64], [4100, 7, 900])
         for i, lengths in enumerate(packs):
             cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             gen = torch.Generator().manual_seed(i)
             qkv = {name: torch.randn(int(cu[-1]), h, 128, generator=gen) for name, h in (("q", 8), ("k", 2), ("v", 2))}
-            batch = cpcompile.shard_batch(qkv, cu, cp_size=cp, rank=rank, strategy=strategy, device="cuda")
+            batch = cpcompile.shard_batch(
+                qkv, cu, cp_size=cp, rank=rank, strategy=cpcompile.StrategySpec(strategy, kv=kv), device="cuda"
+            )
             q, k, v = (batch.tensors[n].to(torch.bfloat16).requires_grad_() for n in "qkv")
             torch.cuda.synchronize()
             with _no_sync() if i == len(packs) - 1 else contextlib.nullcontext(), cpcompile.strategy(batch):

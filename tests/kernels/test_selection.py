@@ -102,10 +102,10 @@ def test_select_names_the_kernel_and_what_is_accepted(monkeypatch):
         kernels.select(q, "cudnn")
     monkeypatch.setenv("CPCOMPILE_KERNEL", "cudnn")
     assert kernels.select(q) is reference  # the name comes from the caller, not the environment
-    # ... from the caller's Config, all the way through an op
+    # ... from the caller's kernel argument, all the way through an op
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="kernel 'cudnn' needs CUDA fp16/bf16 tensors"):
-        cpcompile.packed_attention(q, q, q, cu, config=cpcompile.Config(kernel="cudnn"))
+        cpcompile.packed_attention(q, q, q, cu, kernel="cudnn")
 
 
 def test_auto_takes_fa4s_backward_on_long_pieces():

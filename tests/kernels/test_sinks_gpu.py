@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not fa4.available(), reason="needs flash-attn-4"),
 ]
 LENGTHS = [1, 700, 129, 2048, 64]
-FA4 = cpcompile.Config(kernel="fa4")
+FA4 = {"kernel": "fa4"}
 
 
 def _case(lengths, hq=8, hkv=2, d=128, seed=0):
@@ -63,10 +63,10 @@ def test_packed_attention_with_sinks_fa4_bf16(window):
     want = _reference(q, k, v, dout, cu, sinks, window)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     mask = {"causal": window[1] == 0, "window_size": window}
-    out = cpcompile.packed_attention(*leaves[:3], cu, sinks=leaves[3], config=FA4, **mask)
+    out = cpcompile.packed_attention(*leaves[:3], cu, sinks=leaves[3], **FA4, **mask)
     got = [out, *torch.autograd.grad(out, leaves, dout)]
     plain = [t.clone().requires_grad_() for t in (q, k, v)]
-    base_out = cpcompile.packed_attention(*plain, cu, config=FA4, **mask)
+    base_out = cpcompile.packed_attention(*plain, cu, **FA4, **mask)
     base = [base_out, *torch.autograd.grad(base_out, plain, dout)]
     plain_want = _reference(q, k, v, dout, cu, None, window)
     native = _native_forward(q, k, v, cu, sinks, window)
@@ -86,16 +86,14 @@ def test_cp_attention_with_sinks_on_one_nccl_rank():
     try:
         cu, q, k, v, dout, sinks = _case([3, 300, 77])
         leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        out = cpcompile.packed_attention(*leaves[:3], cu, sinks=leaves[3], config=FA4)
+        out = cpcompile.packed_attention(*leaves[:3], cu, sinks=leaves[3], **FA4)
         want = [out, *torch.autograd.grad(out, leaves, dout)]
-        for comm, kv in (("all_gather", "never"), ("all_gather", "always"), ("ring", "auto")):
+        for kv in ("all_gather", "exchange", "ring"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-            config = cpcompile.Config(kernel="fa4", kv_exchange=kv)
-            out = cpcompile.cp_attention(
-                *leaves[:3], cu, strategy="no_load_balance", comm=comm, sinks=leaves[3], config=config
-            )
+            spec = cpcompile.StrategySpec("no_load_balance", kv=kv, kernel="fa4")
+            out = cpcompile.cp_attention(*leaves[:3], cu, strategy=spec, sinks=leaves[3])
             got = [out, *torch.autograd.grad(out, leaves, dout)]
             for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
-                assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max(), f"{name} {comm} {kv}"
+                assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max(), f"{name} {kv}"
     finally:
         dist.destroy_process_group()

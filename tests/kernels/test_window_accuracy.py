@@ -66,8 +66,7 @@ def test_packed_attention_windows_bf16(window, kernel):
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q, k, v, dout = _inputs(sum(LENGTHS))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    config = cpcompile.Config(kernel=kernel)
-    out = cpcompile.packed_attention(*leaves, cu, causal=False, window_size=window, config=config)
+    out = cpcompile.packed_attention(*leaves, cu, causal=False, window_size=window, kernel=kernel)
     got = [out, *torch.autograd.grad(out, leaves, dout)]
     _check(got, _baseline(q, k, v, dout, cu, window), _reference(q, k, v, dout, cu, window), f"{kernel} {window}")
 
@@ -114,7 +113,7 @@ def test_windows_no_gpu_kernel_runs():
         with pytest.raises(ValueError, match=r"cannot run window_size=\(2, 2\) on pieces of documents"):
             cpcompile.packed_attention(
                 q, k, v, cu, cu_seqlens_padded=padded, causal=False, window_size=(2, 2),
-                config=cpcompile.Config(kernel=kernel),
+                kernel=kernel,
             )  # fmt: skip
     with pytest.warns(UserWarning, match="the exact reference kernel runs it"):
         out = cpcompile.packed_attention(q, k, v, cu, cu_seqlens_padded=padded, causal=False, window_size=(2, 2))

@@ -94,7 +94,7 @@ def test_capacity_values_are_checked(value):
 def test_capacity_takes_a_pair_and_refuses_head_parallelism():
     assert StrategySpec("balanced", capacity=(64, 3)).capacity == Capacity(tokens=64, documents=3)
     with pytest.raises(ValueError, match=r"capacity=\(64, 3\) is not supported with head_parallel=2 yet"):
-        StrategySpec("balanced", head_parallel=2, capacity=(64, 3))
+        StrategySpec("balanced", kv="heads", head_parallel=2, capacity=(64, 3))
 
 
 @pytest.mark.parametrize(
@@ -184,16 +184,16 @@ class OneGraphPerBucket(FakeGroupTestCase):
         and nothing in it has a symbolic size (the plan's pieces included)."""
         cfg = GPTConfig(vocab=32, dim=32, heads=2, kv_heads=1, layers=2, max_position=256)
         model = PackedGPT(cfg)
-        config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges
         capacity = Capacity(tokens=128, documents=10)
         for strategy in ("balanced", "dual_chunk_swap"):
             torch._dynamo.reset()
             counters.clear()
             shapes = []
-            backend = cpcompile.backend(inner=_static_graphs(shapes), config=config)
+            backend = cpcompile.backend(inner=_static_graphs(shapes))
             compiled = torch.compile(model, backend=backend, dynamic=False)
             g = torch.Generator().manual_seed(0)
-            spec = StrategySpec(strategy, capacity=capacity)
+            # the fake group cannot run data-dependent exchanges
+            spec = StrategySpec(strategy, capacity=capacity, kv="all_gather")
             for i in range(6):
                 docs = 1 if i == 0 else int(torch.randint(2, 10, (1,), generator=g))
                 lengths = torch.randint(1, 12, (docs,), generator=g).tolist()
@@ -252,11 +252,11 @@ class OneGraphPerBucketHF(FakeGroupTestCase):
         from tests.integrations.test_hf import flattened_batch, tiny_model
 
         model = tiny_model("llama", cphf.ATTN_IMPLEMENTATION)
-        config = cpcompile.Config(kv_exchange="never")  # the fake group cannot run data-dependent exchanges
         torch._dynamo.reset()
         counters.clear()
-        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager", config=config), dynamic=False)
-        spec = StrategySpec("balanced", capacity=Capacity(tokens=64, documents=6))
+        compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=False)
+        # the fake group cannot run data-dependent exchanges
+        spec = StrategySpec("balanced", capacity=Capacity(tokens=64, documents=6), kv="all_gather")
         for step, lengths in enumerate(([7, 5], [20, 1, 3], [9, 9, 9, 2], [30])):
             batch = flattened_batch(lengths, seed=step)
             inputs, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy=spec, max_length=64)
@@ -271,16 +271,16 @@ def _eager_on_capacity(rank: int, world: int) -> None:
 
     cu, _, q, k, v, dout = attention_case([5, 17, 1, 9], 4, 2, 8, seed=1)
     tensors = {"q": q, "k": k, "v": v, "dout": dout}
-    for comm in ("all_gather", "ring"):
+    for kv in ("auto", "ring"):
         for strategy in ("dual_chunk_swap", "balanced", "no_load_balance"):
             for causal in (True, False):
-                spec = StrategySpec(strategy, comm=comm, capacity=Capacity(tokens=96, documents=6))
+                spec = StrategySpec(strategy, kv=kv, capacity=Capacity(tokens=96, documents=6))
                 batch = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
                 ref, *ref_grads = attention_fp64_on_rank(batch.cu_seqlens, batch, tensors, causal=causal)
                 local = [batch.tensors[n].clone().requires_grad_() for n in "qkv"]
                 out = cpcompile.cp_attention(*local, batch.cu_seqlens, strategy=batch, causal=causal)
                 grads = torch.autograd.grad(out, local, batch.tensors["dout"])
-                label = f"rank {rank} {comm} {strategy} causal={causal}"
+                label = f"rank {rank} {kv} {strategy} causal={causal}"
                 assert relative_error(out, ref) < 1e-4, f"out {label}"
                 for name, got, want in zip("qkv", grads, ref_grads):
                     assert relative_error(got, want) < 1e-4, f"d{name} {label}"
@@ -379,9 +379,9 @@ class TorchCompileMode(FakeGroupTestCase):
             batch = cpcompile.shard_batch({n: pack[n] for n in names}, pack["cu_seqlens"], cp_size=2, rank=1,
                                           strategy=spec)  # fmt: skip
             # made here, under the stand-in: a backend made before it would keep inductor's own compile_fx
-            backend = cpcompile.backend(config=cpcompile.Config(kv_exchange="never"))  # the fake group: no exchange
+            backend = cpcompile.backend()
             compiled = torch.compile(model, backend=backend, dynamic=dynamic, **kwargs)
-            with cpcompile.strategy(batch):
+            with cpcompile.strategy(batch, kv="all_gather"):  # the fake group: no exchange
                 compiled(*(batch.tensors[n] for n in names), batch.cu_seqlens, 9).sum().backward()
 
         bucket = StrategySpec("balanced", capacity=Capacity(tokens=32, documents=4))
@@ -447,5 +447,5 @@ def test_capacity_for_is_the_smallest_bucket_that_holds_every_pack(spec):
         cpcompile.layouts.capacity_for(packs, cp_size=cp, strategy="auto")
     with pytest.raises(ValueError, match="capacity buckets are not supported with head_parallel=2 yet"):
         cpcompile.layouts.capacity_for(
-            packs, cp_size=cp, strategy=StrategySpec(spec.strategy, spec.stripe_size, head_parallel=2)
+            packs, cp_size=cp, strategy=StrategySpec(spec.strategy, spec.stripe_size, kv="heads", head_parallel=2)
         )

@@ -51,13 +51,12 @@ def test_exchange_sums_take_own_rows_then_senders_in_rank_order():
     assert torch.equal(_sum_layers(own_rows, own_compact, send_rows, send_counts, 4, 5), want)
 
 
-@pytest.mark.parametrize("kv_exchange", ["always", "never", "auto"])
-def test_each_setting_runs(single_rank_group, kv_exchange):
+@pytest.mark.parametrize("kv", ["exchange", "all_gather", "auto"])
+def test_each_setting_runs(single_rank_group, kv):
     cu = torch.tensor([0, 3, 12, 16], dtype=torch.int32)
     q = torch.randn(16, 4, 8)
     k, v = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
-    config = cpcompile.Config(kv_exchange=kv_exchange)
-    out = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", config=config)
+    out = cpcompile.cp_attention(q, k, v, cu, strategy=cpcompile.StrategySpec("no_load_balance", kv=kv))
     want = cpcompile.packed_attention(q, k, v, cu)
     torch.testing.assert_close(out, want)
 
@@ -70,12 +69,12 @@ def test_a_copied_plan_exchanges(single_rank_group):
     k, v = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
     plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
     copied = type(plan)(*(t.clone() for t in plan))
-    config = cpcompile.Config(kv_exchange="always")
-    out = cpcompile.cp_attention(q, k, v, cu, strategy="no_load_balance", plan=copied, config=config)
+    exchange = cpcompile.StrategySpec("no_load_balance", kv="exchange")
+    out = cpcompile.cp_attention(q, k, v, cu, strategy=exchange, plan=copied)
     torch.testing.assert_close(out, cpcompile.packed_attention(q, k, v, cu))
     other = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"plan was made from other cu_seqlens: cu_seqlens\[1\] is 4, the plan's 3"):
-        cpcompile.cp_attention(q, k, v, other, strategy="no_load_balance", plan=copied, config=config)
+        cpcompile.cp_attention(q, k, v, other, strategy=exchange, plan=copied)
 
 
 # --- the plan, made without communication -------------------------------------------------
@@ -178,7 +177,7 @@ def test_a_plan_carries_its_pack_as_values():
         made = exchange_plan(*_keys(plan, True), *_pack(plan), causal, "group", "always")
         _assert_same(exchange_plan(*_keys(copied, True), *_pack(copied), causal, "group", "always"), made, "copy")
         assert exchange_plan(*_keys(plan, True), None, None, causal, "group", "auto") is None
-        with pytest.raises(ValueError, match=r"kv_exchange='always' needs the pack's offsets \(the plan's cu_seqlens"):
+        with pytest.raises(ValueError, match=r"kv='exchange' needs the pack's offsets \(the plan's cu_seqlens"):
             exchange_plan(*_keys(plan, True), None, None, causal, "group", "always")
     with (
         _rank_that_cannot_communicate(2, 0),

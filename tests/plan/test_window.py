@@ -79,7 +79,7 @@ def test_windows_go_with_balanced_and_auto_alone():
     with pytest.raises(ValueError, match=r"windows=\(4,\) only applies to strategies 'balanced' and 'auto'"):
         StrategySpec("no_load_balance", windows=(4,))
     with pytest.raises(ValueError, match=r"with head_parallel=1, not 'auto' with head_parallel=2"):
-        StrategySpec("auto", windows=(4,), head_parallel=2)
+        StrategySpec("auto", windows=(4,), kv="heads", head_parallel=2)
     with pytest.raises(ValueError, match=r"windows must be a tuple of ints >= -1 \(-1: a global layer\), got \(-3,\)"):
         StrategySpec("balanced", windows=(-3,))
 

@@ -67,10 +67,11 @@ def cases(cp: int, us: list[int], hq: int) -> list[StrategySpec]:
     """The specs measured: each layout for every u < cp, no_load_balance for u = cp; u must divide cp and Hq."""
     specs = []
     for u in us:
+        heads = {"kv": "heads", "head_parallel": u} if u > 1 else {}  # u = 1: sequence CP
         if u == cp:
-            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, kv="heads", head_parallel=u))
+            specs.append(StrategySpec(Strategy.NO_LOAD_BALANCE, **heads))
         elif cp % u == 0 and hq % u == 0:
-            specs += [StrategySpec(s.strategy, s.stripe_size, kv="heads", head_parallel=u) for s in LAYOUTS]
+            specs += [StrategySpec(s.strategy, s.stripe_size, **heads) for s in LAYOUTS]
     return specs
 
 

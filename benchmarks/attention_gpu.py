@@ -44,6 +44,7 @@ from cpcompile.attention import gathered
 from cpcompile.batch import _to_documents
 from cpcompile.cache import upload
 from cpcompile.comm.kv_gather import grad_buffers
+from cpcompile.cost.comm import use_exchange
 from cpcompile.cost.flops import causal_attention_flops
 from cpcompile.kernels import cudnn, fa4
 from cpcompile.layouts import balanced_op
@@ -146,7 +147,7 @@ def rank_reads(plans: list, cp: int, window) -> list | None:
     apply to the counts they all hold), else ``None``: the all-gather."""
     read = [exchange.reads(p.gather_index, *window_keys(*p.pieces, window)[:2], cp) for p in plans]
     counts = [r.counts.tolist() for r in read]
-    return read if exchange.use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
+    return read if use_exchange(counts, plans[0].gather_index.shape[0] // cp) else None
 
 
 def single_step(attention, q, k, v, backward: bool):

@@ -14,7 +14,7 @@ A rank's kernel work per u (each timed with the real kernel, as cpcompile runs i
   call; one is timed.
 
 Efficiency = best single-GPU time / (cp x slowest rank), communication excluded (docs/design.md
-"Cost"). Beside it, what the busiest rank receives per layer (``cpcompile.advisor.comm_model.layer_bytes``:
+"Cost"). Beside it, what the busiest rank receives per layer (``cpcompile.cost.comm.layer_bytes``:
 head all-to-alls, all-gather, exchange, counted from the plans), that time *modelled* at
 ``--bandwidth`` GB/s per GPU (not measured), and the efficiency with it added (nothing overlapped).
 
@@ -43,10 +43,11 @@ from report import REPO, add_output_argument, header, publish  # noqa: E402
 
 import cpcompile  # noqa: E402
 from cpcompile import Strategy, StrategySpec, kernels  # noqa: E402
-from cpcompile.advisor.comm_model import Heads, Link, layer_bytes  # noqa: E402
+from cpcompile.advisor.comm_model import Link  # noqa: E402
 from cpcompile.attention import heads as head_ops  # noqa: E402
 from cpcompile.cache import upload  # noqa: E402
 from cpcompile.comm.heads import kv_replication  # noqa: E402
+from cpcompile.cost.comm import Heads, layer_bytes  # noqa: E402
 from cpcompile.cost.flops import causal_attention_flops  # noqa: E402
 from cpcompile.kernels import fa4  # noqa: E402
 from cpcompile.plan.pieces import AttentionPlan, make_head_plan, make_hybrid_plan, max_piece_len  # noqa: E402
@@ -221,7 +222,7 @@ def intro(args, source: str, link: Link, kernel: str) -> list[str]:
         f"cp={args.cp}, {args.tokens} tokens per pack from {source}, bf16, head dim {D}, causal; {timing}. "
         "u = head_parallel: 1 sequence CP, 1 < u < cp the hybrid (heads inside groups of u, the all-gather "
         "between them), u = cp pure head parallelism (the op's per-rank call on whole documents). MB: what the "
-        "busiest rank receives per layer in the pass timed (`cpcompile.advisor.comm_model.layer_bytes`, counted from "
+        "busiest rank receives per layer in the pass timed (`cpcompile.cost.comm.layer_bytes`, counted from "
         "the "
         f"plans); comm ms: that at an assumed {link.bandwidth_gbps} GB/s per GPU, modelled, not measured; "
         "efficiency with comm: the same reference / (cp x (slowest rank + comm ms)), nothing overlapped. "

@@ -1,9 +1,9 @@
-"""CP at scale on paper (CPU): the step-time model (``cpcompile.advisor.timing``) calibrated against the
+"""CP at scale on paper (CPU): the step-time model (``cpcompile.cost.timing``) calibrated against the
 measured cp=2 runs, then per-GPU efficiency, bytes and host planning time from cp=8 to 256.
 
 Scale: packs of ProLong's document lengths (``--doclens``; ``--cpu-smoke``: the advisor's built-in
 synthetic mix), heads 32/8 of 128 in bf16, over 8-GPU H200 nodes (``Topology`` ``h200``: NVLink as
-fitted, 50 GB/s per GPU across nodes, assumed). Per CP size, :func:`cpcompile.advisor.timing.decide`
+fitted, 50 GB/s per GPU across nodes, assumed). Per CP size, :func:`cpcompile.cost.timing.decide`
 picks among dual_chunk_swap and balanced with the all-gather, the exchange and (up to cp 64) the ring,
 the hybrid with heads inside a node (``u = 8``) and pure head parallelism where ``cp`` divides the
 heads; efficiency = one GPU's attention time for the pack / (cp x the slowest rank's predicted
@@ -39,8 +39,8 @@ import torch
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.advisor.advise import BUILTIN_MIX, cut_pack, length_sampler
-from cpcompile.advisor.comm_model import Heads, Phase, layout_key
-from cpcompile.advisor.timing import (
+from cpcompile.cost.comm import Heads, Phase, layout_key
+from cpcompile.cost.timing import (
     H200,
     KernelSpeed,
     LayerTerms,

@@ -19,8 +19,8 @@ step with that communication added; its recommendation is what
 
 ``--topology`` adds a third table: every layout with every K/V path (all-gather, sparse
 exchange, ring, the hybrid of each ``u``, pure head parallelism) and its predicted layer in
-milliseconds over that topology, as run and overlapped (:mod:`cpcompile.advisor.timing`), and
-what :func:`cpcompile.advisor.timing.decide` picks on each pack.
+milliseconds over that topology, as run and overlapped (:mod:`cpcompile.cost.timing`), and
+what :func:`cpcompile.cost.timing.decide` picks on each pack.
 
 Length files: a JSON list of token counts, a text file with one count per line, or a
 CSV of ``upper_bound_tokens,cumulative_percent`` (a length histogram as a CDF: a bin
@@ -45,9 +45,10 @@ from pathlib import Path
 
 import torch
 
-from cpcompile.advisor.comm_model import Heads, Link, StepPrediction, candidates_with_heads, check_heads, predict_step
-from cpcompile.advisor.timing import StepTime, Topology, decide, option_name, parse_topology
+from cpcompile.advisor.comm_model import Link, StepPrediction, candidates_with_heads, predict_step
+from cpcompile.cost.comm import Heads, check_heads
 from cpcompile.cost.model import CostModel, RankCosts, auto_candidates, predict_rank_costs
+from cpcompile.cost.timing import StepTime, Topology, decide, option_name, parse_topology
 from cpcompile.spec import Strategy, StrategySpec
 
 # auto must beat the best fixed strategy by this much to be worth a per-batch host-side decision
@@ -235,7 +236,7 @@ class HeadAdvice:
 
 @dataclasses.dataclass
 class TopologyAdvice:
-    """The third table: every option :func:`cpcompile.advisor.timing.decide` weighs, its predicted layer
+    """The third table: every option :func:`cpcompile.cost.timing.decide` weighs, its predicted layer
     on each pack over a topology."""
 
     topology: Topology
@@ -260,7 +261,7 @@ class Advice:
 
 
 def advise_topology(packs: list[torch.Tensor], *, cp_size: int, heads: Heads, topology: Topology) -> TopologyAdvice:
-    """:func:`cpcompile.advisor.timing.decide` on every pack, with every option's predicted layer kept."""
+    """:func:`cpcompile.cost.timing.decide` on every pack, with every option's predicted layer kept."""
     decisions = [decide(cu, cp_size=cp_size, heads=heads, topology=topology) for cu in packs]
     choices = decisions[0].options
     times = [[d.times[i] for d in decisions] for i in range(len(choices))]
@@ -301,7 +302,7 @@ def advise(
     Args:
         packs: ``cu_seqlens`` ``[B + 1]`` int32 of each pack, all of the same total.
         model: cost constants (default :class:`cpcompile.cost.CostModel`).
-        heads: the model's :class:`~cpcompile.advisor.comm_model.Heads`: also weigh head parallelism and
+        heads: the model's :class:`~cpcompile.cost.comm.Heads`: also weigh head parallelism and
             every option's communication at ``link`` (:func:`advise_heads`); ``None``: not.
         topology: also predict every layout, K/V path and ``u`` over it in milliseconds
             (:func:`advise_topology`; needs ``heads``); ``None``: not.
@@ -382,7 +383,7 @@ def format_topology(advice: TopologyAdvice, cp: int) -> list[str]:
     t, h = advice.topology, advice.heads
     nodes = -(-cp // t.gpus_per_node)
     lines = [
-        f"predicted layer over the topology (cpcompile.advisor.timing): {nodes} node(s) of {t.gpus_per_node} GPUs, "
+        f"predicted layer over the topology (cpcompile.cost.timing): {nodes} node(s) of {t.gpus_per_node} GPUs, "
         f"NVLink {t.intra_gbps:g} GB/s, across nodes {t.inter_gbps:g} GB/s per GPU; heads {h.q}/{h.kv} x {h.dim}, "
         "forward+backward of attention:",
         "",
@@ -407,7 +408,7 @@ def format_topology(advice: TopologyAdvice, cp: int) -> list[str]:
         "as run: the slowest rank's compute + communication (the ring: each step its slowest rank's, its next block",
         "in flight); overlapped: the slowest rank's max(compute, communication), what hiding the traffic would give;",
         "compute, comm: the busiest rank's; MB/rank: the most a rank receives; picks: packs on which",
-        "cpcompile.advisor.timing.decide picks it. The constants are fitted to cp=2 on 2 x H200; the inter-node link",
+        "cpcompile.cost.timing.decide picks it. The constants are fitted to cp=2 on 2 x H200; the inter-node link",
         "is assumed (docs/communication.md, 'The step-time model').",
         "",
         f"over this topology: {advice.recommended} (lowest predicted layer over {n} packs)",
@@ -535,7 +536,7 @@ def heads_pair(text: str) -> tuple[int, int]:
 
 
 def topology_option(text: str) -> Topology:
-    """argparse type: :func:`cpcompile.advisor.timing.parse_topology`, its error as argparse's."""
+    """argparse type: :func:`cpcompile.cost.timing.parse_topology`, its error as argparse's."""
     try:
         return parse_topology(text)
     except ValueError as e:
@@ -593,7 +594,7 @@ def main(argv: list[str] | None = None) -> Advice:
         default=None,
         metavar="NAME[,FIELD=VALUE...]",
         help="also predict every layout, K/V path and u in milliseconds over this topology (h200, h200-200g, "
-        "h200-4; fields of cpcompile.advisor.timing.Topology replaced, e.g. h200,inter_gbps=25)",
+        "h200-4; fields of cpcompile.cost.timing.Topology replaced, e.g. h200,inter_gbps=25)",
     )
     args = parser.parse_args(argv)
     if args.pack < args.cp:

@@ -52,8 +52,8 @@ has no communication and no head count, which head parallelism trades against (i
 all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and
 ``head_parallel`` changes the collectives a compiled graph runs. Weighing ``u`` is an
 opt-in given the heads: :func:`cpcompile.advisor.comm_model.choose_spec`, and with the K/V path
-over a topology :func:`cpcompile.advisor.timing.decide` (its hook for ``auto``:
-:func:`cpcompile.advisor.timing.resolve`).
+over a topology :func:`cpcompile.cost.timing.decide` (its hook for ``auto``:
+:func:`cpcompile.cost.timing.resolve`).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ BWD_ROWS = 64
 #: Step 5: what the backward pays per key block a piece reads (loading its keys, writing its dK/dV), in
 #: backward tiles (docs/attention-kernels.md, "Where the per-rank gap is": between the two head layouts'
 #: fits). A pair's backward costs ``BACKWARD_PER_PAIR = 5 / 2`` of its forward (the cost model's FLOP split,
-#: ``cpcompile.advisor.comm_model.comm_pairs``; ``cpcompile.advisor.timing.KernelSpeed`` fits about as much).
+#: ``cpcompile.advisor.comm_model.comm_pairs``; ``cpcompile.cost.timing.KernelSpeed`` fits about as much).
 KEY_BLOCK = 3
 #: Step 5 re-cuts at most this many times, keeping the layout whose busiest rank's forward + backward work
 #: is least among those whose busiest rank's forward is within 1 / FORWARD_SLACK of steps 0-4's.

@@ -73,3 +73,27 @@ def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torc
     steps = torch.cat([torch.ones_like(k_len), -torch.ones_like(k_len)]).long()  # +1 at a start, -1 past an end
     reads = torch.zeros(num_keys + 1, dtype=torch.int64, device=k_len.device).index_add_(0, ends, steps)
     return reads.cumsum(0)[:num_keys] > 0
+
+
+def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
+    """``(reader, lo, hi, first, n, matrix)``: every rank's reads ``(reader, lo, hi)`` ``[M]``
+    (:func:`cpcompile.layouts.reads.read_ranges`), a rank that reads no key given the pack's first row
+    (kernels need keys), still rank after rank; ``first``, ``n`` ``[cp, M]``: rank ``s``'s first row of
+    each run and how many rows of it it holds; and the count matrix, ``matrix[r][s]`` the rows rank ``r``
+    reads from rank ``s``: the same on every rank, what :func:`cpcompile.cost.comm.use_exchange` decides by."""
+    layout = pack.layout  # [cp, T_local], each row ascending
+    cp = layout.shape[0]
+    reader, lo, hi = reads
+    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
+    if bool(idle.any()):
+        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
+        start = pack.cu_seqlens_padded[:-1].long()  # [B]
+        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
+        idlers = idle.nonzero().squeeze(1)
+        row = start[first_doc].expand(idlers.shape[0])
+        order = torch.cat([reader, idlers]).argsort(stable=True)
+        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
+    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
+    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
+    return reader, lo, hi, first, n, matrix

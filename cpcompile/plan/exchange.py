@@ -6,9 +6,10 @@ all-gather brings; under dual_chunk_swap all of it). So, per plan, each rank wor
 which rows every rank reads, from the pack the plan carries (its layout, ``gather_index``, and
 its offsets), which all ranks hold alike (:func:`exchange_plan`: no communication, and no host
 sync where the plan was made on the host, as :func:`cpcompile.plan.pieces.step_plan` makes it).
-The all-gather path stays for layouts where ranks read most keys: :func:`use_exchange` picks per plan, the same way on
-every rank, from the count matrix they all hold; :data:`EXCHANGE_AT` keeps a margin for
-cp > 2, where the all-to-all spans more GPUs.
+The all-gather path stays for layouts where ranks read most keys: :func:`cpcompile.cost.comm.use_exchange` picks per
+plan, the same way on every rank, from the count matrix they all hold
+(:func:`cpcompile.layouts.reads.read_counts`); ``cost.comm.EXCHANGE_AT`` keeps a margin for cp > 2, where the
+all-to-all spans more GPUs. The rule lives with the communication model, which counts what it decides.
 
 :mod:`cpcompile.comm.exchange` moves the rows this plan names; :mod:`cpcompile.attention.exchange`
 runs the kernel between the moves.
@@ -22,15 +23,10 @@ import torch
 
 from cpcompile.cache import on_host, per_plan, twinned, upload
 from cpcompile.comm.groups import resolve_group
+from cpcompile.cost.comm import SETTINGS, use_exchange
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.reads import keys_read, read_ranges
+from cpcompile.layouts.reads import keys_read, read_counts, read_ranges
 from cpcompile.plan.pieces import layout_of
-
-#: Exchange when the busiest rank's rows sent or received are at most this fraction of an
-#: all-gather's ``(cp - 1) x T_local``; ``StrategySpec.kv`` ``"exchange"`` and ``"all_gather"`` override it.
-EXCHANGE_AT = 0.75
-#: ``StrategySpec.exchange`` (of ``kv``): exchange where it pays, always, or never (all-gather).
-SETTINGS = ("auto", "always", "never")
 
 
 class Exchange(NamedTuple):
@@ -57,17 +53,6 @@ class Exchange(NamedTuple):
     sums: torch.Tensor
     recv_counts: list[int]
     send_counts: list[int]
-
-
-def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
-    """Whether to exchange, from ``counts[r][s]`` (rows rank r reads from rank s): the
-    same answer on every rank, since every rank holds the whole matrix."""
-    if choice != "auto":
-        return choice == "always"
-    cp = len(counts)
-    received = [sum(row) - row[r] for r, row in enumerate(counts)]
-    sent = [sum(counts[r][s] for r in range(cp)) - counts[s][s] for s in range(cp)]
-    return max(received + sent) <= EXCHANGE_AT * (cp - 1) * t_local
 
 
 class Reads(NamedTuple):
@@ -124,12 +109,12 @@ def exchange_plan(
     """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical keys
     under ``window``, ``(left, right)``) of the pack of ``cu_seqlens`` and ``cu_seqlens_padded``
     (``[B + 1]`` int32, an :class:`~cpcompile.plan.pieces.AttentionPlan`'s) laid out as ``gather_index``
-    ``[T]`` says, or ``None`` where the all-gather is used; ``choice``: one of :data:`SETTINGS`
+    ``[T]`` says, or ``None`` where the all-gather is used; ``choice``: one of ``cost.comm.SETTINGS``
     (``StrategySpec.exchange``).
 
     No communication: the plan carries the whole pack, which every rank holds alike, so each rank
     derives every rank's reads itself (:func:`make_exchange`), and all reach the same answer to
-    :func:`use_exchange`. Made once per plan and window (``per_plan``) on the host, from the plan's
+    :func:`~cpcompile.cost.comm.use_exchange`. Made once per plan and window (``per_plan``) on the host, from the plan's
     host twins where it has them (:func:`cpcompile.plan.pieces.step_plan`), else from a copy (one
     host sync), and uploaded with twins. Ranks must agree on ``choice``: the spec's ``kv`` is one of what
     ranks compare where they check agreement (``checks.agreement_enabled``: always on gloo).
@@ -166,30 +151,6 @@ def _layout(gather_index: torch.Tensor, cp: int) -> torch.Tensor:
     per plan: the causal, full and windowed exchanges of a step share it."""
     (index,) = on_host(gather_index)
     return layout_of(index, cp)
-
-
-def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
-    """``(reader, lo, hi, first, n, matrix)``: every rank's reads ``(reader, lo, hi)`` ``[M]``
-    (:func:`cpcompile.layouts.reads.read_ranges`), a rank that reads no key given the pack's first row
-    (kernels need keys), still rank after rank; ``first``, ``n`` ``[cp, M]``: rank ``s``'s first row of
-    each run and how many rows of it it holds; and the count matrix, ``matrix[r][s]`` the rows rank ``r``
-    reads from rank ``s``: the same on every rank, what :func:`use_exchange` decides by."""
-    layout = pack.layout  # [cp, T_local], each row ascending
-    cp = layout.shape[0]
-    reader, lo, hi = reads
-    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
-    if bool(idle.any()):
-        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
-        start = pack.cu_seqlens_padded[:-1].long()  # [B]
-        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
-        idlers = idle.nonzero().squeeze(1)
-        row = start[first_doc].expand(idlers.shape[0])
-        order = torch.cat([reader, idlers]).argsort(stable=True)
-        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
-    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
-    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
-    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
-    return reader, lo, hi, first, n, matrix
 
 
 def make_exchange(

@@ -14,8 +14,9 @@ import torch
 
 import cpcompile
 from cpcompile.advisor import advise
-from cpcompile.advisor.comm_model import Heads, choose_spec
-from cpcompile.advisor.timing import decide, option_name, parse_topology
+from cpcompile.advisor.comm_model import choose_spec
+from cpcompile.cost.comm import Heads
+from cpcompile.cost.timing import decide, option_name, parse_topology
 from tests.fixtures import cu_seqlens
 
 

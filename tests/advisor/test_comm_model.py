@@ -10,17 +10,9 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.advisor.comm_model import (
-    Heads,
-    Link,
-    candidates_with_heads,
-    choose_spec,
-    comm_pairs,
-    head_parallel_options,
-    layer_bytes,
-    predict_step,
-)
+from cpcompile.advisor.comm_model import Link, candidates_with_heads, choose_spec, comm_pairs, predict_step
 from cpcompile.comm import collectives
+from cpcompile.cost.comm import Heads, head_parallel_options, layer_bytes
 from cpcompile.cost.model import auto_candidates
 from tests.dist import run_ranks
 from tests.fixtures import attention_case, cu_seqlens

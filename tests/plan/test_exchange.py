@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 import cpcompile
 from cpcompile.comm import collectives
 from cpcompile.comm import exchange as transport
+from cpcompile.cost.comm import EXCHANGE_AT, use_exchange
 from cpcompile.plan import exchange
-from cpcompile.plan.exchange import EXCHANGE_AT, Exchange, _sum_layers, exchange_plan, reads, use_exchange
+from cpcompile.plan.exchange import Exchange, _sum_layers, exchange_plan, reads
 from cpcompile.plan.pieces import step_plan
 from tests.fixtures import LAYOUT_CASE, LAYOUT_SPECS, cu_seqlens
 

@@ -1,4 +1,4 @@
-"""The step-time model (``cpcompile.advisor.timing``): its per-peer bytes against the communication
+"""The step-time model (``cpcompile.cost.timing``): its per-peer bytes against the communication
 model's totals and, for the ring, against what the ring's point-to-point steps receive on gloo; its
 phase times over a topology by hand; and its compute and overlap rules."""
 
@@ -11,8 +11,10 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.advisor.comm_model import Heads, Phase, layer_bytes, peer_bytes
-from cpcompile.advisor.timing import (
+from cpcompile.cost import predict_rank_costs
+from cpcompile.cost.comm import Heads, Phase, layer_bytes, peer_bytes
+from cpcompile.cost.model import auto_candidates, resolve_auto
+from cpcompile.cost.timing import (
     H200,
     KernelSpeed,
     Topology,
@@ -27,8 +29,6 @@ from cpcompile.advisor.timing import (
     resolve,
     ring_step_tiles,
 )
-from cpcompile.cost import predict_rank_costs
-from cpcompile.cost.model import auto_candidates, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.plan.ring import make_ring_plan
 from tests.advisor.test_comm_model import CASES, LENGTHS

@@ -41,7 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from cpcompile.advisor.comm_model import (
+from cpcompile.checks import check_cp, check_int
+from cpcompile.comm.heads import kv_replication
+from cpcompile.cost.comm import (
     Heads,
     Phase,
     check_heads,
@@ -50,8 +52,6 @@ from cpcompile.advisor.comm_model import (
     memoized,
     peer_bytes,
 )
-from cpcompile.checks import check_cp, check_int
-from cpcompile.comm.heads import kv_replication
 from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
@@ -364,7 +364,7 @@ def predict_time(
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
-        heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads`.
+        heads: the attention's :class:`~cpcompile.cost.comm.Heads`.
         passes: ``"forward"`` or ``"forward+backward"``.
     """
     kw = {"heads": heads, "passes": passes, "causal": causal}
@@ -439,7 +439,7 @@ def decide(
 
     Args:
         cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
-        heads: the attention's :class:`~cpcompile.advisor.comm_model.Heads` (what head parallelism moves,
+        heads: the attention's :class:`~cpcompile.cost.comm.Heads` (what head parallelism moves,
             which ``u`` divide).
         paths: the paths to weigh (default all of :data:`PATHS`).
         choices: the options to weigh instead (default :func:`options` of ``paths``).

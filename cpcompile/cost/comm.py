@@ -1,0 +1,294 @@
+"""What CP attention moves between ranks per layer, and when the sparse exchange replaces the all-gather.
+
+Design constraint: like :mod:`cpcompile.cost.model`, integers on the host from ``cu_seqlens``
+alone (and the model's head shape), so every rank gets the same answer; the bytes are
+counted from the plans ``cp_attention`` makes, not measured.
+
+:func:`layer_bytes` gives, per rank, the bytes it *receives* from the others in one
+layer's forward and backward on the path ``cp_attention`` takes for a spec (the
+all-gather, the reduce-scatter and the head all-to-alls send as much as they
+receive; the sparse exchange's ranks differ). With ``T_l`` tokens per rank, ``G =
+Hkv D``, ``b`` the element size of q, k, v and ``a`` the accumulation dtype's (4; 8 for
+float64):
+
+- all-gather (``head_parallel == 1``): K and V from the ``cp - 1`` others, in the forward
+  and again in the backward, and the reduce-scatter of their dK/dV sums:
+  ``(cp - 1) T_l G (2b + 2b + 2a)``;
+- sparse exchange (where ``cp_attention`` takes it: :func:`use_exchange`): the
+  ``R_r`` K/V rows rank ``r`` reads from others, twice, and the dK/dV sums of the ``S_r``
+  rows others read from it: ``G (4b R_r + 2a S_r)``;
+- pure head parallelism (``u == cp``): an all-to-all moves ``(u - 1) / u`` of each tensor
+  it carries (Note [head all-to-all] in ``comm/heads.py``): forward q, K, V (each K/V head
+  ``f`` times: ``comm.heads.kv_replication``) and back the output and its float32 lse;
+  backward dO, q, the output, K, V and lse, and back dQ, and dK/dV (``b``, or ``a`` where
+  ``f > 1``: copies are summed before the one rounding);
+- hybrid (``1 < u < cp``): the head all-to-alls inside the group of ``u`` (forward q, K, V
+  and the output; backward the output's gradient and q's, K's and V's), and the all-gather
+  path between the ``cp / u`` groups over ``u T_l`` tokens of ``Hkv f / u`` heads.
+
+Not counted: the small cross-rank agreement (``checks``), the ring (``kv="ring"``: its bytes per
+peer and step are :func:`peer_bytes`').
+
+The runtime's own rule between the all-gather and the exchange (:func:`use_exchange`, which
+``cpcompile.plan.exchange`` applies per plan) lives here, below the plans, so that this model and
+``auto``'s decision (:mod:`cpcompile.cost.timing`) count what the runtime will do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from cpcompile.checks import check_cp, check_int
+from cpcompile.comm.heads import kv_replication
+from cpcompile.cost.model import _host, resolve_auto
+from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.reads import read_counts, read_ranges
+from cpcompile.spec import StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
+
+#: Exchange when the busiest rank's rows sent or received are at most this fraction of an
+#: all-gather's ``(cp - 1) x T_local``; ``StrategySpec.kv`` ``"exchange"`` and ``"all_gather"`` override it.
+EXCHANGE_AT = 0.75
+#: ``StrategySpec.exchange`` (of ``kv``): exchange where it pays, always, or never (all-gather).
+SETTINGS = ("auto", "always", "never")
+
+
+def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
+    """Whether to exchange, from ``counts[r][s]`` (rows rank r reads from rank s): the
+    same answer on every rank, since every rank holds the whole matrix."""
+    if choice != "auto":
+        return choice == "always"
+    cp = len(counts)
+    received = [sum(row) - row[r] for r, row in enumerate(counts)]
+    sent = [sum(counts[r][s] for r in range(cp)) - counts[s][s] for s in range(cp)]
+    return max(received + sent) <= EXCHANGE_AT * (cp - 1) * t_local
+
+
+class Heads(NamedTuple):
+    """The attention's head shape: ``q`` query heads, ``kv`` key/value heads of ``dim`` elements
+    of ``itemsize`` bytes (2: bf16; 4: float32; 8: float64)."""
+
+    q: int
+    kv: int
+    dim: int = 128
+    itemsize: int = 2
+
+    @property
+    def acc_itemsize(self) -> int:
+        """Bytes of the accumulation dtype (float32; float64 for float64)."""
+        return 8 if self.itemsize == 8 else 4
+
+
+def check_heads(heads: object) -> Heads:
+    """``heads`` as :class:`Heads`, or a ``ValueError`` naming it and what is accepted."""
+    if not isinstance(heads, tuple) or not 2 <= len(heads) <= 4:
+        raise ValueError(f"heads must be Heads(q, kv, dim=128, itemsize=2), got {heads!r}")
+    heads = Heads(*heads)
+    for name, value in heads._asdict().items():
+        check_int(f"heads.{name}", value, minimum=1)
+    if heads.q % heads.kv:
+        raise ValueError(f"heads.q={heads.q} must be a multiple of heads.kv={heads.kv} (GQA)")
+    if heads.itemsize not in (2, 4, 8):
+        raise ValueError(f"heads.itemsize must be 2, 4 or 8 (bytes of q, k, v's dtype), got {heads.itemsize}")
+    return heads
+
+
+class LayerBytes(NamedTuple):
+    """Bytes each rank receives in one layer (module docstring), ``[cp]`` int64 each, and the path."""
+
+    forward: torch.Tensor
+    backward: torch.Tensor
+    path: str  # "all-gather", "exchange", "all-to-all" or "all-to-all + all-gather"
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.forward + self.backward
+
+
+def _all_gather(peers: int, rows: int, width: int, heads: Heads) -> tuple[int, int]:
+    """(forward, backward) bytes of K and V all-gathered from ``peers`` ranks of ``rows`` rows of
+    ``width`` elements, gathered again and their dK/dV sums reduce-scattered in the backward."""
+    kv = 2 * peers * rows * width
+    return kv * heads.itemsize, kv * (heads.itemsize + heads.acc_itemsize)
+
+
+def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads):
+    """``(cu, spec, heads)``: the checked arguments of a layer's model (:func:`layer_bytes`,
+    :func:`peer_bytes`): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
+    check_cp(cp_size)
+    heads = check_heads(heads)
+    cu = _host("cu_seqlens", cu_seqlens)
+    return cu, resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size), heads
+
+
+def layer_bytes(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike = None,
+    heads: Heads,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    causal: bool = True,
+) -> LayerBytes:
+    """Bytes each rank receives in one layer's attention, forward and backward (module docstring).
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        strategy: any strategy (``auto`` is resolved first, keeping its ``kv`` and ``head_parallel``);
+            default the active one. Its ``kv`` says how K/V move: ``"auto"`` exchanges K/V rows where
+            it pays, ``"exchange"`` always, ``"all_gather"`` never (the hybrid never does); ``"ring"`` is
+            not modelled (a ``ValueError``).
+        heads: the attention's :class:`Heads`; ``heads.q`` must divide by ``head_parallel``.
+        cu_seqlens_padded: ``[B + 1]`` int32 physical offsets; default :func:`cpcompile.layouts.pad_for_cp`.
+    """
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads)
+    if spec.kv == "ring":
+        raise ValueError("layer_bytes models every kv but 'ring' (the all-gather, the exchange, heads), got kv='ring'")
+    kw = {"cu_seqlens_padded": cu_seqlens_padded, "causal": causal}
+    layer = peer_bytes(cu, cp_size=cp_size, strategy=spec, heads=heads, **kw)
+
+    def received(passes: str) -> torch.Tensor:
+        return torch.tensor([sum(sum(p.recv[r]) for p in layer.phases if p.passes == passes) for r in range(cp_size)])
+
+    return LayerBytes(received("forward"), received("backward"), _PATHS[layer.path])
+
+
+#: :func:`peer_bytes`' path names as :class:`LayerBytes` names them (by the collectives).
+_PATHS = {
+    "all-gather": "all-gather",
+    "exchange": "exchange",
+    "heads": "all-to-all",
+    "hybrid": "all-to-all + all-gather",
+}
+
+
+class Phase(NamedTuple):
+    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s``."""
+
+    passes: str  # "forward" or "backward"
+    kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
+    recv: list[list[int]]
+    count: int = 1  # collectives of this shape (their latency)
+
+
+class Layer(NamedTuple):
+    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path, its phases, and per rank
+    the local rows the plan reads (for copies)."""
+
+    spec: StrategySpec
+    path: str
+    phases: list[Phase]
+
+
+def layout_key(spec: StrategySpec) -> StrategySpec:
+    """What a spec's layout depends on: all of it but how attention runs (``kv``, ``head_parallel``: head
+    parallelism runs a head group's layouts one after the other; ``kernel``, ``kv_chunks``)."""
+    return dataclasses.replace(spec, kv="auto", head_parallel=1, kernel=None, kv_chunks=1)
+
+
+def memoized(memo: dict | None, key: tuple, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
+    """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
+    matrix, :func:`cpcompile.plan.exchange.read_counts`, as every rank builds it)."""
+    return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
+
+
+def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:
+    """``recv[r][s] = nbytes`` for every ``s`` in ``peers(r)``."""
+    recv = [[0] * cp for _ in range(cp)]
+    for r in range(cp):
+        for s in peers(r):
+            recv[r][s] = nbytes
+    return recv
+
+
+def peer_bytes(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategyLike,
+    heads: Heads,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    causal: bool = True,
+    _memo: dict | None = None,
+) -> Layer:
+    """Every phase of one layer's attention with the bytes each rank receives from each other rank.
+
+    Summed over peers and phases of a pass, the bytes are :func:`layer_bytes`' (which the gloo tests check
+    against the collectives), and for ``kv="ring"``: forward ``cp - 1`` K/V blocks from the previous rank,
+    backward ``cp - 1`` K/V blocks and ``cp`` float32 dK/dV blocks. ``cu_seqlens_padded``: the pack's
+    physical offsets where given (then ``_memo``, which keys on the layout alone, is not used).
+    """
+    cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads)
+    u, cp = spec.head_parallel, cp_size
+    check_head_parallel(u, cp, heads.q)
+    padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
+    _memo = _memo if padded is None else None
+    pack = memoized(_memo, ("pack", layout_key(spec)), lambda: Pack.build(cu, padded, spec=spec, cp_size=cp))
+    t_local = pack.layout.shape[1]
+    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
+    others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
+    if spec.kv == "ring":
+        prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
+        block = t_local * 2 * g
+        steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
+        phases = [
+            Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, prev, (steps + 1) * block * a), steps + 1 if steps else 0),
+        ]
+        return Layer(spec, "ring", phases)
+    if u == 1:
+        if cp > 1 and spec.exchange != "never":
+            matrix = memoized(_memo, ("matrix", layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
+        else:
+            matrix = None
+        if matrix is not None and use_exchange(matrix, t_local, spec.exchange):
+            row = 2 * g
+            recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
+            sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
+            phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
+            return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
+        kv = t_local * g  # K or V elements of one rank
+        phases = [
+            Phase("forward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, 2 * kv * a), 2),
+        ]
+        return Layer(spec, "all-gather", phases)
+    f = kv_replication(heads.q, heads.kv, u)
+    hq, hkv = heads.q // u, heads.kv * f // u
+    slot = t_local * heads.dim  # elements of one head a rank sends to each group peer ((u - 1) of them)
+    group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
+    if u == cp:
+        lse = t_local * hq * a
+        fwd = [slot * (hq + 2 * hkv) * b, slot * hq * b + lse]  # q, k, v; back: out, lse
+        dkv = slot * 2 * hkv * (b if f == 1 else a)
+        bwd = [slot * (3 * hq + 2 * hkv) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
+        phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
+        return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
+    a2a = [slot * (hq + 2 * hkv) * b, slot * hq * b]
+    across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
+    kv = u * t_local * hkv * heads.dim
+    phases = [
+        *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("forward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        Phase("backward", "gather", _uniform(cp, across, 2 * kv * a), 2),
+    ]
+    return Layer(spec, "hybrid", phases)
+
+
+def head_parallel_options(cp_size: int, q_heads: int) -> tuple[int, ...]:
+    """Every ``u > 1`` that divides both ``cp_size`` and ``q_heads``, ascending."""
+    return tuple(u for u in range(2, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0)

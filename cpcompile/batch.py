@@ -20,7 +20,9 @@ from cpcompile.cache import on_host, twin, upload
 from cpcompile.checks import agreement_enabled, check_cp, check_cu_seqlens, data_checks_enabled
 from cpcompile.comm.collectives import all_gather_rows
 from cpcompile.comm.groups import agree_on, digest, resolve_group
+from cpcompile.cost.comm import Heads
 from cpcompile.cost.model import resolve_auto
+from cpcompile.cost.timing import H200, Topology, resolve
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import all_partition_indices
 from cpcompile.plan.pieces import head_step_plan, plan_extras, step_plan
@@ -151,6 +153,8 @@ def shard_batch(
     strategy: StrategyLike = None,
     pad_values: dict[str, float | int] | None = None,
     device: torch.device | str | None = None,
+    heads: Heads | None = None,
+    topology: Topology | str | None = None,
 ) -> ShardedBatch:
     """Pad each tensor for the strategy and keep rank ``rank``'s rows.
 
@@ -168,8 +172,16 @@ def shard_batch(
         strategy: the layout (a strategy or spec; default the active one, ``dual_chunk_swap`` outside every
             :func:`cpcompile.strategy` block). Attention takes no default: run it inside
             ``with cpcompile.strategy(batch)``, which gives it this batch's layout, so the two sides never
-            differ. ``auto`` is resolved here (:func:`cpcompile.cost.model.resolve_auto`:
-            under the spec's ``windows``) and ``ShardedBatch.spec`` holds the strategy it picked.
+            differ. ``auto`` is resolved here and ``ShardedBatch.spec`` holds the strategy it picked: from
+            the kernel's work alone (:func:`cpcompile.cost.model.resolve_auto`, under the spec's ``windows``),
+            one graph for every pack; or, given ``heads`` or ``topology``, with communication below.
+        heads, topology: ``auto`` decides the layout and how K/V move (``kv``: the all-gather, the sparse
+            exchange or the ring; with ``heads``, the model's :class:`~cpcompile.cost.comm.Heads`, also head
+            parallelism and its ``u``) by each option's predicted layer over ``topology`` (a
+            :class:`~cpcompile.cost.timing.Topology` or its text, e.g. ``"h200,gpus_per_node=4"``; default
+            ``"h200"``): :func:`cpcompile.cost.timing.resolve`, the same on every rank without communication.
+            The batch then runs the decision (``with cpcompile.strategy(batch)`` makes it active, path
+            included), and a compiled model compiles once per distinct decision. Unused by other strategies.
     """
     check_cp(cp_size, rank, rank_given=True)
     requested = resolve_strategy(strategy)
@@ -189,7 +201,13 @@ def shard_batch(
         cu_seqlens = _to_documents(cu_seqlens, requested.capacity)
     # auto: the strategy picked for this batch, recorded in the result for attention to use; picked
     # from the documents the plan ops see (ShardedBatch.cu_seqlens), which resolve it alike from them
-    spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
+    if heads is None and topology is None:
+        spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
+    else:  # with communication: the batch runs the decision, its path included (ShardedFor.requested)
+        topology = H200 if topology is None else topology
+        spec = resolve(requested, cu_seqlens, cp_size=cp_size, heads=heads, topology=topology)
+        if requested.strategy is Strategy.AUTO:
+            requested = spec
     fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
     unknown = set(pad_values or {}) - set(tensors)
     if unknown:

@@ -207,7 +207,8 @@ DEFAULT_SPEC = StrategySpec()
 
 class ShardedFor(NamedTuple):
     """What :func:`cpcompile.shard_batch` laid a batch's rows out for: the CP size, the rank, the
-    layout (``auto`` resolved), the strategy as it was asked for (``auto`` kept), and the pack
+    layout (``auto`` resolved), the strategy as it was asked for (``auto`` kept; where ``shard_batch`` decided
+    ``auto`` with communication, the decision, path included, which attention then runs), and the pack
     (``[B + 1]`` int32 ``cu_seqlens`` on the host, the batch's documents). Attention checks it
     against its group, its layout and its ``cu_seqlens`` (``batch.check_rows``)."""
 

@@ -47,13 +47,12 @@ the model's layer windows, ``StrategySpec.windows``, the sum over the layers of 
 slowest rank under its window) and take the smallest; on a tie the earlier candidate wins. Candidates, in order:
 no_load_balance, dual_chunk_swap, striped with ``block_q``-token stripes, balanced,
 compared as sequence CP; the pick keeps the requested ``kv`` and ``head_parallel``
-(:func:`resolve_auto`). ``auto`` never changes ``head_parallel`` itself: the cost above
+(:func:`resolve_auto`). This rule never changes ``kv`` or ``head_parallel``: the cost above
 has no communication and no head count, which head parallelism trades against (its
-all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and
-``head_parallel`` changes the collectives a compiled graph runs. Weighing ``u`` is an
-opt-in given the heads: :func:`cpcompile.advisor.comm_model.choose_spec`, and with the K/V path
-over a topology :func:`cpcompile.cost.timing.decide` (its hook for ``auto``:
-:func:`cpcompile.cost.timing.resolve`).
+all-to-alls move every token's q, k, v and output; ``Hq`` must divide), and both change
+the collectives a compiled graph runs. ``auto`` given a topology (``shard_batch(...,
+topology=..., heads=...)``) decides them too, with the step-time model:
+:func:`cpcompile.cost.timing.resolve` (docs/cost-model.md, "What ``auto`` decides at run time").
 """
 
 from __future__ import annotations

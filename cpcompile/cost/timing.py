@@ -36,6 +36,7 @@ and the inter-node defaults, which are assumed, not measured.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import NamedTuple
 
@@ -457,25 +458,84 @@ def decide(
     return Decision(choices[best], times[best], choices, times)
 
 
+#: The head shape ``auto`` weighs the sequence paths at where the caller gives none: Llama-3-8B's (32 query and 8
+#: key/value heads of 128, bf16), the shape the constants were fitted on. Head parallelism is weighed only with
+#: the caller's heads (which ``u`` divide, what the all-to-alls move).
+ASSUMED_HEADS = Heads(32, 8)
+#: The paths weighed without heads: sequence CP alone (``head_parallel`` 1).
+SEQUENCE_PATHS = ("all-gather", "exchange", "ring")
+#: Decisions kept, by pack and arguments (:func:`resolve`): the ranks of a process and a loader that repeats
+#: packs (epochs, buckets) decide once.
+DECISIONS_KEPT = 256
+_decisions: collections.OrderedDict = collections.OrderedDict()
+
+
+def check_topology(topology: object) -> Topology:
+    """``topology`` as a :class:`Topology` (given as one, or as :func:`parse_topology`'s text), or a
+    ``ValueError`` naming it and what is accepted."""
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, str):
+        return parse_topology(topology)
+    raise ValueError(
+        f"topology must be a cpcompile.cost.timing.Topology or its text (e.g. 'h200,gpus_per_node=4'), got {topology!r}"
+    )
+
+
 def resolve(
     spec: StrategyLike,
     cu_seqlens: torch.Tensor,
     *,
     cp_size: int,
-    heads: Heads,
-    topology: Topology = H200,
+    heads: Heads | None = None,
+    topology: Topology | str = H200,
     speed: KernelSpeed | None = None,
 ) -> StrategySpec:
-    """``auto`` resolved with communication: :func:`decide`'s layout, ``kv`` and ``u`` for ``auto`` (with the
-    spec's ``kernel`` and ``kv_chunks``); any other spec itself. Where the model does not reach, ``auto``
-    keeps the cost model's rule (:func:`cpcompile.cost.model.resolve_auto`, the requested ``kv`` and
-    ``head_parallel``): under
-    sliding ``windows`` (the step-time model counts causal layers) and under a ``capacity`` (sequence
-    layouts that fit it). The hook the runtime's ``auto`` needs (docs/cost-model.md, "Communication")."""
+    """``auto`` resolved with communication, as the runtime's ``auto`` runs it (``shard_batch(...,
+    topology=...)``): :func:`decide`'s layout, ``kv`` and ``u`` for this pack, with the spec's ``kernel``
+    and ``kv_chunks``; any other spec itself.
+
+    What is weighed: with ``heads``, every option of :func:`options`; without, the sequence paths
+    (:data:`SEQUENCE_PATHS`, ``u`` 1) at :data:`ASSUMED_HEADS`. A requested ``kv`` other than ``"auto"``
+    keeps the path (and ``"heads"`` its ``head_parallel``): ``auto`` then picks the layout for it. Where the
+    model does not reach, ``auto`` keeps the cost model's rule (:func:`cpcompile.cost.model.resolve_auto`,
+    the requested ``kv`` and ``head_parallel``): under sliding ``windows`` (the step-time model counts causal
+    layers) and under a ``capacity`` (sequence layouts that fit it).
+
+    A pure function of its arguments (no communication: every rank gets the same spec), kept per pack and
+    arguments (:data:`DECISIONS_KEPT` of the latest).
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32 cumulative real lengths (global).
+        heads: the attention's :class:`~cpcompile.cost.comm.Heads`, or ``None``.
+        topology: where the ranks sit (a :class:`Topology` or :func:`parse_topology`'s text).
+    """
     spec = resolve_strategy(spec)
+    check_cp(cp_size)
+    topology = check_topology(topology)
+    given = heads is not None
+    heads = check_heads(heads) if given else ASSUMED_HEADS
     if spec.strategy is not Strategy.AUTO:
         return spec
     if spec.windows or spec.capacity is not None:
         return resolve_auto(spec, cu_seqlens, cp_size=cp_size)
-    picked = decide(cu_seqlens, cp_size=cp_size, heads=heads, topology=topology, speed=speed).spec
+    cu = _host("cu_seqlens", cu_seqlens)
+    key = (cu.to(torch.int64).numpy().tobytes(), cp_size, heads, given, topology, speed, spec.kv, spec.head_parallel)
+    if key in _decisions:
+        _decisions.move_to_end(key)
+        picked = _decisions[key]
+    else:
+        choices = options(cp_size, heads, PATHS if given else SEQUENCE_PATHS)
+        if spec.kv != "auto":
+            choices = tuple(o for o in choices if (o.kv, o.head_parallel) == (spec.kv, spec.head_parallel))
+            if not choices:
+                raise ValueError(
+                    f"strategy 'auto' with kv={spec.kv!r}, head_parallel={spec.head_parallel} at cp_size={cp_size}: "
+                    f"{'no such option' if given else 'head parallelism is weighed only given the heads'} "
+                    f"(heads={tuple(heads) if given else None}); give the model's heads, or kv='auto'"
+                )
+        picked = decide(cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices).spec
+        _decisions[key] = picked
+        while len(_decisions) > DECISIONS_KEPT:
+            _decisions.popitem(last=False)
     return dataclasses.replace(picked, kernel=spec.kernel, kv_chunks=spec.kv_chunks)

@@ -41,6 +41,8 @@ import torch
 from cpcompile.attention import packed_attention
 from cpcompile.batch import ShardedBatch, shard_batch
 from cpcompile.checks import check_cu_seqlens, data_checks_enabled
+from cpcompile.cost.comm import Heads
+from cpcompile.cost.timing import Topology
 from cpcompile.spec import StrategyLike, current_rows
 
 try:
@@ -441,6 +443,16 @@ def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor
     return shifted
 
 
+def model_heads(model: torch.nn.Module) -> Heads:
+    """A transformers model's attention heads as ``auto`` weighs them (:func:`shard_flattened_batch`'s
+    ``heads``): query and key/value heads, the head dimension, its parameters' element size."""
+    config = model.config
+    q = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or q
+    dim = getattr(config, "head_dim", None) or config.hidden_size // q
+    return Heads(q, kv, dim, next(model.parameters()).element_size())
+
+
 def shard_flattened_batch(
     batch: dict,
     *,
@@ -449,6 +461,8 @@ def shard_flattened_batch(
     strategy: StrategyLike = None,
     device: torch.device | str | None = None,
     max_length: int | None = None,
+    heads: Heads | None = None,
+    topology: Topology | str | None = None,
 ) -> tuple[dict, ShardedBatch]:
     """Rank ``rank``'s part of a flattened transformers batch, ready for ``model(**inputs)``.
 
@@ -463,6 +477,8 @@ def shard_flattened_batch(
             document (``ValueError`` otherwise); default the longest. A fixed one keeps packs of a
             capacity bucket (``StrategySpec.capacity``) in one graph with ``dynamic=False``, where
             Dynamo specialises the model's int arguments; it is also the kernels' launch bound.
+        heads, topology: ``auto`` decides layout and path with communication (``cpcompile.shard_batch``'s);
+            :func:`model_heads` gives a model's heads.
     Returns:
         ``(inputs, sharded)``. ``inputs``: ``input_ids``, ``position_ids`` ``[1, T_local]``;
         ``cu_seq_lens_q``/``cu_seq_lens_k`` ``[B + 1]`` int32 and ``max_length_q``/``max_length_k``
@@ -497,7 +513,8 @@ def shard_flattened_batch(
         max_length = longest
     elif not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < longest:
         raise ValueError(f"max_length must be an int of at least the longest document, {longest}; got {max_length!r}")
-    sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, strategy=strategy, device=device)
+    kw = {"strategy": strategy, "device": device, "heads": heads, "topology": topology}
+    sharded = shard_batch(tensors, cu, cp_size=cp_size, rank=rank, **kw)
     cu = sharded.cu_seqlens
     inputs = {name: t.unsqueeze(0) for name, t in sharded.tensors.items()}
     inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)

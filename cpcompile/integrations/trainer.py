@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
+from cpcompile.cost.timing import check_topology
 from cpcompile.integrations import hf as cphf
 from cpcompile.spec import StrategyLike, StrategySpec
 
@@ -80,12 +81,17 @@ class CPConfig:
         inner: the compiler after the CP pass (``"inductor"``, ``"aot_eager"``, ...).
         regional: compile each decoder layer on its own (the model's ``_no_split_modules`` classes: one graph
             for all layers, compile time independent of depth; the default), or with False the whole model.
+        topology: with ``strategy="auto"``, where the ranks sit (a :class:`cpcompile.cost.timing.Topology` or its
+            text, e.g. ``"h200,gpus_per_node=4"``): ``auto`` then decides each pack's layout, K/V path and head
+            parallelism with communication, given the model's heads (``cpcompile.shard_batch``'s ``topology``;
+            one compilation per distinct decision). ``None``: ``auto`` weighs the kernel's work alone.
     """
 
     cp_size: int = 1
     strategy: StrategyLike = None
     inner: object = "inductor"
     regional: bool = True
+    topology: object = None
 
     def __post_init__(self):
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -130,6 +136,10 @@ class CPTrainerMixin:
         if strategy is None:
             strategy = StrategySpec("balanced", windows=cphf.layer_windows(model.config))
         self.cp_strategy = strategy
+        self.cp_heads = None  # auto's decision with communication weighs the model's heads
+        if config.topology is not None:
+            check_topology(config.topology)  # here, before any step
+            self.cp_heads = cphf.model_heads(model)
         # one process without a process group has nothing to make CP: the inner compiler alone
         backend = cpcompile.backend(group=self.cp_group, inner=config.inner) if world > 1 else config.inner
         _compile_in_place(model, backend, config.regional)
@@ -216,7 +226,13 @@ class CPTrainerMixin:
         extra = {k: v for k, v in inputs.items() if k not in _FLATTENED_KEYS | _DROPPED_KEYS}
         batch = {k: inputs[k] for k in ("input_ids", "position_ids", "labels", "cu_seq_lens_q") if k in inputs}
         local, sharded = cphf.shard_flattened_batch(
-            batch, cp_size=self.cp_config.cp_size, rank=self.cp_rank, strategy=self.cp_strategy, device=self.args.device
+            batch,
+            cp_size=self.cp_config.cp_size,
+            rank=self.cp_rank,
+            strategy=self.cp_strategy,
+            device=self.args.device,
+            heads=self.cp_heads,
+            topology=self.cp_config.topology,
         )
         local.pop("num_items_in_batch", None)  # the Trainer's count of the whole step is passed instead
         return {**extra, **local}, sharded

@@ -11,11 +11,13 @@ import torch
 
 import cpcompile
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost import predict_rank_costs
+from cpcompile.cost import predict_rank_costs, timing
 from cpcompile.cost.comm import Heads, Phase, layer_bytes, peer_bytes
 from cpcompile.cost.model import auto_candidates, resolve_auto
 from cpcompile.cost.timing import (
+    ASSUMED_HEADS,
     H200,
+    SEQUENCE_PATHS,
     KernelSpeed,
     Topology,
     _phase_us,
@@ -250,3 +252,36 @@ def test_resolve_decides_auto_and_keeps_everything_else():
     windowed = StrategySpec(Strategy.AUTO, windows=(64,))
     picked = resolve(windowed, cu, cp_size=4, heads=heads)
     assert picked.kv == "auto" and picked == resolve_auto(windowed, cu, cp_size=4)
+
+
+def test_resolve_without_heads_fixed_paths_and_kept_decisions():
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    # without heads: the sequence paths at the assumed head shape, u 1
+    sequence = decide(cu, cp_size=4, heads=ASSUMED_HEADS, paths=SEQUENCE_PATHS).spec
+    assert resolve("auto", cu, cp_size=4) == sequence and sequence.head_parallel == 1
+    # a requested kv keeps the path (and heads its u): auto picks the layout for it
+    ring = [o for o in options(4, ASSUMED_HEADS) if o.kv == "ring"]
+    assert resolve(StrategySpec("auto", kv="ring"), cu, cp_size=4) == decide(cu, cp_size=4, heads=ASSUMED_HEADS,
+                                                                              choices=ring).spec  # fmt: skip
+    hybrid = resolve(StrategySpec("auto", kv="heads", head_parallel=2), cu, cp_size=4, heads=Heads(8, 2, 64))
+    assert (hybrid.kv, hybrid.head_parallel) == ("heads", 2)
+    # kept per pack and arguments: the same values again are not decided again, others are
+    kept = len(timing._decisions)
+    assert resolve("auto", cu.clone(), cp_size=4) == sequence and len(timing._decisions) == kept
+    resolve("auto", cu, cp_size=4, topology="h200,gpus_per_node=2")
+    assert len(timing._decisions) == kept + 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "kw", "message"),
+    [
+        (StrategySpec("auto", kv="heads", head_parallel=2), {}, "head parallelism is weighed only given the heads"),
+        (StrategySpec("auto", kv="heads", head_parallel=4), {"heads": Heads(2, 2, 8)}, "no such option"),
+        ("auto", {"topology": "h100"}, "topology must start with one of"),
+        ("balanced", {"topology": 3}, "topology must be a cpcompile.cost.timing.Topology"),
+        ("balanced", {"heads": (8,)}, "heads must be Heads"),
+    ],
+)
+def test_resolve_refuses_what_it_cannot_decide(spec, kw, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(spec, cu_seqlens([40, 24]), cp_size=4, **kw)

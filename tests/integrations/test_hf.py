@@ -247,6 +247,19 @@ def test_shard_keeps_global_metadata():
     assert inputs["position_ids"][0].tolist() == full[sharded.indices].tolist()
 
 
+def test_auto_with_a_topology_decides_from_the_models_heads():
+    from cpcompile.cost.timing import resolve
+
+    model = tiny_model("llama", "sdpa")
+    heads = cphf.model_heads(model)
+    config = model.config
+    assert heads == (config.num_attention_heads, config.num_key_value_heads, 32 // 4, 8)  # float64
+    batch = flattened_batch([70, 5, 40, 13], seed=1)
+    _, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy="auto", heads=heads, topology="h200")
+    assert sharded.spec == resolve("auto", batch["cu_seq_lens_q"], cp_size=2, heads=heads, topology="h200")
+    assert sharded.sharded_for.requested == sharded.spec  # the step runs the decision
+
+
 def test_shard_to_a_capacity_gives_packs_one_shape_and_the_launch_bound_asked_for():
     """With a capacity bucket and a fixed ``max_length``, every pack gives the model the same shapes
     and ints (one graph under ``dynamic=False``); a ``max_length`` below the longest document is refused."""

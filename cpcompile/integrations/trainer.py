@@ -173,8 +173,13 @@ class CPTrainerMixin:
         return self.cp_config.cp_size
 
     def get_train_dataloader(self):
-        """The Trainer's loader, sharded over the data-parallel groups only: CP peers get the same pack."""
+        """The Trainer's loader, sharded over the data-parallel groups only: CP peers get the same pack; its
+        batches stay on the host (:meth:`shard_inputs` uploads each rank's share)."""
         loader = super().get_train_dataloader()
+        if getattr(loader, "device", None) is not None:
+            # batches stay on the host, where shard_flattened_batch reads their offsets and uploads this rank's
+            # share with host twins (it takes host batches: on the device each read would wait for the stream)
+            loader.device = None
         if self.cp_config.cp_size == 1:
             return loader
         shard = getattr(loader, "batch_sampler", None)

@@ -182,8 +182,12 @@ def test_config_and_batches_cp_cannot_take_are_refused(tmp_path):
     with pytest.raises(ValueError, match="torch_compile must be False"):
         cpt.CPTrainer(model=tiny_llama(), args=transformers.TrainingArguments(
             output_dir=str(tmp_path), report_to="none", use_cpu=True, torch_compile=True), cp=1)  # fmt: skip
-    trainer = cpt.CPTrainer(model=tiny_llama(), args=smoothing, cp=1)
+    with pytest.raises(ValueError, match="topology must start with one of"):
+        cpt.CPTrainer(model=tiny_llama(), args=args, cp=cpt.CPConfig(strategy="auto", topology="h100"))
+    trainer = cpt.CPTrainer(model=tiny_llama(), args=smoothing, train_dataset=documents(), cp=1)
     assert trainer.model.config._attn_implementation == "cpcompile"
+    # batches stay on the host: shard_flattened_batch takes them there and uploads the rank's share itself
+    assert trainer.get_train_dataloader().device is None
     trainer.cp_config = cpt.CPConfig(cp_size=2)  # as on a rank of a CP group
     with pytest.raises(ValueError, match="label_smoothing_factor must be 0 under context parallelism"):
         trainer._check_cp_settings()

@@ -202,6 +202,21 @@ def check_scale_and_bound(scale: object, max_seqlen: object) -> None:
         raise ValueError(f"max_seqlen must be None or an int of at least 1 (the longest document), got {max_seqlen!r}")
 
 
+def check_softcap(softcap: object) -> float:
+    """``softcap``: ``None`` or 0 (none) or a finite positive number (Gemma 2's logit soft-capping);
+    returned as a float, 0.0 for none."""
+    if softcap is None:
+        return 0.0
+    if torch.compiler.is_compiling():
+        return softcap  # symbolic while tracing: the ops' schemas type it
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(
+            f"softcap must be None or 0 (no soft-capping) or a finite positive number (scores become "
+            f"softcap * tanh(score / softcap)), got {softcap!r}"
+        )
+    return float(softcap)
+
+
 def check_longest(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> None:
     """``max_seqlen`` must bound the documents of ``cu_seqlens``: GPU kernels size their grids by it
     and would leave longer documents' last rows uncomputed. Reads values (see the module's note)."""

@@ -14,23 +14,25 @@ from cpcompile.kernels import Pieces, reference, varlen
 from cpcompile.kernels.metadata import scratch
 
 
-def forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, seqused_k=None, seqused_q=None):
+def forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, seqused_k=None, seqused_q=None):
     """A varlen forward with FA4's contract: entry ``b`` is query rows ``[cu_q[b], cu_q[b + 1])``, or with
     ``seqused_q`` ``[cu_q[b], cu_q[b] + seqused_q[b])`` in any order (the entries' rows disjoint), over keys
     ``[cu_k[b], cu_k[b] + seqused_k[b])`` (``cu_k`` monotone without ``seqused_k``). Rows that no entry
     holds are left unwritten: NaN here, for the caller to clear. ``max_q`` bounds every entry's rows."""
     used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else seqused_k
     assert seqused_k is not None or bool((used_k >= 0).all()), "cu_k must be monotone without seqused_k"
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap}
     if seqused_q is None:
-        return reference.forward(q, k, v, Pieces(cu_q, cu_k[:-1], used_k), causal=causal, scale=scale, window=window)
+        return reference.forward(q, k, v, Pieces(cu_q, cu_k[:-1], used_k), **kw)
     assert bool((seqused_q <= max_q).all()), "an entry has more query rows than max_q"
     # the entries' rows, gathered in entry order: one piece each, then written back to their rows
     cu_sub = torch.cat([seqused_q.new_zeros(1), seqused_q.cumsum(0)]).int()
     entry = torch.repeat_interleave(torch.arange(seqused_q.shape[0]), seqused_q.long())
     rows = cu_q[:-1].long()[entry] + torch.arange(entry.shape[0]) - cu_sub[:-1].long()[entry]
     assert rows.unique().shape == rows.shape, "entries' query rows overlap"
-    sub = reference.forward(q[rows], k, v, Pieces(cu_sub, cu_k[:-1], used_k), causal=causal, scale=scale, window=window)
-    out, lse = torch.full_like(q, float("nan")), q.new_full((q.shape[1], q.shape[0]), float("nan"), dtype=sub[1].dtype)
+    sub = reference.forward(q[rows], k, v, Pieces(cu_sub, cu_k[:-1], used_k), **kw)
+    out = q.new_full((*q.shape[:2], v.shape[2]), float("nan"))
+    lse = q.new_full((q.shape[1], q.shape[0]), float("nan"), dtype=sub[1].dtype)
     out[rows], lse[:, rows] = sub
     return out, lse
 
@@ -43,7 +45,7 @@ def in_place_backward_call(calls: list):
     (other rows left as they are). It checks what the kernel needs: ``cu_q`` and ``cu_k`` monotone,
     entries' used rows and keys disjoint. Records each call's ``rows`` and key count in ``calls``."""
 
-    def call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
+    def call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, **rows):
         calls.append((rows, k.shape[0]))
         used_q = rows.get("seqused_q", cu_q[1:] - cu_q[:-1])
         used_k = rows.get("seqused_k", cu_k[1:] - cu_k[:-1])
@@ -56,7 +58,7 @@ def in_place_backward_call(calls: list):
         q_rows = cu_q[:-1].long()[entry] + torch.arange(entry.shape[0]) - cu_sub[:-1].long()[entry]
         pieces = Pieces(cu_sub, cu_k[:-1], used_k)
         sub = (dout[q_rows], q[q_rows], k, v, out[q_rows], lse[:, q_rows])
-        dq, dk, dv = reference.backward(*sub, pieces, causal=causal, scale=scale, window=window)
+        dq, dk, dv = reference.backward(*sub, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
         if not rows:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         rows["dq"][q_rows] = dq.to(q.dtype)
@@ -70,4 +72,4 @@ def in_place_backward_call(calls: list):
 def fa4(calls: list | None = None) -> varlen.VarlenKernel:
     """A backend arranged as ``kernels.fa4`` (``in_place_backward``) over the emulated calls."""
     return varlen.VarlenKernel("fa4", forward_call, in_place_backward_call([] if calls is None else calls),
-                               in_place_backward=True)  # fmt: skip
+                               in_place_backward=True, variants=True)  # fmt: skip

@@ -72,6 +72,8 @@ def doc_lengths(cp: int, seed: int) -> list[int]:
 #: value head dims the float64 matrices cycle through, with ``attention_case``'s ``d = 8``: ``d`` itself,
 #: and MLA's kind (values of their own head dim, DeepSeek's 192/128) below and above it
 VALUE_DIMS = (None, 4, 12)
+#: logit soft-capping the matrices alternate with none: a cap the random scores reach (Gemma 2's is 50)
+SOFTCAPS = (None, 1.5)
 
 
 def attention_case(lengths, hq=4, hkv=2, d=8, *, dv=None, padded_lengths=None, seed=0, dtype=torch.float32):

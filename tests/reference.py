@@ -53,12 +53,12 @@ def attention_fp64(
 
 
 def attention_fp64_on_rank(
-    cu_seqlens, sharded, tensors, *, causal: bool, window=None, sinks=None
+    cu_seqlens, sharded, tensors, *, causal: bool, window=None, sinks=None, softcap=None
 ) -> list[torch.Tensor]:
     """:func:`attention_fp64` on the whole padded pack, output and q/k/v gradients, at this rank's rows.
 
-    ``tensors``: the whole pack's ``q``, ``dout`` ``[T, Hq, D]`` and ``k``, ``v`` ``[T, Hkv, D]``
-    (real tokens, as ``shard_batch`` takes them); ``sharded``: this rank's ``ShardedBatch``.
+    ``tensors``: the whole pack's ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v`` ``[T, Hkv, Dv]`` and ``dout``
+    ``[T, Hq, Dv]`` (real tokens, as ``shard_batch`` takes them); ``sharded``: this rank's ``ShardedBatch``.
     Returns ``[out, dq, dk, dv]`` float64, each ``[T_local, H, D]`` (rows ``sharded.indices``); with
     ``sinks`` (``[Hq]``), their gradient ``[Hq]`` over the whole pack too, last.
     """
@@ -71,9 +71,8 @@ def attention_fp64_on_rank(
 
     leaves = [physical(tensors[name]).requires_grad_() for name in "qkv"]
     sink = [] if sinks is None else [sinks.detach().double().requires_grad_()]
-    out = attention_fp64(
-        *leaves, cu_seqlens, causal=causal, cu_seqlens_padded=padded, window=window, sinks=(sink or [None])[0]
-    )
+    kw = {"causal": causal, "cu_seqlens_padded": padded, "window": window, "softcap": softcap}
+    out = attention_fp64(*leaves, cu_seqlens, sinks=(sink or [None])[0], **kw)
     grads = torch.autograd.grad(out, leaves + sink, physical(tensors["dout"]))
     return [t[sharded.indices] for t in (out, *grads[:3])] + list(grads[3:])
 

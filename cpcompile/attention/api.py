@@ -41,6 +41,7 @@ from cpcompile.checks import (
     check_offsets_type,
     check_qkv,
     check_scale_and_bound,
+    check_softcap,
     data_checks_enabled,
     rows_are_real,
 )
@@ -98,8 +99,14 @@ def op_window(causal: bool, window_left: int, window_right: int) -> tuple[int, i
     return window_left, 0 if causal else window_right
 
 
-def _kernel_keywords(q, scale, window) -> dict:
-    return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window}
+def _kernel_keywords(q, scale, window, softcap: float = 0.0) -> dict:
+    return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window, "softcap": softcap}
+
+
+def capped(softcap: float) -> dict:
+    """An op's ``softcap`` keyword where soft-capping is on (none where off: the ops' default, so that
+    graphs and calls without it read as before)."""
+    return {"softcap": softcap} if softcap else {}
 
 
 # --- packed_attention --------------------------------------------------------------
@@ -119,19 +126,33 @@ def _packed_attention(
     window_left: int = -1,
     window_right: int = -1,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     # the offsets' values are checked here, where both an eager call and a compiled graph (a CP group
     # of one, say, on a batch that shard_batch padded to a capacity) run; the backward op gets the same
     _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None), v=v)
-    return dense(*with_sinks(kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window)), sinks))
+    band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
+    kern = kernels.select(q, kernel_name, band=band, v=v, softcap=softcap)
+    return dense(*with_sinks(kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window, softcap)), sinks))
 
 
 @_packed_attention.register_fake
 def _(
-    q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, left=-1, right=-1, sinks=None
+    q,
+    k,
+    v,
+    cu_seqlens,
+    cu_seqlens_padded,
+    max_seqlen,
+    causal,
+    scale,
+    kernel_name=None,
+    left=-1,
+    right=-1,
+    sinks=None,
+    softcap=0.0,
 ):
     check_fake_qkv(q, k, v)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, sinks=sinks)
@@ -155,11 +176,13 @@ def _packed_attention_backward(
     kernel_name: str | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, whole_documents=cu_seqlens_padded is None), v=v)
-    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window))
+    band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
+    kern = kernels.select(q, kernel_name, band=band, v=v, softcap=softcap)
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window, softcap))
     return dense(dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
@@ -184,12 +207,14 @@ def packed_attention(
     window_size: tuple[int, int] | None = None,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     kernel: str | None = None,
 ) -> torch.Tensor:
     """Single-device attention over packed documents (THD).
 
     Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA).
+        q: ``[T, Hq, D]``; k: ``[T, Hkv, D]``; v: ``[T, Hkv, Dv]`` with ``Hq % Hkv == 0`` (GQA); ``Dv``
+            may differ from ``D`` (multi-head latent attention: 192/128).
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
         cu_seqlens_padded: ``[B + 1]`` int32 physical offsets when documents carry
             padding at their ends (default: none, ``T = cu_seqlens[-1]``).
@@ -200,16 +225,19 @@ def packed_attention(
             ``None``: from ``causal``. With ``causal=True`` its right side must be 0.
         sinks: ``[Hq]`` learnable sink logits (GPT-OSS), one per query head, each joining its head's
             softmax denominators as a key of no value (``cpcompile.attention.sinks``); differentiable.
+        softcap: ``c > 0``: each scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax
+            (Gemma 2's logit soft-capping); ``None`` or 0: none.
         kernel: one of :data:`cpcompile.config.KERNELS` (``StrategySpec.kernel``'s; this call has no strategy);
             ``None``: the default the environment seeded (``cpcompile.config.DEFAULTS``), else chosen by
             what is installed.
     Returns:
-        ``[T, Hq, D]``; padding rows are 0 and padding keys are never attended.
+        ``[T, Hq, Dv]``; padding rows are 0 and padding keys are never attended.
     """
     window = resolve_window(causal, window_size)
     check_qkv(q, k, v)
     check_sinks(sinks, q)
     check_scale_and_bound(scale, max_seqlen)
+    softcap = check_softcap(softcap)
     check_offsets_type("cu_seqlens", cu_seqlens)
     if cu_seqlens_padded is not None:
         check_offsets_type("cu_seqlens_padded", cu_seqlens_padded)
@@ -218,7 +246,8 @@ def packed_attention(
     kernel = DEFAULTS.kernel if kernel is None else check_choice("kernel", kernel, KERNELS)
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     window_args = () if window in UNBANDED else window
-    return torch.ops.cpcompile.packed_attention(*args, *window_args, **({} if sinks is None else {"sinks": sinks}))[0]
+    named = ({} if sinks is None else {"sinks": sinks}) | capped(softcap)
+    return torch.ops.cpcompile.packed_attention(*args, *window_args, **named)[0]
 
 
 def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -268,15 +297,15 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window):
+def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window, softcap):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.plan.exchange.Exchange` (``None``: all-gather) and the kernel keywords;
     ``plan``: ``(gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)``, the last two the pack's
     offsets the plan carries (``None`` where the op was not given them)."""
     group = resolve_group(group_name)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v)  # before any communication
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)  # before any communication
     ex = exchange_plan(*plan, window, group_name, kv)  # kv: StrategySpec.exchange
-    return group, kern, ex, _kernel_keywords(q, scale, window)
+    return group, kern, ex, _kernel_keywords(q, scale, window, softcap)
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=(), tags=NOT_CAPTURED)
@@ -303,10 +332,11 @@ def _cp_attention(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)  # the exchange's: the pack, this rank's keys
-    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window)
+    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window, softcap)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return dense(*with_sinks(exchange.forward(kern, q, k, v, ex, pieces, group, **kw), sinks))
@@ -315,7 +345,7 @@ def _cp_attention(
 
 @_cp_attention.register_fake
 def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config,
-      q_pos=None, cu_seqlens=None, cu_seqlens_padded=None, sinks=None):  # fmt: skip
+      q_pos=None, cu_seqlens=None, cu_seqlens_padded=None, sinks=None, softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
     named = {"q_pos": q_pos, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded, "sinks": sinks}
     # after kernel_name, kv_exchange, kv_chunks: those given by position
@@ -355,10 +385,11 @@ def _cp_attention_backward(
     window_right: int = -1,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
     plan = (gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)
-    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window)
+    group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window, softcap)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
         return dense(*exchange.backward(kern, dout, q, k, v, out, lse, ex, pieces, group, **kw))
@@ -389,12 +420,13 @@ def cp_attention(
     max_seqlen: int | None = None,
     plan: AttentionPlan | RingPlan | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over packed documents; call it on every rank of ``group``.
 
     Args:
-        q: ``[T_local, Hq, D]``; k, v: ``[T_local, Hkv, D]``: this rank's tokens in
-            layout order (as :func:`cpcompile.shard_batch` produces them).
+        q: ``[T_local, Hq, D]``; k: ``[T_local, Hkv, D]``; v: ``[T_local, Hkv, Dv]``: this rank's tokens
+            in layout order (as :func:`cpcompile.shard_batch` produces them); ``Dv`` may differ from ``D``.
         cu_seqlens: ``[B + 1]`` int32 *global* cumulative real lengths.
         cu_seqlens_padded: ``[B + 1]`` int32 global physical offsets (default:
             :func:`cpcompile.layouts.pad_for_cp` of ``cu_seqlens``).
@@ -422,8 +454,9 @@ def cp_attention(
             softmax denominator (``cpcompile.attention.sinks``), on every path. Their gradient on each
             rank is its own rows' share: summed over the CP group with the model's other gradients
             (as a data-parallel trainer sums them over dp x cp), it is the single-device gradient.
+        softcap: logit soft-capping, as :func:`packed_attention` takes it, on every path.
     Returns:
-        ``[T_local, Hq, D]`` in layout order; padding rows are 0.
+        ``[T_local, Hq, Dv]`` in layout order; padding rows are 0.
     """
     pg = resolve_group(group)
     cp, rank = pg.size(), pg.rank()
@@ -435,6 +468,7 @@ def cp_attention(
         check_qkv(q, k, v)
         check_sinks(sinks, q)
         check_scale_and_bound(scale, max_seqlen)
+        check_softcap(softcap)
         check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_has_values("cp_attention", cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         check_offsets(cu_seqlens, cu_seqlens_padded)
@@ -473,15 +507,16 @@ def cp_attention(
 
     def record(prepared) -> dict[str, object]:
         spec, window, *_ = prepared
-        return _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks)
+        return _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks, softcap)
 
     spec, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
-    sink = {} if sinks is None else {"sinks": sinks}  # by name: the ops' arguments before it keep their defaults
+    # by name: the ops' arguments before them keep their defaults
+    sink = ({} if sinks is None else {"sinks": sinks}) | capped(float(softcap or 0.0))
     if 1 < spec.head_parallel < cp:
         kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": spec.kernel}
-        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw)
+        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw, **capped(softcap))
     if spec.head_parallel > 1:
         args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, spec.kernel)
         return torch.ops.cpcompile.cp_head_attention(*args, **sink)[0]
@@ -499,7 +534,9 @@ def cp_attention(
     return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack, **sink)[0]
 
 
-def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks=None) -> dict[str, object]:
+def _call_record(
+    q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks=None, softcap=None
+) -> dict[str, object]:
     """What every rank of one ``cp_attention`` call must agree on (``comm.groups.agree``)."""
     return {
         "local tokens (q.shape[0])": q.shape[0],
@@ -516,6 +553,7 @@ def _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, si
         "window": window,
         "scale": scale,
         "sinks": sinks is not None,
+        "softcap": softcap,
         "cu_seqlens": digest(cu_seqlens),
         "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
         # a rank whose output needs no gradient would leave the others alone in the backward's collectives

@@ -135,6 +135,7 @@ class LocalCall(NamedTuple):
     pieces: kernels.Pieces
     causal: bool
     scale: float
+    softcap: float = 0.0
 
     def forward(self, q, k, v):
         """q ``[T, Hq/u, D]``, k, v ``[T, h, D]`` in the all-gather's order -> ``(out [T, Hq/u, D],
@@ -154,22 +155,26 @@ class LocalCall(NamedTuple):
 
     @property
     def _kw(self) -> dict:
-        return {"causal": self.causal, "scale": self.scale}
+        return {"causal": self.causal, "scale": self.scale, "softcap": self.softcap}
 
 
-def local_call(gather_index, k_start, k_len, *, q, causal, scale, max_seqlen, kernel_name, v=None) -> LocalCall:
+def local_call(
+    gather_index, k_start, k_len, *, q, causal, scale, max_seqlen, kernel_name, v=None, softcap=0.0
+) -> LocalCall:
     """The :class:`LocalCall` of a head plan (``gather_index [T]``; ``k_start``, ``k_len`` ``[P]``)
     for queries like ``q`` (its dtype, device and head dim) and values like ``v`` (their head dim;
-    default ``q``'s), launch bound ``max_seqlen``."""
+    default ``q``'s), launch bound ``max_seqlen``, soft-capping ``softcap`` (0: none)."""
     docs = documents(gather_index, k_start, k_len)
     # each document reads the keys at its own rows: disjoint, increasing key ranges
     pieces = kernels.Pieces(docs.cu, docs.cu[:-1], docs.lengths, max_q=max_seqlen, max_k=max_seqlen, disjoint_keys=True)
-    return LocalCall(kernels.select(q, kernel_name, v=v), docs, pieces, causal, softmax_scale(q, scale))
+    kernel = kernels.select(q, kernel_name, v=v, softcap=softcap)
+    return LocalCall(kernel, docs, pieces, causal, softmax_scale(q, scale), softcap)
 
 
-def _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name):
+def _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name, softcap=0.0):
     group = resolve_group(group_name)
     kw = {"q": q, "v": v, "causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel_name": kernel_name}
+    kw["softcap"] = softcap
     call = local_call(gather_index, k_start, k_len, **kw)
     return group, kv_replication(q.shape[1], k.shape[1], group.size()), call
 
@@ -177,14 +182,15 @@ def _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, max_
 #: the plan and call arguments of the head-parallel ops, after their tensors
 _PLAN_SCHEMA = (
     "Tensor gather_index, Tensor cu_q, Tensor k_start, Tensor k_len, str group_name, bool causal, float? scale, "
-    "SymInt? max_seqlen, str? kernel_name"
+    "SymInt? max_seqlen, str? kernel_name, float softcap=0.0"
 )
 
 
 def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *call, sinks=None):
     """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``(out [T_local, Hq, D], lse [Hq, T_local])``;
-    ``call``: ``(max_seqlen, kernel_name)``; ``sinks`` ``[Hq]``, applied back in the rank's rows (every head)."""
-    if len(call) > 2:  # sinks given by position
+    ``call``: ``(max_seqlen, kernel_name, softcap)``; ``sinks`` ``[Hq]``, applied back in the rank's rows (every
+    head)."""
+    if len(call) > 3:  # sinks given by position
         *call, sinks = call
     group, f, local = _call(q, k, v, gather_index, k_start, k_len, group_name, causal, scale, *call)
     heads = heads_to_tokens([q, replicate(k, f), replicate(v, f)], group)  # [T, Hq/u | Hkv*f/u, D]
@@ -205,7 +211,8 @@ _cp_head_attention = torch.library.custom_op(
 
 
 @_cp_head_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name, sinks=None):
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, kernel_name, softcap=0.0,
+      sinks=None):  # fmt: skip
     check_fake_qkv(q, k, v)
     check_fake_sinks(q, sinks)
     u = resolve_group(group_name).size()

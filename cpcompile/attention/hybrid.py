@@ -70,11 +70,14 @@ head_all_to_all.register_autograd(_backward, setup_context=_setup)
 
 
 def hybrid_attention(
-    q, k, v, plan: AttentionPlan, group, head_parallel: int, *, causal, scale, max_seqlen, kernel, sinks=None
+    q, k, v, plan: AttentionPlan, group, head_parallel: int, *, causal, scale, max_seqlen, kernel, sinks=None,
+    softcap=0.0,
 ):  # fmt: skip
-    """q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]`` -> ``[T_local, Hq, D]``; ``plan`` from
+    """q ``[T_local, Hq, D]``, k ``[T_local, Hkv, D]``, v ``[T_local, Hkv, Dv]`` -> ``[T_local, Hq, Dv]``; ``plan``
+    from
     :func:`cpcompile.plan.pieces.make_hybrid_plan` for this rank. Differentiable (each step an op).
-    ``sinks`` ``[Hq]``: ``cp_attention`` gets those of the heads the rank holds between the all-to-alls."""
+    ``sinks`` ``[Hq]``: ``cp_attention`` gets those of the heads the rank holds between the all-to-alls;
+    ``softcap``: the ops'."""
     heads, sequence = head_groups(resolve_group(group), head_parallel)
     f = kv_replication(q.shape[1], k.shape[1], head_parallel)
     a2a = torch.ops.cpcompile.head_all_to_all
@@ -83,7 +86,9 @@ def hybrid_attention(
     args = (qh, kh, vh, plan.gather_index, plan.cu_q, plan.k_start, plan.k_len(causal), sequence.group_name)
     # the all-gather path: the sparse exchange's plan is made from one rank's pieces, not a head group's
     sink = {} if sinks is None else {"sinks": head_slice(sinks, heads.rank(), heads.size())}
-    out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1, **sink)[0]
+    cap = {"softcap": softcap} if softcap else {}
+    kw = {**sink, **cap}
+    out = torch.ops.cpcompile.cp_attention(*args, causal, scale, max_seqlen, max_seqlen, kernel, "never", 1, **kw)[0]
     return a2a(out, heads.group_name, False, cp_name)
 
 

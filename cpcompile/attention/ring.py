@@ -152,14 +152,15 @@ def _ring_attention(
     window_left: int = -1,
     window_right: int = -1,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v, softcap=softcap)
     lse_dtype = accumulation_dtype(q.dtype)
     out, lse = torch.zeros((*q.shape[:2], v.shape[2]), dtype=lse_dtype, device=q.device), None
     # without positions the plan's ranges are the whole mask (causal in the own block alone)
-    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
+    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1), "softcap": softcap}
     steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
     for k_src, v_src, pieces, step_causal in steps:
         if pieces is None:
@@ -175,7 +176,7 @@ def _ring_attention(
 
 @_ring_attention.register_fake
 def _(q, k, v, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name,
-      q_pos=None, k_pos=None, window_left=-1, window_right=-1, sinks=None):  # fmt: skip
+      q_pos=None, k_pos=None, window_left=-1, window_right=-1, sinks=None, softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
     check_device(q, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos, k_pos=k_pos, sinks=sinks)
     check_fake_sinks(q, sinks)
@@ -207,16 +208,17 @@ def _ring_attention_backward(
     k_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = resolve_group(group_name)
     window = (window_left, 0 if causal else window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window, ring=True), v=v, softcap=softcap)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     arrived = None  # dK/dV of the block in hand from the ranks it visited before, [T_local, Hkv (D + Dv)] fp32
     works = []
     # without positions the plan's ranges are the whole mask (causal in the own block alone)
-    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1)}
+    kw = {"scale": softmax_scale(q, scale), "window": window if k_pos is not None else (-1, -1), "softcap": softcap}
     steps = _steps(k, v, cu_q, k_start, k_len, group, causal, max_seqlen, max_seqlen_q, q_pos, k_pos)
     for step, (k_src, v_src, pieces, step_causal) in enumerate(steps):
         if pieces is None:  # no piece reads this block: its share is 0

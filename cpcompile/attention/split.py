@@ -43,12 +43,13 @@ from cpcompile.plan.window import beyond_gpu
 
 
 def _call(
-    q, v, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal
-):
+    q, v, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal,
+    softcap,
+):  # fmt: skip
     window = op_window(causal, window_left, window_right)
-    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v)
+    kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
-    return kern, pieces, _kernel_keywords(q, scale, window)
+    return kern, pieces, _kernel_keywords(q, scale, window, softcap)
 
 
 def _check_fake_gathered(k, k_all, v_all, cp_size: int) -> None:
@@ -83,17 +84,19 @@ def _cp_attention_split(
     window_left: int = -1,
     window_right: int = -1,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[T_local, Hq, D]``; k, v ``[T_local, Hkv, D]`` the rank's own (for their gradients); k_all,
     v_all ``[T, Hkv, D]`` their all-gathers (rank-major) -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
     ``sinks`` ``[Hq]`` applied to them (``attention.sinks``)."""
-    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
+    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal, softcap)
     kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
     return dense(*with_sinks(forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw), sinks))
 
 
 @_cp_attention_split.register_fake
-def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config, sinks=None):
+def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config, sinks=None,
+      softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
     check_fake_sinks(q, config[7] if len(config) > 7 else sinks)  # after max_seqlen ... window_right
     cp_size = resolve_group(group_name).size()
@@ -124,10 +127,11 @@ def _cp_attention_split_backward(
     q_pos: torch.Tensor | None = None,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``[T_local, Hq, D]`` in q's dtype; dK, dV sums ``[T, Hkv, D]`` of every key in the all-gather's
     order, float32 (float64 for float64 inputs), this rank's part: summed over ranks by the caller."""
-    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal)
+    args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal, softcap)
     kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
     return dense(*backward_on_gathered(kern, dout, q, k_all, v_all, out, lse, gather_index, pieces, **kw))
 
@@ -164,12 +168,12 @@ _PLAN = 4  # gather_index, cu_q, k_start, k_len
 
 def _setup_context(ctx, inputs, output):
     q, k, v, _k_all, _v_all, *plan = inputs[: 5 + _PLAN]
-    group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window, sinks = inputs[5 + _PLAN :]
+    group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name, *window, sinks, softcap = inputs[5 + _PLAN :]
     q_pos = window[0] if window else None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *plan, q_pos, sinks)
     ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
-    ctx.window = tuple(window[1:])
+    ctx.window = (*window[1:], softcap)  # the backward op's window_left, window_right, softcap
     ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
@@ -186,8 +190,8 @@ def _backward(ctx, dout, _dlse):
     pending = [start_reduce_scatter(s, cp, group_name) for s in sums]
     dk, dv = (wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
     # the op returned (out_final, lse_final) with sinks, which the kernel's backward above needs (attention.sinks)
-    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
-    return dq, dk, dv, *(None,) * (ctx.num_inputs - 4), dsinks
+    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[-2] else None
+    return dq, dk, dv, *(None,) * (ctx.num_inputs - 5), dsinks, None  # sinks, then softcap
 
 
 _cp_attention_split.register_autograd(_backward, setup_context=_setup_context)

@@ -26,7 +26,12 @@ __all__ = ["KERNELS", "AttentionKernel", "BackwardOptions", "KeyGrads", "Pieces"
 
 
 def select(
-    q: torch.Tensor, name: str | None = None, *, band: str | None = None, v: torch.Tensor | None = None
+    q: torch.Tensor,
+    name: str | None = None,
+    *,
+    band: str | None = None,
+    v: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> AttentionKernel:
     """The kernel module for ``q`` (``[T, Hq, D]``; only its device and dtype count).
 
@@ -43,10 +48,11 @@ def select(
     a named GPU kernel then raises ``ValueError``, and ``None`` chooses ``reference`` (exact, slow),
     with a warning.
 
-    ``v``: the call's values, where they may ask what not every GPU kernel runs (``contract.variant``: a
-    value head dim of their own), which only FA4 of them runs: ``flash`` and ``cudnn`` then raise
-    ``ValueError`` naming it, ``auto`` takes FA4 (``ValueError`` where FA4 cannot run the call), and
-    ``None`` takes FA4 where it runs the call, else ``reference``, with a warning that says why.
+    ``v`` and ``softcap``: the call's values and soft-capping, where they may ask what not every GPU kernel
+    runs (``contract.variant``: a value head dim of their own, soft-capping), which only FA4 of them runs:
+    ``flash`` and ``cudnn`` then raise ``ValueError`` naming it, ``auto`` takes FA4 (``ValueError`` where
+    FA4 cannot run the call), and ``None`` takes FA4 where it runs the call, else ``reference``, with a
+    warning that says why.
     """
     if name is not None and name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
@@ -65,7 +71,7 @@ def select(
         return reference
     from cpcompile.kernels import cudnn, fa4, flash
 
-    variant = None if v is None else contract.variant(q, v)
+    variant = contract.variant(q, q if v is None else v, softcap)
     if variant is not None and name != "fa4":
         if name in ("flash", "cudnn"):
             raise ValueError(

@@ -24,7 +24,7 @@ docs/attention-kernels.md.
 from __future__ import annotations
 
 from cpcompile.kernels import cudnn, fa4, flash
-from cpcompile.kernels.contract import Pieces, check_options, gpu_window
+from cpcompile.kernels.contract import Pieces, check_options, gpu_window, variant
 from cpcompile.kernels.metadata.scratch import scratch_rows
 
 MAX_KEY_ROWS = 2  # scratch rows per key row up to which cuDNN's backward fits in memory
@@ -41,12 +41,15 @@ def _fa4(q, banded: bool) -> bool:
     return fa4.supports(q) and (not banded or fa4.supports_window())
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q`` (and the
-    window), else cuDNN's (flash's for a window this cuDNN lacks)."""
+    window), else cuDNN's (flash's for a window this cuDNN lacks); FA4's for what only it runs
+    (``contract.variant``)."""
     banded = _banded(causal, window, pieces)
     kernel = fa4 if _fa4(q, banded) else cudnn if not banded or cudnn.supports_window() else flash
-    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale, window=window)
+    if variant(q, v, softcap) is not None:
+        kernel = fa4
+    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
 def use_fa4_backward(piece_rows: int) -> bool:
@@ -61,8 +64,9 @@ def use_cudnn_backward(key_rows: int, num_keys: int) -> bool:
 
 
 def backward(
-    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
-):
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, grads=None,
+    **options,
+):  # fmt: skip
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`: FA4's where it runs ``q`` and
     :func:`use_fa4_backward` (or ``disjoint_keys``) says so, else from the backend
     :func:`use_cudnn_backward` picks.
@@ -77,6 +81,8 @@ def backward(
     """
     check_options(options, "auto")
     args, kw = (dout, q, k, v, out, lse, pieces), {"causal": causal, "scale": scale, "window": window, "grads": grads}
+    if variant(q, v, softcap) is not None:  # what only FA4 runs
+        return fa4.backward(*args, softcap=softcap, **kw)
     num_keys = options.get("pack_keys") or k.shape[0]
     banded = _banded(causal, window, pieces)
     has_fa4 = _fa4(q, banded)

@@ -25,8 +25,10 @@ may overlap (they are only read). Query head ``h`` reads key and value head
 - A row that sees no key (a padding piece, ``k_len = 0``; in a ring step, a piece
   with no key in the block) outputs 0 with ``lse = -inf`` and gets zero gradient.
 - Values may have their own head dim ``Dv`` (multi-head latent attention: ``D = 192``,
-  ``Dv = 128``); the output has it. ``reference`` and ``fa4`` run it; ``flash`` and ``cudnn``
-  raise ``ValueError`` (:func:`refuse_variant`), and ``select`` passes them over.
+  ``Dv = 128``); the output has it. ``softcap = c > 0`` caps each scaled score ``s`` to
+  ``c * tanh(s / c)`` before the mask and softmax (Gemma 2's logit soft-capping; ``lse`` is of
+  the capped scores); 0 leaves them. ``reference`` and ``fa4`` run both; ``flash`` and
+  ``cudnn`` raise ``ValueError`` (:func:`refuse_variant`), and ``select`` passes them over.
 - Softmax and gradients accumulate in float32 (float64 for float64 inputs).
   Backwards are reproducible run to run, except FA4's, which adds partial
   gradients with atomics (its runs differ in rounding).
@@ -201,17 +203,20 @@ def gpu_window(kernel: str, causal: bool, window: tuple[int, int], pieces: Piece
     return window
 
 
-def variant(q: Tensor, v: Tensor) -> str | None:
-    """What a call with ``q`` ``[Tq, Hq, D]`` and ``v`` ``[Tk, Hkv, Dv]`` asks beyond what every GPU backend
-    runs, in words (``None``: nothing): a value head dim other than ``D``."""
+def variant(q: Tensor, v: Tensor, softcap: float = 0.0) -> str | None:
+    """What a call with ``q`` ``[Tq, Hq, D]``, ``v`` ``[Tk, Hkv, Dv]`` and ``softcap`` asks beyond what every
+    GPU backend runs, in words (``None``: nothing): a value head dim other than ``D``, soft-capping."""
+    needs = []
     if v.shape[-1] != q.shape[-1]:
-        return f"a value head dim ({v.shape[-1]}) other than the query/key head dim ({q.shape[-1]})"
-    return None
+        needs.append(f"a value head dim ({v.shape[-1]}) other than the query/key head dim ({q.shape[-1]})")
+    if softcap:
+        needs.append(f"logit soft-capping (softcap={softcap})")
+    return " and ".join(needs) or None
 
 
-def refuse_variant(kernel: str, q: Tensor, v: Tensor) -> None:
+def refuse_variant(kernel: str, q: Tensor, v: Tensor, softcap: float = 0.0) -> None:
     """Raise ``ValueError`` where backend ``kernel`` is asked what it does not run (:func:`variant`)."""
-    what = variant(q, v)
+    what = variant(q, v, softcap)
     if what is not None:
         raise ValueError(
             f"kernel {kernel!r} cannot run {what}: FlashAttention-4 (kernel='fa4') or the reference kernel runs it"
@@ -229,7 +234,7 @@ class AttentionKernel(Protocol):
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, *, causal: bool, scale: float,
-        window: tuple[int, int] = (-1, -1),
+        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Attention of every piece over its keys.
 
@@ -240,24 +245,25 @@ class AttentionKernel(Protocol):
             causal: the bottom-right causal band within each piece.
             scale: the softmax scale.
             window: ``(left, right)``, the band around each row's position (module docstring).
+            softcap: ``c > 0`` caps the scaled scores to ``c * tanh(s / c)``; 0: none (module docstring).
 
         Returns:
             ``out`` ``[Tq, Hq, Dv]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
-            for float64 inputs), the log-sum-exp of each row's scaled scores, ``-inf``
+            for float64 inputs), the log-sum-exp of each row's scaled (and capped) scores, ``-inf``
             for rows that see no key.
         """
         ...
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pieces: Pieces, *,
-        causal: bool, scale: float, window: tuple[int, int] = (-1, -1), grads: KeyGrads | None = None,
-        **options: Unpack[BackwardOptions],
+        causal: bool, scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        grads: KeyGrads | None = None, **options: Unpack[BackwardOptions],
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of :meth:`forward` with respect to ``q``, ``k`` and ``v``.
 
         Args:
             dout: ``[Tq, Hq, Dv]``, ``q``'s dtype: the gradient of ``out``.
-            q, k, v, pieces, causal, scale, window: as given to :meth:`forward`.
+            q, k, v, pieces, causal, scale, window, softcap: as given to :meth:`forward`.
             out, lse: what :meth:`forward` returned for them.
             grads: the order and buffers of the dK/dV sums (:class:`KeyGrads`; default:
                 key order, new tensors).

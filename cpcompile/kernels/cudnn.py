@@ -318,8 +318,8 @@ def _run(graph_and_workspace, buffers: dict, device: torch.device) -> None:
     g.execute(buffers, workspace, handle=_handle(device))
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    refuse_variant("cudnn", q, v)  # its graphs take one head dim
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float) -> None:
+    refuse_variant("cudnn", q, v, softcap)  # its graphs take one head dim, and scores as they are
     if not q.is_cuda or q.dtype not in _DTYPES:
         raise ValueError(f"kernel 'cudnn' needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
     if q.shape[-1] != k.shape[-1] or q.shape[-1] % 8:
@@ -361,10 +361,10 @@ def _band(causal: bool, window, pieces: Pieces) -> tuple[int, int]:
     return band
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     band = _band(causal, window, pieces)
-    _check(q, k, v)
+    _check(q, k, v, softcap)
     q, (k, v) = q.contiguous(), _kv(k, v)
     tq, hq, d = q.shape
     meta = _plan_ragged(*pieces.tensors, k.shape[0])
@@ -406,12 +406,13 @@ def backward_pieces(cu_q, k_start, k_len, num_rows: int, num_keys: int, causal: 
 
 
 def backward(
-    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
-):
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, grads=None,
+    **options,
+):  # fmt: skip
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options, "cudnn")
     band = _band(causal, window, pieces)
-    _check(q, k, v)
+    _check(q, k, v, softcap)
     q, out, dout = (t.contiguous() for t in (q, out, dout))
     k, v = _kv(k, v)
     tq, hq, d = q.shape

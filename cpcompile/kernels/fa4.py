@@ -75,26 +75,31 @@ def supports_window() -> bool:
     return all("window_size_left" in inspect.signature(f).parameters for f in calls)
 
 
-def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window) -> dict:
-    """What FA4's varlen forward and backward both take by name: the entries, their bounds and the mask."""
+def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap) -> dict:
+    """What FA4's varlen forward and backward both take by name: the entries, their bounds and the mask
+    (``softcap`` where not 0: its capped scores' backward)."""
     entries = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
     if window != (-1, -1):
         if not supports_window():
             raise ValueError(f"kernel 'fa4': this FlashAttention-4 takes no window in its backward ({SUPPORTED})")
         left, right = window  # FA4 leaves a side unbounded with None
         entries |= {"window_size_left": None if left < 0 else left, "window_size_right": None if right < 0 else right}
+    if softcap:
+        entries["softcap"] = softcap
     return entries | {"softmax_scale": scale, "causal": causal}
 
 
-def _forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, seqused_k=None, seqused_q=None):
-    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
+def _forward_call(
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, seqused_k=None, seqused_q=None
+):  # fmt: skip
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap)
     used = {"seqused_q": seqused_q, "seqused_k": seqused_k}
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, return_lse=True, **used, **kw)
     return out, lse
 
 
-def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, **rows):
-    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window)
+def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, **rows):
+    kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap)
     dq, dk, dv, *_ = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, **kw, **rows)
     return dq, dk, dv
 

@@ -66,36 +66,41 @@ def _blocks(lo: torch.Tensor, hi: torch.Tensor):
         yield r0, r1, k0, k1
 
 
-def _scores(q, k, bounds, pieces: Pieces, window, r0, r1, k0, k1, scale, acc):
-    """Masked scores ``[Hkv, G, rows, keys]`` and the mask ``[rows, keys]``."""
+def _scores(q, k, bounds, pieces: Pieces, window, r0, r1, k0, k1, scale, acc, softcap=0.0):
+    """Masked scores ``[Hkv, G, rows, keys]`` (capped to ``softcap * tanh(s / softcap)`` where ``softcap``
+    is not 0) and the derivative of the cap, ``1 - tanh^2`` (``None`` without one)."""
     lo, hi, at = bounds
     hkv = k.shape[1]
     qb = q[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
     kb = k[k0:k1].to(acc)  # [keys, Hkv, D]
     s = torch.einsum("rhgd,khd->hgrk", qb, kb) * scale
+    slope = None
+    if softcap:
+        capped = torch.tanh(s / softcap)
+        s, slope = softcap * capped, 1 - capped * capped
     keys = torch.arange(k0, k1, device=q.device)
     mask = (keys[None, :] >= lo[r0:r1, None]) & (keys[None, :] < hi[r0:r1, None])
     if pieces.k_pos is not None:  # positions with gaps: the window compares them
         y, x = pieces.k_pos.long()[k0:k1][None, :], at[r0:r1, None]
         left, right = window
         mask &= ((y >= x - left) | (left < 0)) & ((y <= x + right) | (right < 0))
-    return s.masked_fill(~mask, float("-inf")), mask
+    return s.masked_fill(~mask, float("-inf")), slope
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     with _no_autocast(q.device):
-        return _forward(q, k, v, pieces, causal=causal, scale=scale, window=window)
+        return _forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
-def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window):
+def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window, softcap):
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     out = torch.zeros(tq, hq, v.shape[2], dtype=acc, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
     bounds = _row_bounds(pieces, causal, window, tq)
     for r0, r1, k0, k1 in _blocks(*bounds[:2]):
-        s, _ = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc)
+        s, _ = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc, softcap)
         m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(acc).min)  # rows with no key stay finite
         p = torch.exp(s - m)
         total = p.sum(-1, keepdim=True)
@@ -106,15 +111,17 @@ def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window):
 
 
 def backward(
-    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None, **options
-):
+    dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, grads=None,
+    **options,
+):  # fmt: skip
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
     check_options(options)
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "grads": grads}
     with _no_autocast(q.device):
-        return _backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=scale, window=window, grads=grads)
+        return _backward(dout, q, k, v, out, lse, pieces, **kw)
 
 
-def _backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window, grads):
+def _backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window, softcap, grads):
     acc = _acc_dtype(q.dtype)
     tq, hq, _ = q.shape
     hkv = k.shape[1]
@@ -127,12 +134,14 @@ def _backward(dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: f
     # Rows without keys have lse = -inf; any finite stand-in keeps exp(-inf - lse) = 0.
     lse_g = lse.to(acc).clamp(min=torch.finfo(acc).min).unflatten(0, (hkv, -1)).unsqueeze(-1)  # [Hkv, G, Tq, 1]
     for r0, r1, k0, k1 in _blocks(*bounds[:2]):
-        s, _ = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc)
+        s, slope = _scores(q, k, bounds, pieces, window, r0, r1, k0, k1, scale, acc, softcap)
         p = torch.exp(s - lse_g[:, :, r0:r1])  # masked entries are exp(-inf) = 0
         do = dout[r0:r1].to(acc).unflatten(1, (hkv, -1))  # [rows, Hkv, G, D]
         dv[k0:k1] += torch.einsum("hgrk,rhgd->khd", p, do)
         dp = torch.einsum("rhgd,khd->hgrk", do, v[k0:k1].to(acc))
         ds = p * (dp - delta[:, :, r0:r1]) * scale
+        if slope is not None:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+            ds = ds * slope
         dq[r0:r1] = torch.einsum("hgrk,khd->rhgd", ds, k[k0:k1].to(acc)).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgrk,rhgd->khd", ds, q[r0:r1].to(acc).unflatten(1, (hkv, -1)))
     return dq.to(q.dtype), *place_grads(dk, dv, pieces.k_start, pieces.k_len, grads)

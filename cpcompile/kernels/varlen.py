@@ -59,12 +59,13 @@ IN_PLACE_LAYERS_GQA = 2
 
 class ForwardCall(Protocol):
     def __call__(
-        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, seqused_k=None,
-        seqused_q=None,
+        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, softcap: float,
+        seqused_k=None, seqused_q=None,
     ):  # fmt: skip
         """q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]``, ``cu_q``/``cu_k`` ``[B + 1]`` int32 (``cu_k``
         monotone unless ``seqused_k [B]`` gives the lengths), ``window``: ``(left, right)`` of
-        ``varlen_attn`` (``(-1, -1)``: none) -> ``(out [Tq, Hq, D], lse [Hq, Tq])``. ``seqused_q``
+        ``varlen_attn`` (``(-1, -1)``: none), ``softcap`` the contract's (0: none; only a kernel made
+        with ``variants`` is given another) -> ``(out [Tq, Hq, Dv], lse [Hq, Tq])``. ``seqused_q``
         (an ``in_place_backward`` kernel's only): ``[B]`` int32, each entry's query rows from
         ``cu_q[b]`` (``cu_q`` then not monotone; entries' rows disjoint); rows no entry holds
         are left unwritten."""
@@ -72,7 +73,8 @@ class ForwardCall(Protocol):
 
 class BackwardCall(Protocol):
     def __call__(
-        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, **rows
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window,
+        softcap: float, **rows
     ):  # fmt: skip
         """The gradients ``(dq, dk, dv)`` of one plain varlen call (``cu_k`` monotone, entries disjoint).
         ``rows`` (an ``in_place_backward`` kernel's only): ``seqused_q``, ``seqused_k`` ``[B]`` int32,
@@ -120,18 +122,18 @@ class VarlenKernel:
         self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, *, in_place_backward=False,
         variants=False,
     ):  # fmt: skip
-        """``variants``: the calls run values of their own head dim (``contract.variant``); else such a
-        call raises ``ValueError``."""
+        """``variants``: the calls run values of their own head dim and soft-capping (``contract.variant``);
+        else such a call raises ``ValueError``."""
         self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
         self._in_place, self._variants = in_place_backward, variants
 
-    def _check(self, q, v) -> None:
+    def _check(self, q, v, softcap) -> None:
         if not self._variants:
-            refuse_variant(self._name, q, v)
+            refuse_variant(self._name, q, v, softcap)
 
-    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1)):
+    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
-        self._check(q, v)
+        self._check(q, v, softcap)
         band = gpu_window(self._name, causal, window, pieces)
         # The grid is sized by the bounds: tight ones save empty thread blocks. Rows of
         # padding pieces beyond max_q are skipped by the kernel and zeroed below.
@@ -139,36 +141,37 @@ class VarlenKernel:
         cu_q, k_start, k_len = pieces.tensors
         if pieces.disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
             cu_k = _consecutive_cu_k(k_start, k_len)
-            return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band)
+            return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, softcap)
         if self._in_place:  # it takes each entry's query rows (seqused_q): the pieces' chunks, longest first
             entries = order.longest_first(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal, band[0])
             used = {"seqused_q": entries.used_q, "seqused_k": entries.used_k}
-            launch = (min(max_q, order.ROWS), max_k, causal, scale, band)
+            launch = (min(max_q, order.ROWS), max_k, causal, scale, band, softcap)
             out, lse = self._forward_call(q, k, v, entries.cu_q, entries.cu_k, *launch, **used)
         else:
             cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
-            out, lse = self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, seqused_k=k_len)
+            launch = (max_q, max_k, causal, scale, band, softcap)
+            out, lse = self._forward_call(q, k, v, cu_q, cu_k, *launch, seqused_k=k_len)
         live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
         # in place: the kernel's fresh outputs
         return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
 
     def backward(
-        self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), grads=None,
-        **options,
+        self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0,
+        grads=None, **options,
     ):  # fmt: skip
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.backward`."""
         check_options(options, None if self._in_place else self._name)
-        self._check(q, v)
+        self._check(q, v, softcap)
         band = gpu_window(self._name, causal, window, pieces)
         max_q, max_k = pieces.bounds(q, k)
         cu_q, k_start, k_len = pieces.tensors
         call = self._backward_call
         if "layers" in options and not pieces.disjoint_keys:
-            layered = (dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k)
+            layered = (dout, q, k, v, out, lse, pieces, causal, scale, (band, softcap), max_q, max_k)
             return self._captured_backward(*layered, options["layers"], grads)
         if pieces.disjoint_keys:  # consecutive key ranges: the kernel's own layout, no copies
             cu_k = _consecutive_cu_k(k_start, k_len)
-            dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, band)
+            dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, band, softcap)
             return dq, *place_grads(dk, dv, k_start, k_len, grads)
         scratch = scratch_rows(cu_q, k_start, k_len, k.shape[0])
         max_q, max_k = min(max_q, scratch.max_q), min(max_k, scratch.max_k)  # exact: smaller grids
@@ -178,7 +181,7 @@ class VarlenKernel:
         # the keys no piece reads (an all-gather's rank reading a small part of the pack)
         few_unread = n - scratch.live_read <= scratch.rows
         live_rows = dead_rows.live_rows(cu_q, k_len, q.shape[0])  # rows whose piece sees a key
-        launch = (max_q, max_k, causal, scale, band)
+        launch = (max_q, max_k, causal, scale, band, softcap)
         most = IN_PLACE_LAYERS if q.shape[1] == k.shape[1] else IN_PLACE_LAYERS_GQA
         if self._in_place and scratch.ordered and scratch.num_layers <= most and few_unread:
             calls = layer_calls(cu_q, k_start, k_len, n, scratch.num_layers, scratch.layer_live)
@@ -195,7 +198,7 @@ class VarlenKernel:
             rows = {"dq": torch.empty_like(q), "dk": torch.empty_like(kc), "dv": torch.empty_like(vc)}
             dq, dkc, dvc = self._entries_call(dout, q, kc, vc, out, lse, calls.call(0), launch, rows)
         else:
-            dq, dkc, dvc = call(dout, q, kc, vc, out, lse, cu_q, scratch.cu, max_q, max_k, causal, scale, band)
+            dq, dkc, dvc = call(dout, q, kc, vc, out, lse, cu_q, scratch.cu, *launch)
         dk, dv = add_back_grads(dkc, dvc, scratch, grads)
         return dead_rows.zero(dq, live_rows), dk, dv
 
@@ -217,7 +220,7 @@ class VarlenKernel:
 
     def _entries_call(self, dout, q, k, v, out, lse, entries, launch, rows):
         """One backward call of an ``in_place_backward`` kernel over ``entries`` (:meth:`LayerCalls.call`),
-        ``launch`` its ``(max_q, max_k, causal, scale, window)``, writing ``rows`` (``dq``, ``dk``, ``dv``);
+        ``launch`` its ``(max_q, max_k, causal, scale, window, softcap)``, writing ``rows`` (``dq``, ``dk``, ``dv``);
         a call without entries launches nothing."""
         if entries["seqused_q"].shape[0]:
             cu_q, cu_k = entries["cu_q"], entries["cu_k"]
@@ -225,7 +228,7 @@ class VarlenKernel:
             self._backward_call(dout, q, k, v, out, lse, cu_q, cu_k, *launch, **used, **rows)
         return rows["dq"], rows["dk"], rows["dv"]
 
-    def _captured_backward(self, dout, q, k, v, out, lse, pieces, causal, scale, band, max_q, max_k, layers, grads):
+    def _captured_backward(self, dout, q, k, v, out, lse, pieces, causal, scale, mask, max_q, max_k, layers, grads):
         """The backward of a call captured in a CUDA graph: ``layers`` calls in place (the bound of the pieces'
         layers, fixed for every pack the capture replays; a layer without pieces is a call whose entries use
         no rows), every size from the shapes, nothing read on the host. The sums are written at every key
@@ -242,7 +245,7 @@ class VarlenKernel:
         torch._assert_async((used_k.sum(0) == live).all(), "a piece fits none of the captured layers")
         ends = cu_k[:, :-1] + used_k
         torch._assert_async((ends <= cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
-        launch = (max_q, max_k, causal, scale, band)
+        launch = (max_q, max_k, causal, scale, *mask)  # mask: (window, softcap)
         # in turn, on the capture's stream: other streams would have to be forked and joined in the graph
         dq, dks, dvs = self._layer_calls(dout, q, k, v, out, lse, calls, layers, launch, False)
         dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))

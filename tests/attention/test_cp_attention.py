@@ -16,7 +16,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, VALUE_DIMS, attention_case, doc_lengths, random_pack, strategy_specs
+from tests.fixtures import KINDS, SOFTCAPS, VALUE_DIMS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import attention_fp64, attention_fp64_on_rank, relative_error
 
 pytestmark = pytest.mark.distributed
@@ -34,11 +34,12 @@ def _check_rank(rank: int, world: int, choice: dict) -> None:
         if hq == hkv and not causal:
             continue  # MHA once per strategy is enough; GQA covers both masks
         dv = VALUE_DIMS[case % len(VALUE_DIMS)]  # each layout with every value head dim
+        softcap = SOFTCAPS[case % 2]  # and with soft-capping and without
         cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         spec = dataclasses.replace(spec, **choice)
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
-        ref, *ref_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
+        ref, *ref_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal, softcap=softcap)
         local = {name: sharded.tensors[name].clone().requires_grad_() for name in ("q", "k", "v")}
         out = cpcompile.cp_attention(
             local["q"],
@@ -48,9 +49,10 @@ def _check_rank(rank: int, world: int, choice: dict) -> None:
             cu_seqlens_padded=sharded.cu_seqlens_padded,
             strategy=sharded,
             causal=causal,
+            softcap=softcap,
         )
         grads = torch.autograd.grad(out, list(local.values()), sharded.tensors["dout"])
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv}"
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv} softcap={softcap}"
         assert relative_error(out, ref) < TOLERANCE, f"out {label}"
         for name, got, want in zip("qkv", grads, ref_grads):
             assert relative_error(got, want) < TOLERANCE, f"d{name} {label}"
@@ -119,6 +121,30 @@ def _ranks_that_read_nothing(rank: int, world: int) -> None:
                 assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"
 
 
+def check_compiled_variant(rank: int, world: int, spec, *, window=None, overlap_kv=False, heads=(4, 2)) -> None:
+    """``packed_attention`` with values of their own head dim (12 over keys of 8) and soft-capping, compiled
+    under ``spec`` (its ``kv``: all-gather, exchange, ring, head-parallel, hybrid; ``window``: a sliding
+    window), against float64 at this rank's rows: the pass carries both to the CP op it makes."""
+
+    def attend(q, k, v, cu, m):
+        return cpcompile.packed_attention(q, k, v, cu, max_seqlen=m, window_size=window, softcap=1.5)
+
+    cu, _, q, k, v, dout = attention_case(doc_lengths(world, 7), *heads, 8, dv=12, seed=7, dtype=torch.float64)
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
+    torch._dynamo.reset()
+    backend = cpcompile.backend(inner="aot_eager", overlap_kv=overlap_kv)
+    compiled = torch.compile(attend, backend=backend, dynamic=True, fullgraph=True)
+    local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
+    with cpcompile.strategy(sharded):
+        out = compiled(*local, cu, int((cu[1:] - cu[:-1]).max()))
+    got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
+    want = attention_fp64_on_rank(cu, sharded, tensors, causal=True, window=window, softcap=1.5)
+    label = f"compiled rank {rank}/{world} {spec} window={window} overlap_kv={overlap_kv}"
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(a, b) < 1e-10, f"{name} {label}"
+
+
 def _every_case(rank: int, world: int, kv_env: str) -> None:
     """Both K/V paths forced, the all-gather and the sparse exchange of the rows that are read: ``kv_env``
     through the environment the ranks imported cpcompile with, the other through the spec."""
@@ -126,6 +152,12 @@ def _every_case(rank: int, world: int, kv_env: str) -> None:
     other = {"kv": "exchange" if kv_env == "all_gather" else "all_gather"}
     for choice in ({}, other):
         _check_rank(rank, world, choice)
+    # compiled, values of their own head dim and soft-capping: every path but the heads' (tests/attention/test_heads.py)
+    spec = cpcompile.StrategySpec
+    check_compiled_variant(rank, world, spec("dual_chunk_swap", kv="exchange"))
+    check_compiled_variant(rank, world, spec("balanced", kv="exchange"), window=(3, 0))
+    check_compiled_variant(rank, world, spec("striped", stripe_size=2, kv="ring"), window=(2, 0))
+    check_compiled_variant(rank, world, spec("no_load_balance", kv="all_gather"), overlap_kv=True)
     if world == 2:
         # the K/V gather pipelined over two head groups (opt-in)
         _check_rank(rank, world, {"kv": "all_gather", "kv_chunks": 2})
@@ -158,15 +190,16 @@ def _parts_through_the_exchange(rank: int, world: int) -> None:
         varlen.IN_PLACE_LAYERS = varlen.IN_PLACE_LAYERS_GQA = 0 if copies else 2
         hq, hkv = (4, 2) if causal else (2, 2)
         spec = cpcompile.StrategySpec(cpcompile.Strategy(name), kv="exchange")
-        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, seed=case)
+        dv, softcap = VALUE_DIMS[case % len(VALUE_DIMS)], SOFTCAPS[copies]  # FA4 runs both
+        cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         local = [sharded.tensors[n].double().requires_grad_() for n in "qkv"]
         kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": sharded, "causal": causal}
-        out = cpcompile.cp_attention(*local, cu, **kw)
+        out = cpcompile.cp_attention(*local, cu, softcap=softcap, **kw)
         grads = torch.autograd.grad(out, local, sharded.tensors["dout"].double())
-        want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
-        label = f"rank {rank}/{world} {name} {lengths} causal={causal} copies={copies}"
+        want, *want_grads = attention_fp64_on_rank(cu, sharded, tensors, causal=causal, softcap=softcap)
+        label = f"rank {rank}/{world} {name} {lengths} causal={causal} copies={copies} dv={dv} softcap={softcap}"
         assert relative_error(out, want) < TOLERANCE, f"out {label}"
         for n, got, w in zip("qkv", grads, want_grads):
             assert relative_error(got, w) < TOLERANCE, f"d{n} {label}"

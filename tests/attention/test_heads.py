@@ -16,7 +16,7 @@ import torch
 
 import cpcompile
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, TOLERANCE, VALUE_DIMS, attention_case, random_pack, rows_of, strategy_specs
+from tests.fixtures import KINDS, SOFTCAPS, TOLERANCE, VALUE_DIMS, attention_case, random_pack, rows_of, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64_on_rank
 
 pytestmark = pytest.mark.distributed
@@ -45,14 +45,19 @@ US = {2: [2], 3: [3], 4: [4, 2]}
 
 
 def _check_rank(rank: int, world: int) -> None:
+    from tests.attention.test_cp_attention import check_compiled_variant
+
     for u in US[world]:
         _check_u(rank, world, 2000 + world + u, u)
+        # compiled: values of their own head dim and soft-capping, through the head all-to-alls (and the hybrid's)
+        spec = cpcompile.StrategySpec("balanced", kv="heads", head_parallel=u)
+        check_compiled_variant(rank, world, spec, heads=(2 * u, 2))
 
 
 def _check_u(rank: int, world: int, seed: int, u: int) -> None:
     for spec, causal, (hq, hkv), dtype, lengths, case_seed in cases(world, seed, u):
         spec = cpcompile.StrategySpec(spec.strategy, spec.stripe_size, kv="heads", head_parallel=u)
-        dv = VALUE_DIMS[case_seed % len(VALUE_DIMS)]
+        dv, softcap = VALUE_DIMS[case_seed % len(VALUE_DIMS)], SOFTCAPS[case_seed // 7 % 2]
         cu, _, q, k, v, dout = attention_case(lengths, hq, hkv, 8, dv=dv, seed=case_seed, dtype=dtype)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
@@ -60,10 +65,11 @@ def _check_u(rank: int, world: int, seed: int, u: int) -> None:
         local = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"]
         # causal attention also as its window, (-1, 0) with causal=False (every path must read the window)
         mask = {"causal": False, "window_size": (-1, 0)} if causal and case_seed % 2 else {"causal": causal}
-        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, **mask)
+        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "strategy": sharded, "softcap": softcap}
+        out = cpcompile.cp_attention(*local, cu, **kw, **mask)
         got = [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
-        label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} dv={dv} {dtype} docs {lengths}"
-        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
+        label = f"rank {rank}/{world} {spec} {mask} heads={hq}/{hkv} dv={dv} softcap={softcap} {dtype} docs {lengths}"
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal, softcap=softcap)
         assert_attention_matches(got, want, TOLERANCE[dtype], label, dtype)
 
 

@@ -15,16 +15,17 @@ from tests.reference import attention_fp64, relative_error
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (4, 1)])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("dv", [None, 12])  # values of their own head dim (MLA)
-def test_packed_attention_matches_fp64(causal, heads, padded, dv):
+@pytest.mark.parametrize(("dv", "softcap"), [(None, None), (12, None), (None, 0.7), (4, 0.7)])  # MLA, Gemma 2
+def test_packed_attention_matches_fp64(causal, heads, padded, dv, softcap):
     lengths = [1, 17, 6, 30]
     padded_lengths = [4, 20, 6, 33] if padded else None
     cu, cu_p, q, k, v, dout = attention_case(lengths, *heads, dv=dv, padded_lengths=padded_lengths)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cpcompile.packed_attention(*leaves, cu, cu_seqlens_padded=cu_p, causal=causal, scale=0.3)
+    kw = {"causal": causal, "cu_seqlens_padded": cu_p, "scale": 0.3, "softcap": softcap}
+    out = cpcompile.packed_attention(*leaves, cu, **kw)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = attention_fp64(*ref_leaves, cu, causal=causal, cu_seqlens_padded=cu_p, scale=0.3)
+    ref = attention_fp64(*ref_leaves, cu, **kw)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     assert relative_error(out, ref) < 1e-5
     for got, want in zip(grads, ref_grads):
@@ -40,6 +41,9 @@ def test_opcheck_packed_attention():
     for causal in (True, False):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu, cu_p, 10, causal, None)
         opcheck(torch.ops.cpcompile.packed_attention.default, args)
+    # values of their own head dim, soft-capped
+    v = torch.randn(*v.shape[:2], 4, requires_grad=True)
+    opcheck(torch.ops.cpcompile.packed_attention.default, (q, k, v, cu, cu_p, 10, True, None), {"softcap": 2.0})
 
 
 def test_opcheck_cp_attention(single_rank_group):
@@ -109,6 +113,8 @@ def test_cp_attention_on_one_rank_is_packed_attention(single_rank_group):
         (lambda a: {**a, "max_seqlen": 0}, ValueError, "max_seqlen must be None or an int of at least 1"),
         (lambda a: {**a, "scale": float("nan")}, ValueError, "scale must be None .* a finite positive number, got nan"),
         (lambda a: {**a, "k": a["k"][:, :0], "v": a["v"][:, :0]}, ValueError, "k must have at least one head"),
+        (lambda a: {**a, "softcap": -1.0}, ValueError, r"softcap must be None or 0 .* got -1.0"),
+        (lambda a: {**a, "softcap": float("inf")}, ValueError, r"softcap must be None or 0 .* got inf"),
     ],
 )
 def test_packed_attention_rejects_bad_arguments(mutate, error, message):

@@ -16,7 +16,7 @@ import torch
 import cpcompile
 from tests.attention.test_sinks import check_sinks_on_rank
 from tests.dist import run_ranks
-from tests.fixtures import VALUE_DIMS, attention_case, doc_lengths, strategy_specs
+from tests.fixtures import SOFTCAPS, VALUE_DIMS, attention_case, doc_lengths, strategy_specs
 from tests.reference import attention_fp64_on_rank, relative_error
 
 pytestmark = pytest.mark.distributed
@@ -26,10 +26,11 @@ SAME = 1e-5  # ring against all-gather: both float32, only the summation order d
 SPECS = strategy_specs(stripe_size=4)
 
 
-def _run(sharded, cu, spec, causal, kv):
+def _run(sharded, cu, spec, causal, kv, softcap=None):
     local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
     with cpcompile.strategy(sharded, kv=kv):  # the batch's layout and rows, K/V moved as kv says
-        out = cpcompile.cp_attention(*local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, causal=causal)
+        kw = {"cu_seqlens_padded": sharded.cu_seqlens_padded, "causal": causal, "softcap": softcap}
+        out = cpcompile.cp_attention(*local, cu, **kw)
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 
 
@@ -37,13 +38,14 @@ def _check_rank(rank: int, world: int) -> None:
     cases = [(s, c, h) for s in SPECS for c in (True, False) for h in ((4, 2), (2, 2)) if h == (4, 2) or c]
     for case, (spec, causal, (hq, hkv)) in enumerate(cases):
         dv = VALUE_DIMS[case % len(VALUE_DIMS)]  # each layout with every value head dim
+        softcap = SOFTCAPS[case % 2]  # and with soft-capping and without
         cu, _, q, k, v, dout = attention_case(doc_lengths(world, case), hq, hkv, 8, dv=dv, seed=case)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
-        ring = _run(sharded, cu, spec, causal, "ring")
-        gathered = _run(sharded, cu, spec, causal, "auto")
-        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal)
-        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv}"
+        ring = _run(sharded, cu, spec, causal, "ring", softcap)
+        gathered = _run(sharded, cu, spec, causal, "auto", softcap)
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=causal, softcap=softcap)
+        label = f"rank {rank}/{world} {spec} causal={causal} heads={hq}/{hkv} dv={dv} softcap={softcap}"
         for name, got, same, ref in zip(("out", "dq", "dk", "dv"), ring, gathered, want):
             assert relative_error(got, ref) < TOLERANCE, f"{name} against float64, {label}"
             assert relative_error(got, same) < SAME, f"{name} against all-gather, {label}"

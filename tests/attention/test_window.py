@@ -28,7 +28,7 @@ from cpcompile.plan.pieces import step_plan
 from cpcompile.plan.window import window_keys
 from cpcompile.testing import VARLEN_GQA
 from tests.dist import run_ranks
-from tests.fixtures import KINDS, VALUE_DIMS, attention_case, doc_lengths, random_pack, strategy_specs
+from tests.fixtures import KINDS, SOFTCAPS, VALUE_DIMS, attention_case, doc_lengths, random_pack, strategy_specs
 from tests.reference import assert_attention_matches, attention_fp64, attention_fp64_on_rank
 
 EXACT = 1e-10  # float64 throughout: only the summation order differs
@@ -37,11 +37,11 @@ WINDOWS = [(3, 0), (2, 2), (0, 1)]
 PATHS = ["all_gather", "exchange", "ring"]
 
 
-def _run(sharded, cu, spec, window, kv):
+def _run(sharded, cu, spec, window, kv, softcap=None):
     local = [sharded.tensors[name].clone().requires_grad_() for name in "qkv"]
     with cpcompile.strategy(sharded, kv=kv, kernel="reference"):  # the batch's layout and rows
         out = cpcompile.cp_attention(
-            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, causal=False, window_size=window
+            *local, cu, cu_seqlens_padded=sharded.cu_seqlens_padded, causal=False, window_size=window, softcap=softcap
         )
     return [out, *torch.autograd.grad(out, local, sharded.tensors["dout"])]
 
@@ -55,15 +55,15 @@ SPECS = [*strategy_specs(stripe_size=2, auto=False), *TOLD]
 def _check_rank(rank: int, world: int) -> None:
     for case, spec in enumerate(SPECS):
         lengths = doc_lengths(world, case)
-        dv = VALUE_DIMS[case % len(VALUE_DIMS)]
+        dv, softcap = VALUE_DIMS[case % len(VALUE_DIMS)], SOFTCAPS[case % 2]
         cu, _, q, k, v, dout = attention_case(lengths, 4, 2, 8, dv=dv, seed=case, dtype=torch.float64)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
         for window in WINDOWS:
-            want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
+            want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window, softcap=softcap)
             for kv in PATHS:
-                got = _run(sharded, cu, spec, window, kv)
-                label = f"rank {rank}/{world} {spec} window={window} kv={kv} dv={dv}"
+                got = _run(sharded, cu, spec, window, kv, softcap)
+                label = f"rank {rank}/{world} {spec} window={window} kv={kv} dv={dv} softcap={softcap}"
                 assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
     _check_random_packs(rank, world)
     _check_exchange_rows(rank, world)
@@ -91,13 +91,13 @@ def _check_random_packs(rank: int, world: int) -> None:
     """Random packs of every kind (1-token documents, one document, one token per rank, zero-length
     documents, many documents), random windows, every layout and path: float64-exact."""
     for spec, kv, window, lengths, seed in random_cases(world, 2000 + world):
-        dv = (None, 8)[seed % 2]  # values of their own head dim in half the cases
+        dv, softcap = (None, 8)[seed % 2], SOFTCAPS[seed // 2 % 2]  # each in half the cases
         cu, _, q, k, v, dout = attention_case(lengths, 2, 1, 4, dv=dv, seed=seed, dtype=torch.float64)
         tensors = {"q": q, "k": k, "v": v, "dout": dout}
         sharded = cpcompile.shard_batch(tensors, cu, cp_size=world, rank=rank, strategy=spec)
-        got = _run(sharded, cu, sharded.spec, window, kv)
-        want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window)
-        label = f"rank {rank}/{world} {spec} window={window} kv={kv} docs {lengths}"
+        got = _run(sharded, cu, sharded.spec, window, kv, softcap)
+        want = attention_fp64_on_rank(cu, sharded, tensors, causal=False, window=window, softcap=softcap)
+        label = f"rank {rank}/{world} {spec} window={window} kv={kv} dv={dv} softcap={softcap} docs {lengths}"
         assert_attention_matches(got, want, EXACT, label, dtype=torch.float64)
 
 

@@ -112,7 +112,17 @@ def test_simulated_ranks_bf16_fa4_without_gqa(strategy, causal):
     _check_simulated_ranks(strategy, causal, "fa4", kv_heads=8)
 
 
-def _check_simulated_ranks(strategy, causal, kernel, kv_heads):
+@_needs_fa4
+@pytest.mark.parametrize(("d", "dv", "softcap"), [(192, 128, 0.0), (128, 128, 2.0), (192, 128, 2.0)])
+@pytest.mark.parametrize(("strategy", "causal"), [("dual_chunk_swap", True), ("striped", True), ("balanced", False)])
+def test_simulated_ranks_bf16_fa4_variants(strategy, causal, d, dv, softcap):
+    """FA4 on ranks' pieces with DeepSeek's multi-head latent attention head dims (192/128) and with
+    Gemma 2's logit soft-capping (a cap the scores reach), against FA4 on the whole pack with the same
+    variant: within twice its error against float64."""
+    _check_simulated_ranks(strategy, causal, "fa4", kv_heads=2, d=d, dv=dv, softcap=softcap)
+
+
+def _check_simulated_ranks(strategy, causal, kernel, kv_heads, d=128, dv=128, softcap=0.0):
     name, kernel = kernel, kernels.select(torch.empty(0, device="cuda", dtype=torch.bfloat16), kernel)
     cp = 4
     lengths = [1, 700, 129, 2048, 64]
@@ -120,19 +130,19 @@ def _check_simulated_ranks(strategy, causal, kernel, kv_heads):
     padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=strategy)
     n = int(padded[-1])
     g = torch.Generator(device="cuda").manual_seed(1)
-    q, dout = (torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k, v = (torch.randn(n, kv_heads, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q, dout = (torch.randn(n, 8, e, device="cuda", dtype=torch.bfloat16, generator=g) for e in (d, dv))
+    k, v = (torch.randn(n, kv_heads, e, device="cuda", dtype=torch.bfloat16, generator=g) for e in (d, dv))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=padded)
+    ref = attention_fp64(*leaves, cu, causal=causal, cu_seqlens_padded=padded, softcap=softcap or None)
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-    base, base_grads = _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal)
+    base, base_grads = _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal, softcap)
 
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(dout)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     # the tight launch bound cp_attention uses: rows beyond it would be silently skipped
     bounds = {"max_q": max_piece_len(resolve_strategy(strategy), cp, max(lengths)), "max_k": max(lengths)}
-    kw = {"causal": causal, "scale": 128**-0.5}
+    kw = {"causal": causal, "scale": d**-0.5, "softcap": softcap}
     for rank in range(cp):
         plan = cpcompile.plan.make_plan(cu, padded, cp_size=cp, rank=rank, strategy=strategy)
         plan = cpcompile.plan.AttentionPlan(*(t.cuda() for t in plan))
@@ -239,21 +249,22 @@ def _poison_allocator():
     [torch.full((256 << 10,), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(128)]
 
 
-def _whole_pack(kernel, q, k, v, dout, cu, causal):
+def _whole_pack(kernel, q, k, v, dout, cu, causal, softcap=0.0):
     """``kernel`` on one device: the documents are the pieces (torch's varlen_attn for flash)."""
     if kernel is flash:
         return _torch_varlen(q, k, v, dout, cu, causal)
     n = cu[1:] - cu[:-1]
     pieces = Pieces(cu, cu[:-1], n, max_q=int(n.max()), max_k=int(n.max()), disjoint_keys=True)
-    out, lse = kernel.forward(q, k, v, pieces, causal=causal, scale=128**-0.5)
-    return out, kernel.backward(dout, q, k, v, out, lse, pieces, causal=causal, scale=128**-0.5)
+    kw = {"causal": causal, "scale": q.shape[-1] ** -0.5, "softcap": softcap}
+    out, lse = kernel.forward(q, k, v, pieces, **kw)
+    return out, kernel.backward(dout, q, k, v, out, lse, pieces, **kw)
 
 
-def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal):
+def _whole_pack_padded(kernel, q, k, v, dout, cu, padded, causal, softcap=0.0):
     """The whole-pack kernel on the real tokens only, scattered back to the padded buffer."""
     real = cpcompile.batch.physical_positions(cu, padded).cuda()
-    out, grads = _whole_pack(kernel, q[real], k[real], v[real], dout[real], cu.cuda(), causal)
-    full = [torch.zeros_like(t) for t in (q, q, k, v)]
+    out, grads = _whole_pack(kernel, q[real], k[real], v[real], dout[real], cu.cuda(), causal, softcap)
+    full = [torch.zeros_like(t) for t in (dout, q, k, v)]
     for f, t in zip(full, [out, *grads]):
         f[real] = t.to(f.dtype)
     return full[0], full[1:]

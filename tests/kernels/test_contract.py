@@ -32,7 +32,8 @@ def test_every_backend_has_the_contracts_signatures(name):
         want = _parameters(getattr(contract.AttentionKernel, function), skip=1)  # less ``self``
         assert _parameters(getattr(backend, function)) == want, (name, function)
     # the call's pieces and the gradients' destination travel whole: the parameters stay few
-    assert [p[0] for p in _parameters(backend.forward)] == ["q", "k", "v", "pieces", "causal", "scale", "window"]
+    names = ["q", "k", "v", "pieces", "causal", "scale", "window", "softcap"]
+    assert [p[0] for p in _parameters(backend.forward)] == names
 
 
 def test_backward_takes_known_options_and_rejects_others():

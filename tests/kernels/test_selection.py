@@ -145,3 +145,18 @@ def test_auto_backward_picks_cudnn_where_its_scratch_fits(monkeypatch):
     starts = [i * 1000 for i in range(16)]
     assert pick([1000] * 16, starts, [1000] * 16, 16000) == "cudnn"  # short documents: one row per key
     assert pick([10] * 40, [0] * 40, [1000] * 40, 1000, disjoint_keys=False) == "flash"  # stripes: 40 per key
+
+
+def test_flash_and_cudnn_refuse_what_only_fa4_and_the_reference_run():
+    """Values of their own head dim and soft-capping: the kernels without them raise, naming the variant,
+    before touching a GPU (``kernels.select`` passes them over: FA4 or the reference runs such calls)."""
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q, v = torch.randn(4, 2, 8), torch.randn(4, 2, 4)
+    pieces, kw = kernels.Pieces(cu, cu[:-1], cu[1:] - cu[:-1]), {"causal": True, "scale": 0.5}
+    for kernel in (flash, cudnn):
+        name = kernel.__name__.rsplit(".", 1)[1]
+        with pytest.raises(ValueError, match=rf"kernel '{name}' cannot run a value head dim \(4\) other than"):
+            kernel.forward(q, q, v, pieces, **kw)
+        with pytest.raises(ValueError, match=rf"kernel '{name}' cannot run logit soft-capping \(softcap=2.0\)"):
+            kernel.backward(q, q, q, q, q, q[:, :, 0].t(), pieces, softcap=2.0, **kw)
+    assert reference.forward(q, q, v, pieces, softcap=2.0, **kw)[0].shape == (4, 2, 4)

@@ -17,9 +17,11 @@ and mask (the plan's key ranges as rows of every rank's block). A sliding window
 ``spec.kv == "heads"`` and ``spec.head_parallel == cp`` it becomes ``cpcompile::cp_head_attention`` (head-parallel,
 ``cpcompile.attention.heads``), fed by one ``cpcompile::cp_head_plan`` per plan; with
 ``1 < head_parallel < cp``, the hybrid's ``head_all_to_all``s around ``cp_attention`` over
-the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. A variant the
+the sequence group, fed by one ``cpcompile::cp_hybrid_plan``. Logit soft-capping (``packed_attention``'s and
+flash-attn's ``softcap``) travels in the CP op's ``softcap`` argument, and values of their own head dim
+(multi-head latent attention) as they are. A variant the
 CP op cannot compute exactly (different query and key offsets, per-sequence key lengths,
-paged keys, dropout, softcap, ALiBi, a used RNG state, an invalid window) raises
+paged keys, dropout, ALiBi, a used RNG state, an invalid window) raises
 :class:`UnsupportedAttentionError` naming the call and the reason: left as it is, it
 would attend within each rank's own tokens only, and the model would train wrong.
 Attention ops that have no documents, so the pass cannot split them (``F.scaled_dot_product_attention``,
@@ -81,6 +83,12 @@ class AttentionMatch:
     scale: float | None
     window: tuple[int, int] = (-1, -1)  # (left, right) of varlen_attn, causal included: (-1, 0) when causal
     sinks: fx.Node | None = None  # packed_attention's [Hq] sink logits: an input of the CP op, so its gradient flows
+    softcap: float = 0.0  # logit soft-capping (0: none)
+
+    @property
+    def capped(self) -> dict:
+        """The CP op's ``softcap`` keyword, where soft-capping is on."""
+        return {"softcap": self.softcap} if self.softcap else {}
 
 
 @dataclasses.dataclass
@@ -200,7 +208,7 @@ _VARLEN_SCHEMAS = {
     _FLASH_ATTN_2: _VarlenSchema(
         "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "softmax_scale", "causal",
         absent=("alibi_slopes", "block_table", "leftpad_k", "seqused_k"),
-        zero=("dropout_p", "softcap"),
+        zero=("dropout_p",),
         extra_outputs={2: "S_dmask", 3: "RNG state"},
     ),
     # flash-attn 3: hopper/flash_attn_interface.py (one op for batched and varlen calls)
@@ -211,7 +219,7 @@ _VARLEN_SCHEMAS = {
             "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary",
             "q_descale", "k_descale", "v_descale",
         ),
-        zero=("attention_chunk", "softcap"),
+        zero=("attention_chunk",),
         extra_outputs={2: "out_accum", 3: "softmax_lse_accum"},
     ),
 }  # fmt: skip
@@ -262,7 +270,25 @@ def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | 
     for index, output in s.extra_outputs.items():
         if index in used:
             return Unsupported(node, f"its {output} output is used")
-    return AttentionMatch(node, a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale], window)
+    softcap = _softcap(a)
+    if isinstance(softcap, str):
+        return Unsupported(node, softcap)
+    args = (a[s.q], a[s.k], a[s.v], a[s.cu_q], None, a[s.max_q], causal, a[s.scale], window)
+    return AttentionMatch(node, *args, softcap=softcap)
+
+
+def _softcap(a: dict) -> float | str:
+    """A call's ``softcap`` (0.0 where it has none), specialized as a window is (a symbolic one guards the
+    graph on its value), or why it is no soft-capping CP runs."""
+    value = _known(a.get("softcap", 0.0))
+    value = 0.0 if value is None else value
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return f"softcap={_shown(value)} is not a number"
+    if not value >= 0 or value == float("inf"):
+        return f"softcap={value} is not supported: 0 (none) or a finite positive cap"
+    return value
 
 
 def _match_packed(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
@@ -281,7 +307,11 @@ def _match_packed(node: fx.Node, a: dict) -> AttentionMatch | Unsupported:
     except (TypeError, ValueError) as e:
         return Unsupported(node, str(e))
     args = (a[n] for n in ("q", "k", "v", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"))
-    return AttentionMatch(node, *args, causal, a["scale"], window=op_window(causal, *window), sinks=a.get("sinks"))
+    softcap = _softcap(a)
+    if isinstance(softcap, str):
+        return Unsupported(node, softcap)
+    window = op_window(causal, *window)
+    return AttentionMatch(node, *args, causal, a["scale"], window=window, sinks=a.get("sinks"), softcap=softcap)
 
 
 def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], list[Unsupported]]:
@@ -349,10 +379,11 @@ def _describe_call(m: AttentionMatch, op: str, spec: StrategySpec) -> str:
     scale and the kernel and K/V transport."""
     out = m.node.meta.get("example_value")
     out = out[0] if isinstance(out, (tuple, list)) else out
-    q, k = (x.meta.get("example_value") for x in (m.q, m.k))
+    q, k, v = (x.meta.get("example_value") for x in (m.q, m.k, m.v))
     mask = {(-1, 0): "causal", (-1, -1): "full"}.get(m.window, f"window {m.window}")
-    dims = () if q is None or k is None else (q.shape[1], k.shape[1], q.shape[2])
-    heads = ", heads {}/{} x {}".format(*dims) if dims and all(isinstance(d, int) for d in dims) else ""
+    mask += f", softcap {m.softcap}" if m.softcap else ""
+    dims = () if q is None or k is None or v is None else (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    heads = ", heads {}/{} x {}/{}".format(*dims) if dims and all(isinstance(d, int) for d in dims) else ""
     dtype = heads + ("" if q is None else f", {q.dtype}")
     transport = f"kernel {spec.kernel}, kv {spec.kv}, kv_chunks {spec.kv_chunks}"
     backward = "backward" if getattr(out, "requires_grad", False) else "no backward"
@@ -395,12 +426,12 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     qkv = [insert(a2a, (x, heads, True, group_name), "heads_to_tokens", m.node) for x in qkv]
     kv = (spec.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
-    sinks = None
+    sinks = {}
     if m.sinks is not None:  # those of the heads this rank holds between the all-to-alls (sinks.head_slice)
         parts = insert(torch.ops.aten.unflatten.int, (m.sinks, 0, [u, -1]), "sinks_per_rank", m.node)
         j = resolve_group(heads).rank()
         sinks = {"sinks": insert(torch.ops.aten.select.int, (parts, 0, j), "hybrid_sinks", m.node)}
-    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node, sinks)
+    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node, (sinks | m.capped) or None)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
     outputs = {0: insert(a2a, (out, heads, False, group_name), "tokens_to_heads", m.node)}
     if 1 in _used_outputs(m.node):  # a tuple used whole is no match: its read outputs are known
@@ -456,6 +487,7 @@ def rewrite_packed_attention(
         # a symbolic token count (dynamic shapes) cannot be captured: _check_capturable then says so
         why = "its token count is symbolic" if isinstance(q.shape[0], torch.SymInt) else None
         why = why or ("it has sinks, which the captured op does not take" if m.sinks is not None else None)
+        why = why or ("soft-capping (captured: plain attention)" if m.softcap else None)
         why = why or capturable(spec, q, spec.kernel, m.window)
         if why is not None:
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
@@ -556,7 +588,7 @@ def rewrite_packed_attention(
                     (*args, m.max_seqlen, spec.kernel),
                     "cp_head_attention",
                     m.node,
-                    None if m.sinks is None else {"sinks": m.sinks},
+                    ({} if m.sinks is None else {"sinks": m.sinks}) | m.capped or None,
                 )
             elif captured_call:
                 name, target = "cp_attention_captured", torch.ops.cpcompile.cp_attention_captured.default
@@ -624,7 +656,7 @@ def rewrite_packed_attention(
                     ),
                     name,
                     m.node,
-                    (op_kwargs or {}) | ({} if m.sinks is None else {"sinks": m.sinks}) or None,
+                    (op_kwargs or {}) | ({} if m.sinks is None else {"sinks": m.sinks}) | m.capped or None,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, spec))
             if split:

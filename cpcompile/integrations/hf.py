@@ -10,10 +10,10 @@ layer's call becomes CP attention; :func:`shard_flattened_batch` cuts the batch 
 rank (its tokens, labels shifted on the whole pack, ``cu_seq_lens`` kept global).
 
 What a rank cannot compute from its own tokens raises (on every rank, naming the config field): LFM2's
-convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, soft-capping,
-and Llama 4's chunked attention under CP for documents longer than a chunk. A model whose layers compute
-attention themselves, outside transformers' attention interface (Falcon, Bloom, GPT-J, GPT-Neo, CodeGen, MPT,
-XGLM), would never call this implementation: it is refused when built (:func:`check_attention_interface`).
+convolutions, Bamba's Mamba layers and other token mixers outside attention under CP, and Llama 4's chunked
+attention under CP for documents longer than a chunk. A model whose layers compute attention themselves,
+outside transformers' attention interface (Falcon, Bloom, GPT-J, GPT-Neo, CodeGen, MPT, XGLM), would never
+call this implementation: it is refused when built (:func:`check_attention_interface`).
 
 Design constraint: the model code stays stock. No attention mask is built (custom
 implementations get ``attention_mask=None`` from transformers), so nothing of size
@@ -83,16 +83,19 @@ def cpcompile_attention_forward(
     """transformers' attention-function signature over :func:`cpcompile.packed_attention`.
 
     Args:
-        query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (transformers' layout);
-            under CP, ``T`` is the rank's token count.
+        query: ``[1, Hq, T, D]``; key: ``[1, Hkv, T, D]``; value: ``[1, Hkv, T, Dv]`` (transformers'
+            layout; ``Dv`` may differ from ``D``: DeepSeek-V3's multi-head latent attention); under CP, ``T``
+            is the rank's token count.
         cu_seq_lens_q, cu_seq_lens_k: ``[B + 1]`` int32 cumulative document lengths of the
             whole pack (equal: self-attention), as DataCollatorWithFlattening returns them.
         max_length_q: longest document, a launch bound for GPU kernels.
         scaling: softmax scale (default ``D ** -0.5``); ``is_causal`` defaults to ``module.is_causal``.
         sliding_window: this layer's window (:func:`hf_window`; ``None`` on global layers), so
             models that alternate sliding and global layers run both.
+        softcap: logit soft-capping (Gemma 2's ``config.attn_logit_softcapping``), as
+            :func:`cpcompile.packed_attention` takes it.
     Returns:
-        ``([1, T, Hq, D], None)``: the output in transformers' layout, and no attention weights.
+        ``([1, T, Hq, Dv], None)``: the output in transformers' layout, and no attention weights.
 
     A chunked-attention layer (Llama 4's ``config.attention_chunk_size``) attends within each chunk of each
     document (:func:`_chunked`). Under CP (the strategy block's batch cut with ``cp_size > 1``)
@@ -119,16 +122,11 @@ def cpcompile_attention_forward(
                 f"{layer} computes self-attention over packed documents: cu_seq_lens_k must equal cu_seq_lens_q, "
                 f"got {shown[0]} and {shown[1]}"
             )
-    unsupported = {
-        "attention_mask": (attention_mask, "a 2-D or 4-D mask; documents are given by cu_seq_lens_q instead"),
-        "softcap": (softcap, "logit soft-capping"),
-    }
-    for name, (value_, what) in unsupported.items():
-        if value_ is not None:
-            raise ValueError(
-                f"{layer} does not support {what}: {name} must be None, got {value_!r}"
-                + _config_field_hint(config, name, value_)
-            )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{layer} does not support a 2-D or 4-D mask; documents are given by cu_seq_lens_q instead: "
+            f"attention_mask must be None, got {attention_mask!r}"
+        )
     if dropout != 0.0:
         field = next((f for f in _DROPOUT_FIELDS if getattr(config, f, None) == dropout), _DROPOUT_FIELDS[0])
         raise ValueError(
@@ -151,8 +149,9 @@ def cpcompile_attention_forward(
         window_size=window,
         scale=scaling,
         sinks=kwargs.get("s_aux"),  # GPT-OSS's per-head sink logits (module.sinks), a parameter: its gradient flows
+        softcap=softcap,
     )
-    return out.unsqueeze(0), None  # [1, T, Hq, D]
+    return out.unsqueeze(0), None  # [1, T, Hq, Dv]
 
 
 def hf_window(sliding_window: object, causal: bool, layer: str = "attention") -> tuple[int, int] | None:
@@ -266,15 +265,6 @@ def _check_cp_computable(module: torch.nn.Module, config: object, cp_size: int, 
 
 #: the config fields that give attention its dropout, transformers' name first (GPT-2's, BERT-style names)
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
-
-
-def _config_field_hint(config: object, argument: str, value: object) -> str:
-    """`` (set config.X=None ...)``: the config field that gave ``argument`` its ``value``, where one is known."""
-    fields = {"softcap": ("attn_logit_softcapping",)}.get(argument, ())
-    for field in fields:
-        if config is not None and getattr(config, field, None) == value:
-            return f" (it comes from config.{field}={value!r}: set config.{field}=None)"
-    return ""
 
 
 @torch.compiler.disable  # only on the error path: reads the model's source

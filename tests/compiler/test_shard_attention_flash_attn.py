@@ -208,7 +208,7 @@ return (mul,)
                 (dict(causal=True, cross=True), "cu_seqlens_q and cu_seqlens_k differ"),
                 (dict(causal=True, seqused_k=cu[1:] - cu[:-1]), "seqused_k is not supported"),
                 (dict(causal=True, alibi_slopes=torch.ones(4)), "alibi_slopes is not supported"),
-                (dict(causal=True, softcap=30.0), "softcap=30.0"),
+                (dict(causal=True, softcap=-1.0), "softcap=-1.0 is not supported"),
                 (dict(causal=True, return_softmax=True, output=2), "its S_dmask output is used"),
             ),
             FA3: (
@@ -248,13 +248,25 @@ return (mul,)
             (cp,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_attention.default)
             self.assertEqual((cp.args[8], cp.args[-2:]), (window[1] == 0, window))
 
+    def test_soft_capping_travels_to_the_cp_op(self):
+        """flash-attn's ``softcap`` (Gemma 2's logit soft-capping) runs context-parallel: the CP op carries it."""
+        for call in (fa2, fa3):
+            fn = functools.partial(
+                lambda q, k, v, cu, m, call: call(q, k, v, cu, m, causal=True, softcap=30.0)[0], call=call
+            )
+            gm = base.dynamo_graph(fn, *base.fake_rank_inputs())
+            spec = cpcompile.StrategySpec()
+            self.assertEqual(shard_attention_pass(gm, group_name=self.group, cp_size=2, rank=1, spec=spec), 1)
+            (cp,) = gm.graph.find_nodes(op="call_function", target=torch.ops.cpcompile.cp_attention.default)
+            self.assertEqual(cp.kwargs["softcap"], 30.0)
+
     def test_backend_refuses_an_unsupported_flash_attn_call(self):
-        def softcapped(q, k, v, cu, m):
-            return fa2(q, k, v, cu, m, causal=True, softcap=30.0)[0]
+        def negative_cap(q, k, v, cu, m):
+            return fa2(q, k, v, cu, m, causal=True, softcap=-1.0)[0]
 
         torch._dynamo.reset()
-        compiled = torch.compile(softcapped, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
-        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*softcap=30.0"):
+        compiled = torch.compile(negative_cap, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+        with self.assertRaisesRegex(Exception, r"cannot run 1 packed attention call.*softcap=-1.0"):
             compiled(*base.fake_rank_inputs())
 
     def test_dropout_is_guarded_not_read_once(self):

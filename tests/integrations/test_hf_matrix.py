@@ -20,8 +20,11 @@ architectures one after another in a pair of gloo processes; inductor, slow to c
 architectures in :data:`INDUCTOR_PARTS` tests of their own, which pytest-xdist spreads over its workers.
 Llama 4 is compiled whole too (its MoE's in-place add beside the rewritten attention).
 
+Gemma 2 runs with its logit soft-capping (a cap of 0.02, which the tiny model's scores reach), and
+DeepSeek-V3 with its multi-head latent attention (query/key head dim 12, value head dim 8, as DeepSeek's
+192/128).
 Architectures CP cannot run exactly are refused on every rank with an error naming the config field:
-token mixers outside attention (LFM2's convolutions, Bamba's Mamba layers), Gemma 2's logit soft-capping,
+token mixers outside attention (LFM2's convolutions, Bamba's Mamba layers),
 Llama 4's chunked attention over documents longer than a chunk (compiled) and its NoPE layers'
 temperature tuning; StableLM, whose decoder layer drops the batch's offsets, gets an error saying so.
 """
@@ -87,7 +90,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(GQA, head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=None, **ALTERNATING),
+        dict(GQA, head_dim=8, attn_logit_softcapping=0.02, final_logit_softcapping=None, **ALTERNATING),
     ),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(GQA, head_dim=8, **ALTERNATING)),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(GQA, num_hidden_layers=1)),
@@ -183,6 +186,26 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
             **ALTERNATING,
         ),
     ),
+    # multi-head latent attention: keys of qk_nope + qk_rope = 12 dims, values of 8; a dense MLP layer
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            SMALL,
+            num_hidden_layers=1,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            rope_interleave=False,
+        ),
+    ),
 }
 
 #: the reference's attention where transformers has no SDPA for the model (Gemma 2's eager attention takes its
@@ -194,11 +217,15 @@ TOLERANCES = {arch: FLOAT32_NORMS for arch in ("gemma", "gemma2", "gemma3", "coh
 
 #: under inductor, the models whose compiled attention modules round to float32: their query/key (or output)
 #: norms take float32 (eager rounds after each op, inductor's fused kernels once, in their own order), and
-#: Llama 4's rotary embeddings are complex multiplications (its own SDPA model alike, one process)
+#: Llama 4's rotary embeddings are complex multiplications (its own SDPA model alike, one process); DeepSeek-V3's
+#: attention norms its latent K/V (and queries, with a query rank) in float32
 INDUCTOR_TOLERANCES = {
     arch: FLOAT32_NORMS
-    for arch in ("qwen3", "olmo2", "olmo3", "exaone4", "qwen3_moe", "olmoe", "apertus", "hunyuan", "bitnet", "llama4")
-}
+    for arch in (
+        "qwen3", "olmo2", "olmo3", "exaone4", "qwen3_moe", "olmoe", "apertus", "hunyuan", "bitnet", "llama4",
+        "deepseek_v3",
+    )
+}  # fmt: skip
 
 #: the inductor matrix's tests: every architecture of :data:`ARCHS` in one of them (taken alternately: about
 #: as much compile time in each)

@@ -4,7 +4,7 @@ A model that reads more of the sequence than attention does (LFM2's convolutions
 cannot be split over CP ranks: given a batch cut for CP (``shard_flattened_batch(cp_size=2)``), the
 attention function raises naming the config field, eagerly and while Dynamo traces the model (so a
 compiled model raises before it runs; every rank raises alike, from its config and the batch's CP size).
-Gemma 2's soft-capping names ``config.attn_logit_softcapping``; StableLM's decoder layer, which drops the
+Gemma 2's soft-capping runs (uncompiled, one process: exact); StableLM's decoder layer, which drops the
 batch's offsets, is named; attention dropout names the config field that gives it. Models that compute
 attention in their own layers (Falcon, Bloom, GPT-J), which would never call the implementation, are refused
 when built. Llama 4's chunked layers attend within ``attention_chunk_size`` chunks of each document: exact
@@ -18,7 +18,14 @@ import pytest
 import torch
 
 import cpcompile
-from tests.integrations.test_hf_matrix import PACK, compile_attention, flattened_batch, reference_logits, tiny_model
+from tests.integrations.test_hf_matrix import (
+    FLOAT32_NORMS,
+    PACK,
+    compile_attention,
+    flattened_batch,
+    reference_logits,
+    tiny_model,
+)
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install "cpcompile[hf]"')
@@ -93,12 +100,16 @@ def test_non_attention_layers_follow_the_config():
     assert cphf.non_attention_layers(nemotron) is not None
 
 
-def test_gemma2_softcapping_names_the_config_field():
-    model = _model("Gemma2Config", "Gemma2ForCausalLM", num_hidden_layers=1, head_dim=8)
-    with pytest.raises(
-        ValueError, match=r"softcap must be None, got 50.0 \(it comes from config.attn_logit_softcapping"
-    ):
-        model(**flattened_batch(PACK, seed=1))
+def test_gemma2_softcapping_is_exact_uncompiled():
+    """``config.attn_logit_softcapping`` reaches the attention function, which caps the scores (a cap the
+    tiny model's scores reach): the pack equals its documents run alone with transformers' eager attention."""
+    model = tiny_model("gemma2", cphf.ATTN_IMPLEMENTATION, attn_logit_softcapping=0.02)
+    reference = tiny_model("gemma2", "eager", attn_logit_softcapping=0.02)
+    uncapped = tiny_model("gemma2", "eager", attn_logit_softcapping=None)
+    batch = flattened_batch(PACK, seed=1)
+    want = reference_logits(reference, batch)
+    assert relative_error(model(**batch).logits[0], want) < FLOAT32_NORMS
+    assert relative_error(reference_logits(uncapped, batch), want) > 50 * FLOAT32_NORMS  # the cap changes the result
 
 
 def test_stablelm_that_drops_the_offsets_is_named():

@@ -4,7 +4,9 @@ CP efficiency = single-GPU time / (cp x slowest rank), each rank's pieces timed 
 the real kernel on the keys ``cp_attention`` gives it: all of them (all-gather), or
 those it reads (sparse exchange, where it would be chosen; column K/V); communication
 excluded (docs/measurement.md).
-Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128.
+Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128 (``--heads HQ/HKV ...``,
+``--head-dims D/DV``: DeepSeek-V3's multi-head latent attention is ``--heads 128/128 --head-dims 192/128``;
+``--softcap C``: Gemma 2's logit soft-capping; kernels that cannot run the variant are left out).
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
 
@@ -102,7 +104,9 @@ def in_turn(steps: list, rounds: int) -> list[float]:
     return [statistics.median(column) for column in zip(*timings)]
 
 
-def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0):
+def kernel_step(
+    kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0, softcap=0.0
+):  # fmt: skip
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
     rank (``rank``) reads, the backward giving dK/dV as parts, of which those of the keys other ranks own
@@ -111,7 +115,7 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
     timed, as no communication is); else over all the keys (all-gathered), the backward
     writing dK/dV sums in the all-gather's order into the buffers the reduce-scatter reads."""
     k_start, k_len, _ = window_keys(*plan.pieces, window)  # (w, 0): bottom-right aligned, no positions
-    kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window}
+    kw = {"causal": True, "scale": q.shape[-1] ** -0.5, "window": window, "softcap": softcap}
     bounds = {"max_q": max_seqlen_q or max_seqlen, "max_k": max_seqlen}
     if read is not None:
         k, v = k[read.rows], v[read.rows]
@@ -122,13 +126,13 @@ def kernel_step(kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_s
             return {"pack_keys": plan.gather_index.shape[0], "grads": kernels.KeyGrads(partial=True)}
 
         def finish(parts):  # other ranks' rows summed into float32 rows to send, as the op does
-            exchange_op.sums_to_send(parts, others, k)
+            exchange_op.sums_to_send(parts, others, (k, v))
     else:
         pieces = kernels.Pieces(plan.cu_q, k_start, k_len, **bounds)
         key_order = gathered.gathered_order(plan.gather_index)
 
         def sums():
-            dk_sums, dv_sums = grad_buffers(plan.gather_index, pieces.tensors, k, 1)
+            dk_sums, dv_sums = grad_buffers(plan.gather_index, pieces.tensors, k, v, 1)
             return {"grads": kernels.KeyGrads(key_order, dk_sums[0], dv_sums[0])}
 
         def finish(parts):
@@ -165,17 +169,20 @@ def single_step(attention, q, k, v, backward: bool):
     return run
 
 
-def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window):
+def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window, softcap=0.0):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
-    kw = {"max_seqlen": max_seqlen, "window_size": window, "kernel": kernel}
+    kw = {"max_seqlen": max_seqlen, "window_size": window, "softcap": softcap, "kernel": kernel}
     return single_step(lambda *qkv: cpcompile.packed_attention(*qkv, cu, **kw), q, k, v, backward)
 
 
-def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window):
-    """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed."""
+def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window, softcap=0.0):
+    """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed
+    (with the variant timed: values' head dim, ``softcap``)."""
     from flash_attn.cute import flash_attn_varlen_func
 
     kw = {"max_seqlen_q": max_seqlen, "max_seqlen_k": max_seqlen, "causal": True}
+    if softcap:
+        kw["softcap"] = softcap
     if window[0] >= 0:
         kw["window_size"] = (window[0], 0)
     return single_step(
@@ -220,14 +227,17 @@ def measure(
     rounds: int = 1,
     capacities: tuple[float, ...] = (),
     forward_even: bool = False,
+    dims: tuple[int, int] = (128, 128),
+    softcap: float = 0.0,
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
     (default all); ``rounds``: the single-GPU calls, and each layout's reference and ranks, timed that many times in
     turn, medians kept; ``capacities``: each layout also timed on the pack padded to a capacity bucket of that
     many times its tokens (and 8 more documents), as ``shard_batch`` pads it; ``forward_even``: balanced also
-    laid out by its forward work alone (:func:`forward_even_balance`)."""
-    d, dev = 128, "cuda"
+    laid out by its forward work alone (:func:`forward_even_balance`); ``dims``: the query/key and value head
+    dims; ``softcap``: logit soft-capping (0: none). Kernels that cannot run the variant are left out."""
+    (d, dv), dev = dims, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
     max_len = max(lengths)
@@ -235,8 +245,11 @@ def measure(
     pad_room = 2 * max(cps) * len(lengths)  # enough physical rows for any strategy's padding
     pad_room += int(t * (max(capacities, default=1) - 1)) + 2 * max(cps)  # and for the capacities
     q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(t + pad_room, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    flops = causal_attention_flops(lengths, hq, d, window) * (3.5 if backward else 1.0)  # backward ~ 2.5x forward
+    k, v = (torch.randn(t + pad_room, hkv, e, device=dev, dtype=torch.bfloat16, generator=g) for e in (d, dv))
+    # QK^T takes d, PV dv: the flops of their mean head dim; backward ~ 2.5x forward
+    flops = causal_attention_flops(lengths, hq, (d + dv) // 2, window) * (3.5 if backward else 1.0)
+    variant = kernels.contract.variant(q, v, softcap)
+    names = [n for n in names if variant is None or n in ("fa4", "auto")]  # only FA4 runs a variant
     band = (window, 0)
     model = cpcompile.cost.CostModel(window=window)
     specs = STRATEGIES + ([cpcompile.StrategySpec("balanced", windows=(window,))] if window >= 0 else [])
@@ -249,16 +262,16 @@ def measure(
     # one's name, as timings of one code move with their place in the run (docs/measurement.md)
     measured, codes = [], set()
     for name in names:
-        code = name if backward else kernels.select(q, name).forward
+        code = name if backward else kernels.select(q, name, v=v, softcap=softcap).forward
         if code not in codes:
             codes.add(code)
             measured.append(name)
     whole = (q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)
-    singles = {"(torch varlen_attn)": torch_varlen_step(*whole, band)}
+    singles = {} if variant is not None else {"(torch varlen_attn)": torch_varlen_step(*whole, band)}
     if fa4.available():
-        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band)
+        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band, softcap)
     for name in measured:
-        singles[f"[{name}]"] = packed_step(*whole, name, band)
+        singles[f"[{name}]"] = packed_step(*whole, name, band, softcap)
     # in turn, ``rounds`` times, as the ranks: one timing each would set the single-GPU rows (FA4's own
     # call against ``packed_attention``'s) apart by the GPU's state when each ran
     single_ms = dict(zip(singles, in_turn(list(singles.values()), rounds)))
@@ -273,7 +286,7 @@ def measure(
                 m, _ = padding_multiple(spec, cp)
                 spec = dataclasses.replace(spec, capacity=(max(least, -(-int(t * factor) // m) * m), len(lengths) + 8))
                 layout_cu = _to_documents(cu, spec.capacity)
-            kernel = kernels.select(q, name)
+            kernel = kernels.select(q, name, v=v, softcap=softcap)
             padded = cpcompile.layouts.pad_for_cp(layout_cu, cp_size=cp, strategy=spec)
             n = int(padded[-1])
             plans = [
@@ -286,7 +299,7 @@ def measure(
             q_local = q[: n // cp]  # values do not matter, sizes and pieces do
             bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
             steps = [
-                kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank)
+                kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank, softcap)
                 for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
             ]
             # the reference among the ranks, in the GPU's power state of their timings
@@ -387,6 +400,17 @@ def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
     ]
 
 
+def pair(text: str) -> tuple[int, int]:
+    """``"A/B"`` as ``(A, B)``, two positive ints (``--heads``, ``--head-dims``)."""
+    try:
+        a, b = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two ints as A/B, got {text!r}") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"expected two positive ints as A/B, got {text!r}")
+    return a, b
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doclens", type=Path, required=True, help="JSON list of document lengths")
@@ -406,13 +430,25 @@ def main() -> None:
                         "to capacity buckets of these multiples of its tokens")  # fmt: skip
     parser.add_argument("--forward-even", action="store_true", help="balanced also laid out by its forward work "
                         "alone (steps 0-4, docs/balanced-layout.md) beside the default")  # fmt: skip
+    parser.add_argument("--heads", type=pair, nargs="+", default=[(32, 8), (16, 16)], metavar="HQ/HKV",
+                        help="query/key-value head counts, one table each (default: 32/8 16/16)")  # fmt: skip
+    parser.add_argument("--head-dims", type=pair, default=(128, 128), metavar="D/DV", help="query/key and value "
+                        "head dims (DeepSeek-V3's multi-head latent attention: 192/128)")  # fmt: skip
+    parser.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping c (Gemma 2: 50); 0: none")
     add_output_argument(parser)
     args = parser.parse_args()
+    for hq, hkv in args.heads:
+        if hq % hkv:
+            parser.error(f"--heads {hq}/{hkv}: the query heads must be a multiple of the key-value heads")
+    if args.softcap < 0:
+        parser.error(f"--softcap must be 0 (none) or positive, got {args.softcap}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: it times the attention kernels")
     lengths_pool = json.loads(args.doclens.read_text())
     # One section whatever the options (its command names them): a run replaces the script's last one.
     lines = [*header(HEADING), *intro(args.tokens, args.doclens.name, args.packs, args.rounds)]
     for backward in (False, True):
-        for hq, hkv in ((32, 8), (16, 16)):
+        for hq, hkv in args.heads:
             per_pack, samples = [], {}
             for p in range(args.packs):
                 lengths = sample_lengths(args.tokens, torch.Generator().manual_seed(p), lengths_pool)
@@ -428,6 +464,8 @@ def main() -> None:
                     args.rounds,
                     tuple(args.capacity),
                     args.forward_even,
+                    args.head_dims,
+                    args.softcap,
                 )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():
@@ -438,6 +476,9 @@ def main() -> None:
             ]
             fits = {name: correlation(pairs) for name, pairs in samples.items()}
             title = f"{'forward+backward' if backward else 'forward'}, heads {hq}/{hkv}"
+            if args.head_dims != (128, 128):
+                title += ", head dims {}/{}".format(*args.head_dims)
+            title += f", softcap {args.softcap:g}" if args.softcap else ""
             done = table(title, medians, fits, len(next(iter(samples.values()))), backward)
             lines += done
             print("\n".join(done), file=sys.stderr, flush=True)  # progress

@@ -93,3 +93,24 @@ def test_no_test_imports_a_benchmark_script():
                 continue
             found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "benchmarks"]
     assert not found, f"tests import benchmark scripts (run them as a subprocess instead): {found}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_attention_gpu_takes_the_variants_switches_and_refuses_without_cuda(tmp_path):
+    """``--heads``, ``--head-dims`` and ``--softcap`` (the MLA and soft-capping rows) parse, bad values are
+    named, and without CUDA the script refuses after parsing them."""
+
+    def run(*args):
+        script = ROOT / "benchmarks" / "attention_gpu.py"
+        return subprocess.run(
+            [sys.executable, str(script), "--doclens", str(tmp_path), *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    mla = run("--heads", "128/128", "--head-dims", "192/128", "--softcap", "50", "--kernels", "fa4", "--cp", "8")
+    assert mla.returncode == 2 and "needs a CUDA GPU" in mla.stderr, mla.stderr
+    bad = run("--heads", "32/8", "12/5")  # each run starts Python and imports torch: one of the checks
+    assert bad.returncode == 2 and "--heads 12/5: the query heads must be a multiple of" in bad.stderr, bad.stderr

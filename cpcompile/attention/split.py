@@ -98,7 +98,7 @@ def _cp_attention_split(
 def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config, sinks=None,
       softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
-    check_fake_sinks(q, config[7] if len(config) > 7 else sinks)  # after max_seqlen ... window_right
+    check_fake_sinks(q, config[6] if len(config) > 6 else sinks)  # after max_seqlen ... window_right
     cp_size = resolve_group(group_name).size()
     _check_fake_gathered(k, k_all, v_all, cp_size)
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
@@ -190,7 +190,9 @@ def _backward(ctx, dout, _dlse):
     pending = [start_reduce_scatter(s, cp, group_name) for s in sums]
     dk, dv = (wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
     # the op returned (out_final, lse_final) with sinks, which the kernel's backward above needs (attention.sinks)
-    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[-2] else None
+    # by its place: needs_input_grad may leave out the trailing arguments that were not passed (softcap)
+    need = sinks is not None and ctx.needs_input_grad[ctx.num_inputs - 2]
+    dsinks = sinks_grad(dout, out, lse, sinks) if need else None
     return dq, dk, dv, *(None,) * (ctx.num_inputs - 5), dsinks, None  # sinks, then softcap
 
 

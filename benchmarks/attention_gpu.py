@@ -6,7 +6,10 @@ those it reads (sparse exchange, where it would be chosen; column K/V); communic
 excluded (docs/measurement.md).
 Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128 (``--heads HQ/HKV ...``,
 ``--head-dims D/DV``: DeepSeek-V3's multi-head latent attention is ``--heads 128/128 --head-dims 192/128``;
-``--softcap C``: Gemma 2's logit soft-capping; kernels that cannot run the variant are left out).
+``--softcap C``: Gemma 2's logit soft-capping; kernels that cannot run the variant are left out;
+``--sinks``: GPT-OSS's learnable sinks, ``[Hq]`` float32 logits in every call: the single-GPU reference is FA4's own
+varlen call with ``learnable_sink=`` (torch's ``varlen_attn`` has none: left out), ``packed_attention(sinks=)``
+and each rank's kernel calls followed by the sink applied after them, as the ops do (``attention.sinks``)).
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
 
@@ -43,6 +46,7 @@ import cpcompile
 from cpcompile import kernels
 from cpcompile.attention import exchange as exchange_op
 from cpcompile.attention import gathered
+from cpcompile.attention import sinks as sink_ops
 from cpcompile.batch import _to_documents
 from cpcompile.cache import upload
 from cpcompile.comm.kv_gather import grad_buffers
@@ -105,7 +109,8 @@ def in_turn(steps: list, rounds: int) -> list[float]:
 
 
 def kernel_step(
-    kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0, softcap=0.0
+    kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0, softcap=0.0,
+    sinks=None,
 ):  # fmt: skip
     """A rank's kernel calls as ``cp_attention`` makes them, its keys already brought: with
     ``read`` (the sparse exchange's :class:`~cpcompile.comm.exchange.Reads`) over the keys the
@@ -140,8 +145,12 @@ def kernel_step(
 
     def run():
         out, lse = kernel.forward(q, k, v, pieces, **kw)
+        if sinks is not None:  # as every op applies them, after its kernel (attention.sinks)
+            out, lse = sink_ops.apply(out, lse, sinks)
         if backward:
             finish(kernel.backward(out, q, k, v, out, lse, pieces, **sums(), **kw)[1:])
+            if sinks is not None:  # the sinks' gradient, as the ops' autograd adds it (dO: out, as above)
+                sink_ops.grad(out, out, lse, sinks)
 
     return run
 
@@ -169,20 +178,22 @@ def single_step(attention, q, k, v, backward: bool):
     return run
 
 
-def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window, softcap=0.0):
+def packed_step(q, k, v, cu, max_seqlen, backward: bool, kernel: str, window, softcap=0.0, sinks=None):
     """``cpcompile.packed_attention`` on the whole pack: the single-device op CP replaces."""
-    kw = {"max_seqlen": max_seqlen, "window_size": window, "softcap": softcap, "kernel": kernel}
+    kw = {"max_seqlen": max_seqlen, "window_size": window, "softcap": softcap, "kernel": kernel, "sinks": sinks}
     return single_step(lambda *qkv: cpcompile.packed_attention(*qkv, cu, **kw), q, k, v, backward)
 
 
-def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window, softcap=0.0):
+def fa4_varlen_step(q, k, v, cu, max_seqlen, backward: bool, window, softcap=0.0, sinks=None):
     """FlashAttention-4's own varlen call on whole documents: the fastest single-GPU kernel, where installed
-    (with the variant timed: values' head dim, ``softcap``)."""
+    (with the variant timed: values' head dim, ``softcap``, ``sinks`` as its ``learnable_sink``)."""
     from flash_attn.cute import flash_attn_varlen_func
 
     kw = {"max_seqlen_q": max_seqlen, "max_seqlen_k": max_seqlen, "causal": True}
     if softcap:
         kw["softcap"] = softcap
+    if sinks is not None:
+        kw["learnable_sink"] = sinks
     if window[0] >= 0:
         kw["window_size"] = (window[0], 0)
     return single_step(
@@ -229,6 +240,7 @@ def measure(
     forward_even: bool = False,
     dims: tuple[int, int] = (128, 128),
     softcap: float = 0.0,
+    sinks: bool = False,
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
@@ -236,7 +248,8 @@ def measure(
     turn, medians kept; ``capacities``: each layout also timed on the pack padded to a capacity bucket of that
     many times its tokens (and 8 more documents), as ``shard_batch`` pads it; ``forward_even``: balanced also
     laid out by its forward work alone (:func:`forward_even_balance`); ``dims``: the query/key and value head
-    dims; ``softcap``: logit soft-capping (0: none). Kernels that cannot run the variant are left out."""
+    dims; ``softcap``: logit soft-capping (0: none); ``sinks``: learnable sinks ``[hq]`` in every call. Kernels
+    that cannot run the variant are left out."""
     (d, dv), dev = dims, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -246,6 +259,9 @@ def measure(
     pad_room += int(t * (max(capacities, default=1) - 1)) + 2 * max(cps)  # and for the capacities
     q = torch.randn(t + pad_room, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(t + pad_room, hkv, e, device=dev, dtype=torch.bfloat16, generator=g) for e in (d, dv))
+    # GPT-OSS keeps its sinks in the model's dtype; FA4's learnable_sink takes float32. A leaf that requires grad:
+    # the single-GPU backward computes its gradient, as the ranks' steps do
+    sink = torch.randn(hq, device=dev, generator=g).requires_grad_(backward) if sinks else None
     # QK^T takes d, PV dv: the flops of their mean head dim; backward ~ 2.5x forward
     flops = causal_attention_flops(lengths, hq, (d + dv) // 2, window) * (3.5 if backward else 1.0)
     variant = kernels.contract.variant(q, v, softcap)
@@ -267,11 +283,11 @@ def measure(
             codes.add(code)
             measured.append(name)
     whole = (q[:t], k[:t], v[:t], cu.to(dev), max_len, backward)
-    singles = {} if variant is not None else {"(torch varlen_attn)": torch_varlen_step(*whole, band)}
+    singles = {} if variant is not None or sinks else {"(torch varlen_attn)": torch_varlen_step(*whole, band)}
     if fa4.available():
-        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band, softcap)
+        singles["(FA4 flash_attn_varlen_func)"] = fa4_varlen_step(*whole, band, softcap, sink)
     for name in measured:
-        singles[f"[{name}]"] = packed_step(*whole, name, band, softcap)
+        singles[f"[{name}]"] = packed_step(*whole, name, band, softcap, sink)
     # in turn, ``rounds`` times, as the ranks: one timing each would set the single-GPU rows (FA4's own
     # call against ``packed_attention``'s) apart by the GPU's state when each ran
     single_ms = dict(zip(singles, in_turn(list(singles.values()), rounds)))
@@ -299,7 +315,9 @@ def measure(
             q_local = q[: n // cp]  # values do not matter, sizes and pieces do
             bound = max_piece_len(spec, cp, max_len)  # as cp_attention launches it
             steps = [
-                kernel_step(kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank, softcap)
+                kernel_step(
+                    kernel, q_local, k[:n], v[:n], plan, band, max_len, backward, bound, reads, rank, softcap, sink
+                )
                 for rank, (plan, reads) in enumerate(zip(plans, read or [None] * cp))
             ]
             # the reference among the ranks, in the GPU's power state of their timings
@@ -435,6 +453,8 @@ def main() -> None:
     parser.add_argument("--head-dims", type=pair, default=(128, 128), metavar="D/DV", help="query/key and value "
                         "head dims (DeepSeek-V3's multi-head latent attention: 192/128)")  # fmt: skip
     parser.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping c (Gemma 2: 50); 0: none")
+    parser.add_argument("--sinks", action="store_true", help="learnable sinks (GPT-OSS) in every call; the "
+                        "single-GPU reference is FA4's own call with learnable_sink=")  # fmt: skip
     add_output_argument(parser)
     args = parser.parse_args()
     for hq, hkv in args.heads:
@@ -466,6 +486,7 @@ def main() -> None:
                     args.forward_even,
                     args.head_dims,
                     args.softcap,
+                    args.sinks,
                 )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():
@@ -479,6 +500,7 @@ def main() -> None:
             if args.head_dims != (128, 128):
                 title += ", head dims {}/{}".format(*args.head_dims)
             title += f", softcap {args.softcap:g}" if args.softcap else ""
+            title += ", sinks" if args.sinks else ""
             done = table(title, medians, fits, len(next(iter(samples.values()))), backward)
             lines += done
             print("\n".join(done), file=sys.stderr, flush=True)  # progress

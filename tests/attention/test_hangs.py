@@ -17,6 +17,7 @@ and 10), on 2 real gloo ranks:
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from datetime import timedelta
@@ -118,12 +119,14 @@ class Model(torch.nn.Module):
         return cpcompile.packed_attention(q, k, v, cu).flatten(1)
 
 
-def _compiled_skips_backward(rank: int, world: int) -> None:
+def _compiled_skips_backward(rank: int, world: int, overlap_kv: bool = False) -> None:
     """As :func:`_skips_backward`, a compiled model: the plan op's agreement, at the start of rank 1's
-    next compiled forward, meets rank 0's compiled backward's."""
+    next compiled forward, meets rank 0's compiled backward's (``overlap_kv``: with the K/V transfers as
+    graph nodes, whose backward's agreement runs in the re-gather)."""
     torch.manual_seed(0)
     model = Model()
-    compiled = torch.compile(model, backend=cpcompile.backend(inner="aot_eager"), dynamic=True)
+    backend = cpcompile.backend(inner="aot_eager", overlap_kv=overlap_kv)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
 
     def step(seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -174,8 +177,9 @@ def test_a_rank_that_failed_inside_an_op_tells_the_others_at_the_next_agreement(
     run_ranks(_told_at_the_next_agreement, 2, timeout_s=20)
 
 
-def test_a_compiled_rank_that_skips_the_backward_fails_every_rank_at_once():
-    run_ranks(_compiled_skips_backward, 2, timeout_s=20)
+@pytest.mark.parametrize("overlap_kv", [False, True], ids=["one_op", "overlap_kv"])
+def test_a_compiled_rank_that_skips_the_backward_fails_every_rank_at_once(overlap_kv):
+    run_ranks(functools.partial(_compiled_skips_backward, overlap_kv=overlap_kv), 2, timeout_s=20)
 
 
 class _Raising:

@@ -187,8 +187,11 @@ def _backward(ctx, dout, _dlse):
     dq, *sums = torch.ops.cpcompile.cp_attention_split_backward(
         dout, q, k_all, v_all, out, lse, *plan, *ctx.args, q_pos, *ctx.window
     )
-    pending = [start_reduce_scatter(s, cp, group_name) for s in sums]
-    dk, dv = (wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
+    # only the sums whose gradient is needed travel (LoRA on q alone, frozen layers below): needs_input_grad
+    # is the same on every rank, so every rank starts the same reduce-scatters
+    needed = ctx.needs_input_grad[1:3]  # k, v
+    pending = [start_reduce_scatter(s, cp, group_name) if need else None for s, need in zip(sums, needed)]
+    dk, dv = (None if p is None else wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
     # the op returned (out_final, lse_final) with sinks, which the kernel's backward above needs (attention.sinks)
     # by its place: needs_input_grad may leave out the trailing arguments that were not passed (softcap)
     need = sinks is not None and ctx.needs_input_grad[ctx.num_inputs - 2]

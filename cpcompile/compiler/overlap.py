@@ -38,11 +38,15 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
-def _first_user(node: fx.Node) -> fx.Node:
+def _first_user(node: fx.Node) -> fx.Node | None:
+    """The first node after ``node`` that reads it; None when none does (a wait nobody reads stays:
+    ``wait_tensor`` is side-effectful, so dead-code elimination leaves it in the graph)."""
     users, after = set(node.users), node.next
-    while after not in users:
+    while after.op != "root":  # the graph's node list is circular through its root
+        if after in users:
+            return after
         after = after.next
-    return after
+    return None
 
 
 def _moves(node: fx.Node, moving: set[fx.Node]) -> bool:
@@ -66,7 +70,7 @@ def sink_waits(graph: fx.Graph) -> int:
     for node in reversed(list(graph.nodes)):  # a cast first, then its wait to just before it
         if node in moving:
             first = _first_user(node)
-            if first is not node.next:
+            if first is not None and first is not node.next:
                 first.prepend(node)
                 moved += 1
     return moved

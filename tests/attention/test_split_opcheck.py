@@ -31,14 +31,17 @@ def test_opcheck_split_op(single_rank_group, window):
     opcheck(torch.ops.cpcompile.cp_attention_split.default, args)
 
 
+@pytest.mark.parametrize("frozen", ["", "k", "kv"])
 @pytest.mark.parametrize("window", WINDOWS)
-def test_split_on_one_rank_is_packed_attention(single_rank_group, window):
+def test_split_on_one_rank_is_packed_attention(single_rank_group, window, frozen):
+    """``frozen``: the inputs that need no gradient (LoRA on Q alone): their sums are not reduce-scattered."""
     cu, _, q, k, v, dout = attention_case([3, 9, 4], dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_(name not in frozen) for name, t in zip("qkv", (q, k, v))]
+    trained = [t for t in leaves if t.requires_grad]
     want = cpcompile.packed_attention(*leaves, cu, window_size=window, causal=window[1] == 0)
-    want_grads = torch.autograd.grad(want, leaves, dout)
+    want_grads = torch.autograd.grad(want, trained, dout)
     got = torch.ops.cpcompile.cp_attention_split(*_split_args(*leaves, cu, window, single_rank_group.group_name))[0]
-    for a, b in zip((got, *torch.autograd.grad(got, leaves, dout)), (want, *want_grads)):
+    for a, b in zip((got, *torch.autograd.grad(got, trained, dout)), (want, *want_grads)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 

@@ -166,6 +166,20 @@ class InPlaceQueryAfter(Net):
         return x + layer["o"](o.flatten(1))
 
 
+def test_sinking_passes_over_a_wait_nobody_reads():
+    """A wait whose result is never read (K's gradient not needed, its wait side-effectful so never
+    removed) stays where it is; the search for its reader ends at the graph's end."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    unread = graph.call_function(overlap._WAIT, (x,))
+    read = graph.call_function(overlap._WAIT, (x,))
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (y, read)))
+    assert overlap.sink_waits(graph) == 1
+    assert [n.target for n in graph.nodes][1:4] == [overlap._WAIT, torch.ops.aten.relu.default, overlap._WAIT]
+    assert next(iter(unread.users), None) is None
+
+
 class SnapshotTest(FakeGroupTestCase):
     def graphs(self, model) -> list[torch.fx.GraphModule]:
         """The forward and backward graphs AOT autograd hands the compiler, ``overlap_kv=True``."""
@@ -212,4 +226,16 @@ class SnapshotTest(FakeGroupTestCase):
             " ".join(_interesting(backward)),
             "mm mm cp_attention_split_regather wait wait cp_attention_split_backward reduce_scatter reduce_scatter "
             "mm mm wait wait mm mm mm mm",
+        )
+
+    def test_a_gradient_not_needed_does_not_travel(self):
+        """K of the first layer needs no gradient (its projection and the embeddings frozen, as LoRA on Q
+        alone leaves them): its sum is not reduce-scattered, and the graphs compile and run."""
+        model = Net(windows=((-1, 0),))
+        for module in (model.tok, model.pos, model.layers[0]["k"]):
+            module.requires_grad_(False)
+        _, backward = self.graphs(model)
+        self.assertExpectedInline(
+            " ".join(_interesting(backward)),
+            "mm mm cp_attention_split_regather wait wait cp_attention_split_backward reduce_scatter mm wait mm",
         )

@@ -85,6 +85,11 @@ def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap) -> dict:
         left, right = window  # FA4 leaves a side unbounded with None
         entries |= {"window_size_left": None if left < 0 else left, "window_size_right": None if right < 0 else right}
     if softcap:
+        # exact in the backward as in the forward: in 4.0.0b36 ``_flash_attn_bwd`` turns ``softcap`` into
+        # ``score_mod``/``score_mod_bwd`` (``utils.create_softcap_scoremod_bwd``: dS times 1 - tanh^2 of the
+        # recomputed, scaled score) that reach the SM90 and SM100 backward kernels, varlen included (only
+        # SM120 and head dim 256 on SM100 refuse it, which ``supports`` never picks); a release that dropped
+        # it in the backward would be outside ``SUPPORTED``
         entries["softcap"] = softcap
     return entries | {"softmax_scale": scale, "causal": causal}
 

@@ -203,7 +203,9 @@ def _check_recompile_room() -> None:
             f"torch._dynamo.config.recompile_limit is {limit}: past the limit Dynamo runs the function eagerly, "
             "where packed attention attends within each rank's own tokens (wrong under context parallelism). "
             "Each strategy (its comm, windows and capacity) compiles a graph of its own, as do some shape "
-            "changes (TORCH_LOGS=recompiles lists them): raise the limit before the first compile "
+            "changes (TORCH_LOGS=recompiles lists them); strategy='auto' decided with a topology "
+            "(shard_batch(topology=...)) can pick any of len(cpcompile.cost.timing.options(cp_size, heads)) specs, "
+            "a graph each. Raise the limit before the first compile "
             f"(torch._dynamo.config.recompile_limit = {2 * limit}, say) or use fewer strategies per compiled model"
         )
 

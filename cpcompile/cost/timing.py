@@ -499,8 +499,10 @@ def resolve(
     (:data:`SEQUENCE_PATHS`, ``u`` 1) at :data:`ASSUMED_HEADS`. A requested ``kv`` other than ``"auto"``
     keeps the path (and ``"heads"`` its ``head_parallel``): ``auto`` then picks the layout for it. Where the
     model does not reach, ``auto`` keeps the cost model's rule (:func:`cpcompile.cost.model.resolve_auto`,
-    the requested ``kv`` and ``head_parallel``): under sliding ``windows`` (the step-time model counts causal
-    layers) and under a ``capacity`` (sequence layouts that fit it).
+    the requested ``kv`` and ``head_parallel``): under a ``capacity`` (sequence layouts that fit it) and at
+    ``cp_size`` 1. Under sliding ``windows`` (which attention refuses with head parallelism, and which the
+    step-time model does not count) the layout is the cost model's, and the topology picks among the
+    sequence paths for it (all-gather, exchange, ring; a requested ``kv`` is kept): no head parallelism.
 
     A pure function of its arguments (no communication: every rank gets the same spec), kept per pack and
     arguments (:data:`DECISIONS_KEPT` of the latest).
@@ -517,13 +519,23 @@ def resolve(
     heads = check_heads(heads) if given else ASSUMED_HEADS
     if spec.strategy is not Strategy.AUTO:
         return spec
-    if spec.windows or spec.capacity is not None:
+    if cp_size == 1 or spec.capacity is not None:  # one rank moves nothing; a capacity: the layouts that fit it
         return resolve_auto(spec, cu_seqlens, cp_size=cp_size)
     cu = _host("cu_seqlens", cu_seqlens)
     key = (cu.to(torch.int64).numpy().tobytes(), cp_size, heads, given, topology, speed, spec.kv, spec.head_parallel)
+    key += (spec.windows,)
     if key in _decisions:
         _decisions.move_to_end(key)
         picked = _decisions[key]
+    elif spec.windows:
+        # Attention refuses head parallelism under sliding windows, and the step-time model counts causal
+        # layers: the layout is the kernel's work under the windows (resolve_auto, which tells `balanced` them),
+        # and the topology weighs the sequence paths for it (a requested kv is kept).
+        layout = resolve_auto(spec, cu, cp_size=cp_size)
+        kvs = ("all_gather", "exchange", "ring") if spec.kv == "auto" else (spec.kv,)
+        choices = tuple(dataclasses.replace(layout, kv=kv) for kv in kvs)
+        picked = decide(cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices).spec
+        _decisions[key] = picked
     else:
         choices = options(cp_size, heads, PATHS if given else SEQUENCE_PATHS)
         if spec.kv != "auto":
@@ -536,6 +548,6 @@ def resolve(
                 )
         picked = decide(cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices).spec
         _decisions[key] = picked
-        while len(_decisions) > DECISIONS_KEPT:
-            _decisions.popitem(last=False)
+    while len(_decisions) > DECISIONS_KEPT:
+        _decisions.popitem(last=False)
     return dataclasses.replace(picked, kernel=spec.kernel, kv_chunks=spec.kv_chunks)

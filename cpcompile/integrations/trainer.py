@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile.cost.timing import check_topology
+from cpcompile.cost.comm import Heads
+from cpcompile.cost.timing import check_topology, options
 from cpcompile.integrations import hf as cphf
-from cpcompile.spec import StrategyLike, StrategySpec
+from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 try:
     from accelerate.data_loader import BatchSamplerShard
@@ -77,14 +78,17 @@ class CPConfig:
         strategy: every choice of how CP runs, one :class:`cpcompile.StrategySpec` (layout, ``kv``, ``kernel``,
             ...; or a :class:`cpcompile.Strategy` or its name, the rest defaults); the batches are sharded under it
             and each step runs under ``cpcompile.strategy(batch)``, so its attention runs as the spec says.
-            Default ``balanced`` told each layer's sliding window (:func:`cpcompile.integrations.hf.layer_windows`).
+            Default ``balanced`` told each layer's sliding window (:func:`cpcompile.integrations.hf.layer_windows`);
+            ``auto`` given no ``windows`` is told them too (it then never picks head parallelism, which attention
+            refuses under sliding windows).
         inner: the compiler after the CP pass (``"inductor"``, ``"aot_eager"``, ...).
         regional: compile each decoder layer on its own (the model's ``_no_split_modules`` classes: one graph
             for all layers, compile time independent of depth; the default), or with False the whole model.
         topology: with ``strategy="auto"``, where the ranks sit (a :class:`cpcompile.cost.timing.Topology` or its
             text, e.g. ``"h200,gpus_per_node=4"``): ``auto`` then decides each pack's layout, K/V path and head
             parallelism with communication, given the model's heads (``cpcompile.shard_batch``'s ``topology``;
-            one compilation per distinct decision). ``None``: ``auto`` weighs the kernel's work alone.
+            one compilation per distinct decision: the trainer raises ``torch._dynamo.config.recompile_limit`` to
+            hold them). ``None``: ``auto`` weighs the kernel's work alone. Only with ``auto`` (else ``ValueError``).
     """
 
     cp_size: int = 1
@@ -98,6 +102,18 @@ class CPConfig:
             raise ValueError(f"CPConfig.cp_size must be an int >= 1, got {self.cp_size!r}")
         if not isinstance(self.regional, bool):
             raise TypeError(f"CPConfig.regional must be a bool, got {self.regional!r}")
+        if self.topology is not None:  # here, before the Trainer is built
+            auto = self.strategy is not None and resolve_strategy(self.strategy).strategy is Strategy.AUTO
+            if not auto:
+                raise ValueError(
+                    f"CPConfig.topology={self.topology!r} only applies to strategy='auto' (which it lets decide each "
+                    f"pack's layout and K/V path with communication), got strategy={self.strategy!r}: use "
+                    "strategy='auto', or topology=None"
+                )
+            try:
+                object.__setattr__(self, "topology", check_topology(self.topology))
+            except ValueError as e:
+                raise ValueError(f"CPConfig.{e}") from None
 
 
 class CPTrainerMixin:
@@ -132,14 +148,11 @@ class CPTrainerMixin:
             logger.info("CP trainer: attn_implementation %r -> %r", model.config._attn_implementation,
                         cphf.ATTN_IMPLEMENTATION)  # fmt: skip
             model.set_attn_implementation(cphf.ATTN_IMPLEMENTATION)
-        strategy = config.strategy
-        if strategy is None:
-            strategy = StrategySpec("balanced", windows=cphf.layer_windows(model.config))
-        self.cp_strategy = strategy
+        self.cp_strategy = _with_model_windows(config.strategy, cphf.layer_windows(model.config))
         self.cp_heads = None  # auto's decision with communication weighs the model's heads
         if config.topology is not None:
-            check_topology(config.topology)  # here, before any step
             self.cp_heads = cphf.model_heads(model)
+            _make_room_for_decisions(config.cp_size, self.cp_heads)
         # one process without a process group has nothing to make CP: the inner compiler alone
         backend = cpcompile.backend(group=self.cp_group, inner=config.inner) if world > 1 else config.inner
         _compile_in_place(model, backend, config.regional)
@@ -260,6 +273,45 @@ def _with_shift_labels(batch: dict) -> dict:
     if cu is None:
         cu = cphf.flattened_cu_seqlens(batch["position_ids"])
     return {**batch, "shift_labels": cphf.shift_labels(batch["labels"], cu)}
+
+
+def _with_model_windows(strategy: StrategyLike, windows: tuple[int, ...]) -> StrategyLike:
+    """The strategy the batches are sharded under: ``balanced`` told the model's sliding ``windows`` by default,
+    and ``auto`` told them where it was given none, so that it weighs the windowed work and never picks head
+    parallelism, which attention refuses under sliding windows."""
+    if strategy is None:
+        return StrategySpec("balanced", windows=windows)
+    spec = resolve_strategy(strategy)
+    if spec.strategy is not Strategy.AUTO or spec.windows or not windows:
+        return strategy
+    if spec.head_parallel > 1:
+        raise ValueError(
+            f"CPConfig.strategy={spec}: the model has sliding-window layers (windows={windows}), which attention "
+            "cannot split by heads: use kv='auto' (or another kv) with head_parallel=1"
+        )
+    return dataclasses.replace(spec, windows=windows)
+
+
+#: Graphs Dynamo may compile of a function beyond ``auto``'s decisions (its default ``recompile_limit``): shape
+#: and other guard changes.
+_OTHER_GRAPHS = 8
+
+
+def _make_room_for_decisions(cp_size: int, heads: Heads) -> None:
+    """Raise ``torch._dynamo.config.recompile_limit`` (never lower it) to hold a graph per option ``auto``
+    may pick with a topology (:func:`cpcompile.cost.timing.options`: 21 at 8 ranks and 32 query heads).
+
+    Each distinct decision is a spec of its own, which every compiled layer is guarded on (one graph each),
+    and Dynamo's default limit (8) would be reached within the options: past it the backend refuses the graph
+    (``compiler.backend._check_recompile_room``) rather than let Dynamo run attention eagerly. The trainer
+    compiles the model itself, so it sets the limit here, before the first compile."""
+    import torch._dynamo.config as dynamo_config
+
+    need = len(options(cp_size, heads)) + _OTHER_GRAPHS
+    if dynamo_config.recompile_limit < need:
+        logger.info("CP trainer: torch._dynamo.config.recompile_limit %d -> %d (auto's options with a topology)",
+                    dynamo_config.recompile_limit, need)  # fmt: skip
+        dynamo_config.recompile_limit = need
 
 
 _GROUPS: dict[tuple[int, int], list] = {}

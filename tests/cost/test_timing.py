@@ -249,9 +249,27 @@ def test_resolve_decides_auto_and_keeps_everything_else():
     assert (chosen.kernel, chosen.kv_chunks) == ("reference", 2)  # decide picks how K/V move, not the kernel
     fixed = StrategySpec(Strategy.DUAL_CHUNK_SWAP, kv="ring")
     assert resolve(fixed, cu, cp_size=4, heads=heads) == fixed
-    windowed = StrategySpec(Strategy.AUTO, windows=(64,))
-    picked = resolve(windowed, cu, cp_size=4, heads=heads)
-    assert picked.kv == "auto" and picked == resolve_auto(windowed, cu, cp_size=4)
+    # windows: the cost model's layout, the topology's sequence path for it, never head parallelism (which
+    # attention refuses under windows), even where the links make it the fastest option without windows
+    heads, free_calls = Heads(8, 8, 64), dataclasses.replace(H200, call_us=0.0, intra_latency_us=0.0)
+    assert decide(cu, cp_size=4, heads=heads, topology=free_calls).spec.head_parallel > 1
+    for windows in ((64,), (1024, -1)):
+        windowed = StrategySpec(Strategy.AUTO, windows=windows)
+        layout = resolve_auto(windowed, cu, cp_size=4)
+        for topology in (H200, free_calls):
+            picked = resolve(windowed, cu, cp_size=4, heads=heads, topology=topology)
+            paths = [dataclasses.replace(layout, kv=kv) for kv in ("all_gather", "exchange", "ring")]
+            assert picked == decide(cu, cp_size=4, heads=heads, topology=topology, choices=paths).spec
+            assert picked.head_parallel == 1 and picked.kv != "auto"
+        ring = resolve(dataclasses.replace(windowed, kv="ring"), cu, cp_size=4, heads=heads)
+        assert ring == dataclasses.replace(layout, kv="ring")
+
+
+def test_resolve_at_one_rank_keeps_the_requested_path():
+    cu = cu_seqlens([40, 24])
+    for kv in ("ring", "exchange", "all_gather"):
+        spec = StrategySpec("auto", kv=kv)
+        assert resolve(spec, cu, cp_size=1, heads=Heads(8, 2, 64), topology="h200") == resolve_auto(spec, cu, cp_size=1)
 
 
 def test_resolve_without_heads_fixed_paths_and_kept_decisions():

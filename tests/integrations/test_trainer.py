@@ -18,6 +18,8 @@ import os
 import pytest
 import torch
 
+import cpcompile
+import cpcompile.cost.timing
 from tests.dist import compiled_graphs, run_ranks
 from tests.reference import relative_error
 
@@ -198,3 +200,35 @@ def test_config_and_batches_cp_cannot_take_are_refused(tmp_path):
     flattened = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(documents()[:2])
     with pytest.raises(ValueError, match=r"inputs a CP trainer cannot cut by rank: \['token_type_ids'\]"):
         trainer.shard_inputs({**flattened, "token_type_ids": torch.zeros_like(flattened["input_ids"])})
+
+
+def test_auto_with_a_topology_is_told_the_windows_and_room_for_its_graphs(tmp_path, monkeypatch):
+    """``auto`` on a sliding-window model weighs the windows (never head parallelism, which attention refuses
+    under windows); with a topology the trainer raises Dynamo's recompile limit to hold a graph per option;
+    a topology is refused with another strategy, when the config is made."""
+    with pytest.raises(ValueError, match=r"CPConfig.topology='h200' only applies to strategy='auto'"):
+        cpt.CPConfig(strategy="balanced", topology="h200")
+    with pytest.raises(ValueError, match=r"CPConfig.topology='h200' only applies to strategy='auto'"):
+        cpt.CPConfig(topology="h200")
+    with pytest.raises(ValueError, match="CPConfig.topology must start with one of"):
+        cpt.CPConfig(strategy="auto", topology="h100")
+    assert cpt.CPConfig(strategy="auto", topology="h200").topology == cpcompile.cost.timing.H200
+    assert cpt._with_model_windows("auto", (15, -1)) == cpcompile.StrategySpec("auto", windows=(15, -1))
+    assert cpt._with_model_windows("auto", ()) == "auto"
+    assert cpt._with_model_windows("striped", (15,)) == "striped"
+    with pytest.raises(ValueError, match="the model has sliding-window layers"):
+        cpt._with_model_windows(cpcompile.StrategySpec("auto", kv="heads", head_parallel=2), (15,))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    heads = cpcompile.cost.comm.Heads(32, 8)
+    cpt._make_room_for_decisions(8, heads)
+    assert torch._dynamo.config.recompile_limit == len(cpcompile.cost.timing.options(8, heads)) + 8 > 21
+    torch._dynamo.config.recompile_limit = 100
+    cpt._make_room_for_decisions(8, heads)  # never lowered
+    assert torch._dynamo.config.recompile_limit == 100
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, use_cache=False))  # fmt: skip
+    trainer = cpt.CPTrainer(model=model, args=args, cp=cpt.CPConfig(strategy="auto", topology="h200"))
+    assert trainer.cp_strategy == cpcompile.StrategySpec("auto", windows=(15, 15))
+    assert trainer.cp_heads == cpcompile.cost.comm.Heads(4, 2, 8, 4)

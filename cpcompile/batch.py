@@ -25,12 +25,13 @@ from cpcompile.cost.model import resolve_auto
 from cpcompile.cost.timing import H200, Topology, resolve
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import all_partition_indices
-from cpcompile.plan.pieces import head_step_plan, plan_extras, step_plan
+from cpcompile.plan.pieces import head_step_plan, hybrid_step_plan, plan_extras, step_plan
 from cpcompile.spec import (
     ShardedFor,
     Strategy,
     StrategyLike,
     StrategySpec,
+    block_spec,
     check_head_parallel,
     layout_name,
     note_batch,
@@ -182,6 +183,8 @@ def shard_batch(
             ``"h200"``): :func:`cpcompile.cost.timing.resolve`, the same on every rank without communication.
             The batch then runs the decision (``with cpcompile.strategy(batch)`` makes it active, path
             included), and a compiled model compiles once per distinct decision. Unused by other strategies.
+            Refused inside a ``with cpcompile.strategy("auto")`` block, whose attention would resolve ``auto``
+            again by the kernel's work alone: shard outside it, and run the model under ``strategy(batch)``.
     """
     check_cp(cp_size, rank, rank_given=True)
     requested = resolve_strategy(strategy)
@@ -197,6 +200,16 @@ def shard_batch(
         raise ValueError(
             f"pad_values must be a dict of tensor name -> fill value (bool, int, float), got {pad_values!r}"
         )
+    fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
+    unknown = set(pad_values or {}) - set(tensors)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that are not in tensors: {sorted(unknown)}")
+    num_real = int(cu_seqlens[-1]) if data_checks_enabled(cu_seqlens) else None
+    for name, t in tensors.items():  # before the decision, which costs host time
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"tensors[{name!r}] must be a tensor with tokens in dim 0, got {t!r}")
+        if num_real is not None and t.shape[0] != num_real:
+            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
     if requested.capacity is not None:  # zero-length documents after the last: one shape for the bucket
         cu_seqlens = _to_documents(cu_seqlens, requested.capacity)
     # auto: the strategy picked for this batch, recorded in the result for attention to use; picked
@@ -204,20 +217,12 @@ def shard_batch(
     if heads is None and topology is None:
         spec = resolve_auto(requested, cu_seqlens, cp_size=cp_size)
     else:  # with communication: the batch runs the decision, its path included (ShardedFor.requested)
+        if requested.strategy is Strategy.AUTO:
+            _check_block_runs_the_decision()
         topology = H200 if topology is None else topology
         spec = resolve(requested, cu_seqlens, cp_size=cp_size, heads=heads, topology=topology)
         if requested.strategy is Strategy.AUTO:
             requested = spec
-    fills = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
-    unknown = set(pad_values or {}) - set(tensors)
-    if unknown:
-        raise ValueError(f"pad_values names tensors that are not in tensors: {sorted(unknown)}")
-    num_real = int(cu_seqlens[-1]) if data_checks_enabled(cu_seqlens) else None
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ValueError(f"tensors[{name!r}] must be a tensor with tokens in dim 0, got {t!r}")
-        if num_real is not None and t.shape[0] != num_real:
-            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} tokens in dim 0, cu_seqlens[-1] is {num_real}")
 
     pack = Pack.build(cu_seqlens, None, spec=spec, cp_size=cp_size)
     # the rank's row of every rank's positions, as a tensor of its own (a view would keep, and pickle, all)
@@ -234,6 +239,21 @@ def shard_batch(
     sharded = ShardedBatch(local, cu_seqlens, cu_padded, indices, spec, cp_size, rank, made)
     note_batch(made)  # inside a strategy block: its attention takes this batch's rows
     return sharded if device is None else _to_device(sharded, torch.device(device))
+
+
+def _check_block_runs_the_decision() -> None:
+    """Refuse deciding ``auto`` with communication inside a ``with cpcompile.strategy("auto")`` block: the
+    batch runs its decision (layout, path, ``u``), but attention in the block would resolve ``auto`` again
+    from the kernel's work alone (a graph is compiled per spec in force, not per batch), so it would run
+    another path, or refuse the rows as another layout's."""
+    spec = block_spec()
+    if spec is not None and spec.strategy is Strategy.AUTO:
+        raise ValueError(
+            "shard_batch(strategy='auto', heads=/topology=...) inside `with cpcompile.strategy('auto')`: the batch "
+            "runs its decision (layout, K/V path, head parallelism), but attention in this block would resolve "
+            "'auto' again from the kernel's work alone. Shard outside the block (strategy='auto' by argument) and "
+            "run the model under `with cpcompile.strategy(batch)`, which makes the batch's decision the spec"
+        )
 
 
 def _to_documents(cu_seqlens: torch.Tensor, capacity) -> torch.Tensor:
@@ -256,10 +276,12 @@ def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
     pin = torch.Tensor.pin_memory if device.type == "cuda" else lambda t: t
     tensors = {name: move(pin(t)) for name, t in sharded.tensors.items()}
     spec, cp = sharded.spec, sharded.cp_size
-    # the plan compiled calls make (cp_plan or cp_head_plan: cu_seqlens alone), here rather than in the step
+    # the plan compiled calls make (cp_plan, cp_head_plan or cp_hybrid_plan: cu_seqlens alone), here, not in the step
     layout = (spec.strategy.value, spec.stripe_size)
-    if spec.head_parallel > 1:
+    if spec.head_parallel == cp:
         head_step_plan(cu, None, cp * sharded.indices.shape[0], cp, *layout)
+    elif spec.head_parallel > 1:  # the hybrid: the rank's head group's pieces (cp_hybrid_plan)
+        hybrid_step_plan(cu, None, cp * sharded.indices.shape[0], cp, spec.head_parallel, sharded.rank, *layout)
     else:
         step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout, *plan_extras(spec))
     return dataclasses.replace(

@@ -284,6 +284,11 @@ def current_spec() -> StrategySpec:
     return _active[-1].spec or DEFAULT_SPEC
 
 
+def block_spec() -> StrategySpec | None:
+    """The spec of the innermost :func:`strategy` block, ``None`` outside every block."""
+    return _active[-1].spec
+
+
 def current_rows() -> tuple[ShardedFor | None, bool]:
     """What the rows of the innermost :func:`strategy` block's batch were laid out for, and whether the
     block was given it (entered with the batch, or inside a block that was) rather than having learned it

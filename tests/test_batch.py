@@ -252,3 +252,52 @@ def test_a_block_checks_the_last_batch_it_learned():
         with cpcompile.strategy(mine):
             spec, rows = layout_in_force(None, cp_size=2, what="test")
             check_rows(mine.cu_seqlens, 2, 0, spec, rows)
+
+
+def test_bad_tensors_are_refused_before_auto_decides(monkeypatch):
+    """``tensors`` and ``pad_values`` are checked before ``auto``'s decision (host time per pack)."""
+    from cpcompile import batch as batch_module
+
+    def decided(*args, **kwargs):
+        raise AssertionError("decided before checking the tensors")
+
+    monkeypatch.setattr(batch_module, "resolve", decided)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    for tensors, kw, message in (
+        ({"x": torch.zeros(9)}, {}, r"tensors\['x'\] has 9 tokens"),
+        ({"x": torch.zeros(10)}, {"pad_values": {"y": 0}}, r"pad_values names tensors that are not in tensors"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            cpcompile.shard_batch(tensors, cu, cp_size=2, rank=0, strategy="auto", topology="h200", **kw)
+
+
+def test_auto_decided_with_a_topology_inside_an_auto_block_is_refused():
+    """Attention in a ``strategy("auto")`` block resolves ``auto`` by the kernel's work alone, not the batch's
+    decision with communication: deciding there raises, naming the way that runs it."""
+    cu = torch.tensor([0, 300, 305, 322, 323, 413], dtype=torch.int32)
+    x = {"x": torch.arange(413)}
+    message = r"inside `with cpcompile.strategy\('auto'\)`.*under `with cpcompile.strategy\(batch\)`"
+    for requested in (None, "auto"):
+        with cpcompile.strategy("auto"), pytest.raises(ValueError, match=message):
+            cpcompile.shard_batch(x, cu, cp_size=4, rank=0, strategy=requested, topology="h200")
+    batch = cpcompile.shard_batch(x, cu, cp_size=4, rank=0, strategy="auto", topology="h200")  # outside: runs
+    with cpcompile.strategy(batch) as spec:
+        assert spec == batch.spec and spec.strategy is not cpcompile.Strategy.AUTO
+    with cpcompile.strategy("auto"):  # by the kernel's work alone, as attention in the block: allowed
+        assert cpcompile.shard_batch(x, cu, cp_size=4, rank=0).spec.kv == "auto"
+
+
+def test_the_hybrid_batch_makes_the_hybrid_plan_ahead(monkeypatch):
+    """``shard_batch(..., device=...)`` makes the plan compiled calls ask for: ``cp_hybrid_plan``'s for the
+    hybrid (``1 < u < cp``), ``cp_head_plan``'s for pure head parallelism."""
+    from cpcompile import batch as batch_module
+
+    made = []
+    monkeypatch.setattr(batch_module, "hybrid_step_plan", lambda *a: made.append(("hybrid", a[2:])))
+    monkeypatch.setattr(batch_module, "head_step_plan", lambda *a: made.append(("heads", a[2:])))
+    cu = torch.tensor([0, 1, 8, 8, 20, 23], dtype=torch.int32)
+    for u in (2, 4):
+        spec = cpcompile.StrategySpec("dual_chunk_swap", kv="heads", head_parallel=u)
+        b = cpcompile.shard_batch({"x": torch.arange(23)}, cu, cp_size=4, rank=3, strategy=spec, device="cpu")
+        tokens = 4 * b.indices.shape[0]
+    assert made == [("hybrid", (tokens, 4, 2, 3, "dual_chunk_swap", 1)), ("heads", (tokens, 4, "dual_chunk_swap", 1))]

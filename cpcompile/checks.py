@@ -207,8 +207,8 @@ def check_softcap(softcap: object) -> float:
     returned as a float, 0.0 for none."""
     if softcap is None:
         return 0.0
-    if torch.compiler.is_compiling():
-        return softcap  # symbolic while tracing: the ops' schemas type it
+    if isinstance(softcap, (torch.SymFloat, torch.SymInt)):
+        return softcap  # symbolic while tracing: the ops' schemas type it (a constant is checked as in eager)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(
             f"softcap must be None or 0 (no soft-capping) or a finite positive number (scores become "

@@ -510,10 +510,11 @@ def cp_attention(
         return _call_record(q, k, v, cu_seqlens, cu_seqlens_padded, spec, window, scale, sinks, softcap)
 
     spec, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
+    softcap = check_softcap(softcap)  # checked in prepare: a float, 0.0 for none
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
     # by name: the ops' arguments before them keep their defaults
-    sink = ({} if sinks is None else {"sinks": sinks}) | capped(float(softcap or 0.0))
+    sink = ({} if sinks is None else {"sinks": sinks}) | capped(softcap)
     if 1 < spec.head_parallel < cp:
         kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": spec.kernel}
         return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw, **capped(softcap))
@@ -553,7 +554,7 @@ def _call_record(
         "window": window,
         "scale": scale,
         "sinks": sinks is not None,
-        "softcap": softcap,
+        "softcap": check_softcap(softcap),  # normalised: None and 0, 30 and 30.0 are the same call
         "cu_seqlens": digest(cu_seqlens),
         "cu_seqlens_padded": None if cu_seqlens_padded is None else digest(cu_seqlens_padded),
         # a rank whose output needs no gradient would leave the others alone in the backward's collectives

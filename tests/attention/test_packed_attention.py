@@ -140,6 +140,30 @@ def test_compiled_packed_attention_checks_the_token_count():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("softcap", [float("nan"), -1.0])
+def test_compiled_packed_attention_checks_a_constant_softcap(softcap):
+    """A softcap that is a constant while compiling is checked as in eager (only a symbolic one is left to
+    the ops' schemas)."""
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: cpcompile.packed_attention(*a, softcap=softcap), backend="eager")
+    with pytest.raises(ValueError, match=rf"softcap must be None or 0 .* got {softcap}"):
+        compiled(q, k, v, cu)
+    torch._dynamo.reset()
+
+
+def test_ranks_agree_on_the_softcap_by_value():
+    """What the ranks of a cp_attention call compare: the normalised softcap, so that None and 0, 30 and
+    30.0 are the same call and 30 and 40 are not."""
+    from cpcompile.attention.api import _call_record
+
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    record = lambda softcap: _call_record(q, k, v, cu, None, cpcompile.StrategySpec(), (-1, 0), None, None, softcap)  # noqa: E731
+    assert record(None) == record(0) == record(0.0)
+    assert record(30) == record(30.0) and repr(record(30)) == repr(record(30.0))
+    assert record(30) != record(40)
+
+
 def test_cp_attention_rejects_bad_arguments(single_rank_group):
     cu, _, q, k, v, _ = attention_case([3, 9, 4])
     with pytest.raises(TypeError, match="unexpected keyword argument 'comm'"):  # one channel: the spec's kv

@@ -9,7 +9,8 @@ process environment.
 
 Environment variables only seed the defaults (:data:`DEFAULTS`), read once, when this module
 is first imported, and validated then (a bad value is an error naming the variable):
-``CPCOMPILE_KERNEL``, ``CPCOMPILE_KV``, ``CPCOMPILE_KV_CHUNKS``, ``CPCOMPILE_TP_COMM``;
+``CPCOMPILE_KERNEL``, ``CPCOMPILE_KV``, ``CPCOMPILE_KV_CHUNKS``, ``CPCOMPILE_TP_COMM`` (the removed
+``CPCOMPILE_KV_EXCHANGE`` raises, naming ``CPCOMPILE_KV``: :data:`REMOVED`);
 ``CPCOMPILE_VALIDATE=1`` is a debug switch for the checks that read tensor values on CUDA
 (:data:`VALIDATE`). This is the one module that reads the environment.
 """
@@ -37,6 +38,7 @@ def check_choice(name: str, value: object, accepted: tuple) -> object:
 
 
 def check_kv_chunks(value: object) -> int:
+    """``value``, or ``ValueError`` naming ``kv_chunks`` and what is accepted (an int >= 1)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"kv_chunks must be an int >= 1, got {value!r}")
     return value
@@ -51,13 +53,29 @@ class Defaults(NamedTuple):
     tp_comm: str = "symm_mem"
 
 
+#: Variables cpcompile no longer reads, and what took their place: set, they raise rather than be ignored.
+REMOVED = {"CPCOMPILE_KV_EXCHANGE": "CPCOMPILE_KV (one of 'auto', 'all_gather', 'exchange', 'ring')"}
+
+
+def _int(text: str) -> int | str:
+    """``text`` as an int, or itself (for the check to refuse, naming what is accepted)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _from_environment(env) -> Defaults:
     """The defaults as ``env`` seeds them; errors name the variable. ``"heads"`` is no default of
     ``kv``: it needs ``head_parallel``, a spec's."""
+    for variable, instead in REMOVED.items():
+        if variable in env:
+            raise ValueError(f"environment variable {variable}={env[variable]!r}: no longer read; use {instead}")
+    default_kvs = tuple(kv for kv in KV if kv != "heads")
     fields = {
         "kernel": ("CPCOMPILE_KERNEL", lambda s: check_choice("kernel", s or None, (None, *KERNELS))),
-        "kv": ("CPCOMPILE_KV", lambda s: check_choice("kv", s, KV[:-1])),
-        "kv_chunks": ("CPCOMPILE_KV_CHUNKS", lambda s: check_kv_chunks(int(s))),
+        "kv": ("CPCOMPILE_KV", lambda s: check_choice("kv", s, default_kvs)),
+        "kv_chunks": ("CPCOMPILE_KV_CHUNKS", lambda s: check_kv_chunks(_int(s))),
         "tp_comm": ("CPCOMPILE_TP_COMM", lambda s: check_choice("tp_comm", s, TP_COMMS)),
     }
     values = {}

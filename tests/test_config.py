@@ -23,7 +23,8 @@ def test_environment_seeds_the_defaults_once_with_errors_that_name_the_variable(
     assert _from_environment(env) == Defaults(kernel="reference", kv="all_gather", kv_chunks=2)
     assert _from_environment({"CPCOMPILE_KERNEL": ""}) == Defaults()
     for variable, value, message in (
-        ("CPCOMPILE_KV_CHUNKS", "two", "invalid literal"),
+        ("CPCOMPILE_KV_CHUNKS", "two", "kv_chunks must be an int >= 1, got 'two'"),
+        ("CPCOMPILE_KV_EXCHANGE", "always", "no longer read; use CPCOMPILE_KV"),
         ("CPCOMPILE_KV_CHUNKS", "0", "kv_chunks must be an int >= 1"),
         ("CPCOMPILE_TP_COMM", "p3p", "tp_comm must be one of"),
         ("CPCOMPILE_KERNEL", "x", "kernel must be one of"),

@@ -58,9 +58,11 @@ LAYERS = {Strategy.NO_LOAD_BALANCE: 1, Strategy.DUAL_CHUNK_SWAP: 2, Strategy.BAL
 CAPTURED_KERNELS = (None, "auto", "fa4", "reference")
 
 
-def capturable(spec: StrategySpec, q: torch.Tensor, kernel_name: str | None, window) -> str | None:
-    """Why a call on ``q`` (a fake tensor will do) under ``spec`` cannot be a captured op, or ``None``
-    where it can."""
+def capturable(
+    spec: StrategySpec, q: torch.Tensor, kernel_name: str | None, window, v: torch.Tensor | None = None
+) -> str | None:
+    """Why a call on ``q`` and ``v`` (fake tensors will do; ``v`` for its value head dim, default q's) under
+    ``spec`` cannot be a captured op, or ``None`` where it can."""
     if spec.kv not in ("auto", "all_gather"):
         return f"kv={spec.kv!r} (captured: the all-gather, kv 'auto' or 'all_gather')"
     if spec.strategy not in LAYERS:
@@ -72,30 +74,32 @@ def capturable(spec: StrategySpec, q: torch.Tensor, kernel_name: str | None, win
     if q.is_cuda:
         from cpcompile.kernels import fa4
 
-        if kernel_name == "reference" or not fa4.supports(q):
-            return f"kernel {kernel_name!r} on {q.dtype} head dim {q.shape[-1]} (captured: FlashAttention-4, installed)"
+        if kernel_name == "reference" or not fa4.supports(q, v):
+            dims = f"head dim {q.shape[-1]}" + ("" if v is None else f", value head dim {v.shape[-1]}")
+            return f"kernel {kernel_name!r} on {q.dtype} {dims} (captured: FlashAttention-4, installed)"
     elif kernel_name not in (None, "reference"):
         return f"kernel {kernel_name!r} on {q.device} (captured off CUDA: reference)"
     return None
 
 
-def _kernel(q: torch.Tensor, kernel_name: str | None):
+def _kernel(q: torch.Tensor, kernel_name: str | None, v: torch.Tensor):
     if q.is_cuda:
         from cpcompile.kernels import fa4
 
-        if kernel_name in (None, "auto", "fa4") and fa4.supports(q):
+        if kernel_name in (None, "auto", "fa4") and fa4.supports(q, v):
             return fa4
         raise ValueError(
             f"captured CP attention runs FlashAttention-4 on CUDA (pip install 'cpcompile[fa4]'), got kernel "
-            f"{kernel_name!r} for {q.dtype} head dim {q.shape[-1]}, FA4 installed: {fa4.available()}"
+            f"{kernel_name!r} for {q.dtype} head dim {q.shape[-1]}, value head dim {v.shape[-1]}, FA4 installed: "
+            f"{fa4.available()}"
         )
-    return kernels.select(q, kernel_name)
+    return kernels.select(q, kernel_name, v=v)
 
 
-def _call(q, k, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
+def _call(q, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name):
     """What both directions run with: the group, the kernel, the pieces and the kernel keywords."""
     group = resolve_group(group_name)
-    kern = _kernel(q, kernel_name)  # before any communication
+    kern = _kernel(q, kernel_name, v)  # before any communication
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen)
     kw = {"causal": causal, "scale": softmax_scale(q, scale), "window": (-1, 0) if causal else (-1, -1)}
     return group, kern, pieces, kw
@@ -120,7 +124,7 @@ def _cp_attention_captured(
     layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     plan = (gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
-    group, kern, pieces, kw = _call(q, k, *plan)
+    group, kern, pieces, kw = _call(q, v, *plan)
     with uncached():
         return dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw))
 
@@ -154,7 +158,7 @@ def _cp_attention_captured_backward(
     layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = (gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
-    group, kern, pieces, kw = _call(q, k, *plan)
+    group, kern, pieces, kw = _call(q, v, *plan)
     grads = (dout, q, k, v, out, lse, gather_index, pieces, group, kv_chunks)
     with uncached():
         return dense(*gathered.backward(kern, *grads, layers=layers_in_capture(layers), **kw))

@@ -488,7 +488,7 @@ def rewrite_packed_attention(
         why = "its token count is symbolic" if isinstance(q.shape[0], torch.SymInt) else None
         why = why or ("it has sinks, which the captured op does not take" if m.sinks is not None else None)
         why = why or ("soft-capping (captured: plain attention)" if m.softcap else None)
-        why = why or capturable(spec, q, spec.kernel, m.window)
+        why = why or capturable(spec, q, spec.kernel, m.window, v=m.v.meta["example_value"])
         if why is not None:
             log.info("%s stays out of the CUDA graph: %s", m.node.format_node(), why)
         return why is None

@@ -193,6 +193,28 @@ class CapturedOpsInTheGraph(FakeGroupTestCase):
             assert why in capturable(*args), (args, capturable(*args))
 
 
+class _OnCuda:
+    """What ``capturable`` reads of a CUDA bfloat16 tensor ``shape`` (this machine has no GPU)."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape, self.dtype, self.is_cuda, self.device = shape, torch.bfloat16, True, torch.device("cuda", 0)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def test_a_value_head_dim_fa4_cannot_run_is_not_captured(monkeypatch):
+    """FA4 on Hopper (head dims up to 256): keys of 128 with values of 512 (an MLA-like call) are not
+    captured, whose op would then find no kernel; values of 128 are."""
+    from cpcompile.kernels import fa4
+
+    monkeypatch.setattr(fa4, "available", lambda: True)
+    monkeypatch.setattr(fa4, "_major", lambda device: 9)
+    q, spec = _OnCuda(8, 2, 128), StrategySpec("balanced")
+    assert capturable(spec, q, None, (-1, 0), v=_OnCuda(8, 2, 128)) is None
+    assert "value head dim 512" in capturable(spec, q, None, (-1, 0), v=_OnCuda(8, 2, 512))
+
+
 def _train_captured(rank: int, world: int) -> None:
     import torch._dynamo
 
@@ -201,7 +223,7 @@ def _train_captured(rank: int, world: int) -> None:
     from tests.dist import assert_matches_summed_over_ranks
 
     calls: list = []
-    captured._kernel = lambda q, name: emulated.fa4(calls)  # FA4's arrangement, on the CPU
+    captured._kernel = lambda q, name, v: emulated.fa4(calls)  # FA4's arrangement, on the CPU
     cfg = GPTConfig(vocab=32, dim=32, heads=4, kv_heads=2, layers=2, max_position=256)
     for strategy in ("balanced", "dual_chunk_swap"):
         torch.manual_seed(0)

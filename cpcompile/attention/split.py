@@ -52,7 +52,7 @@ def _call(
     return kern, pieces, _kernel_keywords(q, scale, window, softcap)
 
 
-def _check_fake_gathered(k, k_all, v_all, cp_size: int) -> None:
+def _check_fake_gathered(k, v, k_all, v_all, cp_size: int) -> None:
     torch._check(
         k_all.shape[:2] == v_all.shape[:2],
         lambda: f"gathered k {k_all.shape} and v {v_all.shape} differ in rows or heads",
@@ -60,6 +60,9 @@ def _check_fake_gathered(k, k_all, v_all, cp_size: int) -> None:
     torch._check(
         k_all.shape[0] == k.shape[0] * cp_size and k_all.shape[1:] == k.shape[1:],
         lambda: f"gathered k {k_all.shape} must be k {k.shape} of {cp_size} ranks",
+    )
+    torch._check(
+        v_all.shape[2] == v.shape[2], lambda: f"gathered v {v_all.shape} must have v's head dim ({v.shape[2]})"
     )
 
 
@@ -95,13 +98,14 @@ def _cp_attention_split(
 
 
 @_cp_attention_split.register_fake
-def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, *config, sinks=None,
-      softcap=0.0):  # fmt: skip
+def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q,
+      kernel_name, q_pos=None, window_left=-1, window_right=-1, sinks=None, softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
-    check_fake_sinks(q, config[6] if len(config) > 6 else sinks)  # after max_seqlen ... window_right
+    check_fake_sinks(q, sinks)
     cp_size = resolve_group(group_name).size()
-    _check_fake_gathered(k, k_all, v_all, cp_size)
-    check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len)
+    _check_fake_gathered(k, v, k_all, v_all, cp_size)
+    plan = {"gather_index": gather_index, "cu_q": cu_q, "k_start": k_start, "k_len": k_len}
+    check_device(q, **plan, q_pos=q_pos, k_all=k_all, v_all=v_all, sinks=sinks)
     check_fake_gather(q, gather_index, cp_size)
     return out_and_lse(q, v)
 

@@ -63,3 +63,26 @@ def test_overlap_kv_refuses_cuda_graphs(single_rank_group):
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     with pytest.raises(ValueError, match="overlap_kv=True is not supported with CUDA graphs"):
         cpcompile.backend(overlap_kv=True)(gm, [torch.zeros(1)], mode="reduce-overhead")
+
+
+def test_the_split_fake_checks_the_gathered_values_and_devices(single_rank_group):
+    """What a compiled graph's shapes and devices are checked against: the gathered V's head dim, and
+    ``q_pos`` and ``sinks`` on q's device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    args = list(_split_args(q, k, v, cu, (2, 1), single_rank_group.group_name))
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        op = torch.ops.cpcompile.cp_attention_split
+        wide = list(fake)
+        wide[4] = torch.empty(v.shape[0], v.shape[1], v.shape[2] + 4)
+        with pytest.raises(RuntimeError, match=r"gathered v .* must have v's head dim \(8\)"):
+            op(*wide)
+        elsewhere = list(fake)
+        elsewhere[15] = fake[15].to("meta")
+        with pytest.raises(ValueError, match=r"q_pos must be on the device of q \(cpu\), got meta"):
+            op(*elsewhere)
+        with pytest.raises(ValueError, match=r"sinks must be on the device of q \(cpu\), got meta"):
+            op(*fake, sinks=torch.zeros(q.shape[1], device="meta"))
+        assert op(*fake, sinks=torch.zeros(q.shape[1]))[0].shape == q.shape

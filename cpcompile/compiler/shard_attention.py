@@ -196,6 +196,15 @@ class _VarlenSchema:
     absent: tuple[str, ...]  # arguments CP cannot honour unless None
     zero: tuple[str, ...]  # arguments CP cannot honour unless 0
     extra_outputs: dict[int, str]  # outputs past (out, lse): CP cannot produce them
+    # arguments the rewrite drops that change no result (tuning, GQA, the keys' bound of one set of
+    # documents); any other argument a build adds (a vLLM-style FA3's s_aux) is refused unless at its default
+    ignored: tuple[str, ...] = ()
+
+    def read(self) -> frozenset[str]:
+        """The arguments the rewrite reads, refuses or ignores by name (:func:`_match_varlen`)."""
+        mask = ("window_size", "window_size_left", "window_size_right", "softcap")
+        fields = (self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.scale, self.causal)
+        return frozenset((*fields, *mask, *self.absent, *self.zero, *self.ignored))
 
 
 _VARLEN_SCHEMAS = {
@@ -203,6 +212,7 @@ _VARLEN_SCHEMAS = {
     _VARLEN: _VarlenSchema(
         "query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "scale", "is_causal",
         absent=("seqused_k", "block_table"), zero=(), extra_outputs={2: "RNG state"},
+        ignored=("max_k", "enable_gqa", "num_splits"),
     ),
     # flash-attn 2 (>= 2.7): flash_attn/flash_attn_interface.py
     _FLASH_ATTN_2: _VarlenSchema(
@@ -210,6 +220,7 @@ _VARLEN_SCHEMAS = {
         absent=("alibi_slopes", "block_table", "leftpad_k", "seqused_k"),
         zero=("dropout_p",),
         extra_outputs={2: "S_dmask", 3: "RNG state"},
+        ignored=("max_seqlen_k", "return_softmax", "zero_tensors", "num_splits"),
     ),
     # flash-attn 3: hopper/flash_attn_interface.py (one op for batched and varlen calls)
     _FLASH_ATTN_3: _VarlenSchema(
@@ -221,6 +232,7 @@ _VARLEN_SCHEMAS = {
         ),
         zero=("attention_chunk",),
         extra_outputs={2: "out_accum", 3: "softmax_lse_accum"},
+        ignored=("max_seqlen_k", "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa", "sm_margin"),
     ),
 }  # fmt: skip
 
@@ -244,7 +256,20 @@ def _window(a: dict) -> tuple:
     return (_known(a.get("window_size_left", -1)), _known(a.get("window_size_right", -1)))
 
 
-def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | Unsupported:
+def _unread(op: torch._ops.OpOverload, a: dict, s: _VarlenSchema) -> str | None:
+    """Why an argument of ``op`` that ``s`` does not name (one a build of the op adds) keeps the call from
+    running under CP: not at its default, which the rewrite would silently drop; else None."""
+    for arg in op._schema.arguments:
+        if arg.name in s.read() or arg.name not in a:
+            continue
+        value = _known(a[arg.name])
+        default = arg.default_value if arg.has_default_value() else None
+        if (value is not None) if default is None else (value != default):
+            return f"{arg.name}={_shown(value)} is not supported under CP (the rewrite would drop it)"
+    return None
+
+
+def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema, op: torch._ops.OpOverload) -> AttentionMatch | Unsupported:
     """A varlen call of schema ``s`` (arguments ``a`` by name) as CP attention, or why it cannot be one."""
     window = _window(a)
     used = _used_outputs(node)
@@ -265,6 +290,8 @@ def _match_varlen(node: fx.Node, a: dict, s: _VarlenSchema) -> AttentionMatch | 
     for name in s.zero:
         if (value := _known(a.get(name, 0))) != 0:
             return Unsupported(node, f"{name}={_shown(value)} is not supported under CP")
+    if (why := _unread(op, a, s)) is not None:
+        return Unsupported(node, why)
     if used is None:
         return Unsupported(node, "its output tuple is used whole; CP attention gives only out and lse")
     for index, output in s.extra_outputs.items():
@@ -330,7 +357,7 @@ def find_packed_attention(gm: fx.GraphModule) -> tuple[list[AttentionMatch], lis
             if a.get("cu_seqlens_q", node) is None:
                 continue  # flash-attn 3 on batched (padded) inputs: not a packed call
             schema = _VARLEN_SCHEMAS[name]
-            found, qkv = _match_varlen(node, a, schema), (schema.q, schema.k, schema.v)
+            found, qkv = _match_varlen(node, a, schema, op), (schema.q, schema.k, schema.v)
         elif name in _REFUSED:
             skipped.append(Unsupported(node, _REFUSED[name]))
             continue

@@ -325,6 +325,29 @@ return (mul,)
         with torch.no_grad(), self.assertRaisesRegex(Exception, r"or under torch.no_grad\(\) \(pass q, k, v detached"):
             compiled(*base.fake_rank_inputs())
 
+    def test_an_argument_a_build_adds_is_refused_unless_at_its_default(self):
+        """A build of flash-attn 3 with an argument the published schema lacks (vLLM's learnable sinks,
+        ``s_aux``): the rewrite would drop it, so a call that sets it is refused, naming it."""
+        from unittest import mock
+
+        from cpcompile.compiler import shard_attention
+
+        name = "cpcompile_tests::fa3_with_s_aux"
+        if not _has_op(name):
+            torch.library.define(
+                name, SCHEMAS[FA3].replace(", SymInt sm_margin=0)", ", SymInt sm_margin=0, Tensor? s_aux=None)")
+            )
+            torch.library.register_fake(name, _fake_flash_attn_3)
+        op = torch.ops.cpcompile_tests.fa3_with_s_aux
+
+        def model(q, k, v, cu, m, s_aux=None):
+            return op(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, causal=True, s_aux=s_aux)[0]
+
+        with mock.patch.dict(shard_attention._VARLEN_SCHEMAS, {name: shard_attention._VARLEN_SCHEMAS[FA3]}):
+            self.assertEqual(self.shard(model), 1)
+            with self.assertRaisesRegex(UnsupportedAttentionError, r"s_aux=.* is not supported under CP"):
+                self.shard(lambda *a: model(*a, s_aux=torch.zeros(4)))
+
     def test_unread_outputs_do_not_block_the_rewrite(self):
         """An unpacked output nobody reads (``out, lse, s_dmask, rng_state = ...``; Dynamo drops such
         nodes from the root graph, not always from subgraph bodies) does not make the call unsupported."""

@@ -1,9 +1,10 @@
-"""The advisor's opt-in that weighs head parallelism at an assumed bandwidth: :func:`choose_spec`.
+"""The advisor's choice of layout and path, head parallelism included, at an assumed bandwidth: :func:`choose_spec`.
 
 Given the heads, each candidate's step is the cost model's (:func:`cpcompile.cost.predict_rank_costs`,
 compute in attention pairs) plus its bytes (:func:`cpcompile.cost.comm.layer_bytes`) at an assumed
-bandwidth (:class:`Link`), turned into pairs. The runtime's ``auto`` decides with the step-time
-model over a topology instead (:func:`cpcompile.cost.timing.decide`).
+bandwidth (:class:`Link`), turned into pairs. The runtime's ``auto``, given the heads and a topology
+(``shard_batch(..., heads=..., topology=...)``), weighs head parallelism too, with the step-time model
+over the topology instead (:func:`cpcompile.cost.timing.resolve`).
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def choose_spec(
     link: Link | None = None,
     candidates: tuple[StrategySpec, ...] | None = None,
 ) -> StrategySpec:
-    """The candidate with the lowest :func:`predict_step`, head parallelism included: the opt-in
-    to head parallelism that ``auto`` does not take by itself. Ties go to the earlier candidate.
+    """The candidate with the lowest :func:`predict_step`, head parallelism included (as ``auto`` given
+    the heads and a topology weighs it, by the step-time model instead). Ties go to the earlier candidate.
 
     A pure function of its arguments: every rank gets the same answer. Resolve it in the data
     loader and pass the spec on: ``shard_batch(..., strategy=spec)``, then

@@ -198,7 +198,7 @@ def memoized(memo: dict | None, key: tuple, make):
 
 def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
     """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
-    matrix, :func:`cpcompile.plan.exchange.read_counts`, as every rank builds it)."""
+    matrix, :func:`cpcompile.layouts.reads.read_counts`, as every rank builds it)."""
     return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
 
 

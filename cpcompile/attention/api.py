@@ -99,14 +99,15 @@ def op_window(causal: bool, window_left: int, window_right: int) -> tuple[int, i
     return window_left, 0 if causal else window_right
 
 
-def _kernel_keywords(q, scale, window, softcap: float = 0.0) -> dict:
+def kernel_keywords(q, scale, window, softcap: float = 0.0) -> dict:
+    """What an attention op passes its kernel (``kernels.contract``) by name."""
     return {"causal": is_causal(window), "scale": softmax_scale(q, scale), "window": window, "softcap": softcap}
 
 
-def capped(softcap: float) -> dict:
-    """An op's ``softcap`` keyword where soft-capping is on (none where off: the ops' default, so that
-    graphs and calls without it read as before)."""
-    return {"softcap": softcap} if softcap else {}
+def op_extras(sinks=None, softcap: float = 0.0) -> dict:
+    """An op's ``sinks`` and ``softcap`` keywords, each where it is on (none where off: the ops' defaults,
+    so that graphs and calls without them read as before)."""
+    return ({} if sinks is None else {"sinks": sinks}) | ({"softcap": softcap} if softcap else {})
 
 
 # --- packed_attention --------------------------------------------------------------
@@ -135,7 +136,7 @@ def _packed_attention(
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
     kern = kernels.select(q, kernel_name, band=band, v=v, softcap=softcap)
-    return dense(*with_sinks(kern.forward(q, k, v, pieces, **_kernel_keywords(q, scale, window, softcap)), sinks))
+    return dense(*with_sinks(kern.forward(q, k, v, pieces, **kernel_keywords(q, scale, window, softcap)), sinks))
 
 
 @_packed_attention.register_fake
@@ -182,7 +183,7 @@ def _packed_attention_backward(
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
     kern = kernels.select(q, kernel_name, band=band, v=v, softcap=softcap)
-    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **_kernel_keywords(q, scale, window, softcap))
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, pieces, **kernel_keywords(q, scale, window, softcap))
     return dense(dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
@@ -246,7 +247,7 @@ def packed_attention(
     kernel = DEFAULTS.kernel if kernel is None else check_choice("kernel", kernel, KERNELS)
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     window_args = () if window in UNBANDED else window
-    named = ({} if sinks is None else {"sinks": sinks}) | capped(softcap)
+    named = op_extras(sinks, softcap)
     return torch.ops.cpcompile.packed_attention(*args, *window_args, **named)[0]
 
 
@@ -305,7 +306,7 @@ def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window, soft
     group = resolve_group(group_name)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)  # before any communication
     ex = exchange_plan(*plan, window, group_name, kv)  # kv: StrategySpec.exchange
-    return group, kern, ex, _kernel_keywords(q, scale, window, softcap)
+    return group, kern, ex, kernel_keywords(q, scale, window, softcap)
 
 
 @torch.library.custom_op("cpcompile::cp_attention", mutates_args=(), tags=NOT_CAPTURED)
@@ -514,10 +515,10 @@ def cp_attention(
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
     # by name: the ops' arguments before them keep their defaults
-    sink = ({} if sinks is None else {"sinks": sinks}) | capped(softcap)
+    sink = op_extras(sinks, softcap)
     if 1 < spec.head_parallel < cp:
         kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": spec.kernel}
-        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, **kw, **capped(softcap))
+        return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, softcap=softcap, **kw)
     if spec.head_parallel > 1:
         args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, spec.kernel)
         return torch.ops.cpcompile.cp_head_attention(*args, **sink)[0]

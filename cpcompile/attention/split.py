@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from cpcompile import kernels
-from cpcompile.attention.api import _kernel_keywords, op_window
+from cpcompile.attention.api import kernel_keywords, op_window
 from cpcompile.attention.common import (
     NOT_CAPTURED,
     accumulation_dtype,
@@ -49,7 +49,7 @@ def _call(
     window = op_window(causal, window_left, window_right)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
-    return kern, pieces, _kernel_keywords(q, scale, window, softcap)
+    return kern, pieces, kernel_keywords(q, scale, window, softcap)
 
 
 def _check_fake_gathered(k, v, k_all, v_all, cp_size: int) -> None:

@@ -46,7 +46,7 @@ from cpcompile.attention import hybrid as _hybrid  # noqa: F401  (registers cpco
 from cpcompile.attention import plan_op as _plan_op  # noqa: F401  (registers cpcompile::cp_plan)
 from cpcompile.attention import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from cpcompile.attention import split as _split  # noqa: F401  (registers cpcompile::cp_attention_split)
-from cpcompile.attention.api import op_window
+from cpcompile.attention.api import op_extras, op_window
 from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, kv_replication
@@ -86,9 +86,9 @@ class AttentionMatch:
     softcap: float = 0.0  # logit soft-capping (0: none)
 
     @property
-    def capped(self) -> dict:
-        """The CP op's ``softcap`` keyword, where soft-capping is on."""
-        return {"softcap": self.softcap} if self.softcap else {}
+    def op_extras(self) -> dict:
+        """The CP op's ``sinks`` and ``softcap`` keywords, each where it is on."""
+        return op_extras(self.sinks, self.softcap)
 
 
 @dataclasses.dataclass
@@ -453,12 +453,13 @@ def _insert_hybrid(insert, m: AttentionMatch, plan, spec: StrategySpec, cp_size:
     qkv = [insert(a2a, (x, heads, True, group_name), "heads_to_tokens", m.node) for x in qkv]
     kv = (spec.kernel, "never", 1)  # the all-gather: the exchange is for one rank's pieces, not a group's
     args = (*qkv, *plan, sequence, m.causal, m.scale, m.max_seqlen, m.max_seqlen, *kv)
-    sinks = {}
+    sinks = None
     if m.sinks is not None:  # those of the heads this rank holds between the all-to-alls (sinks.head_slice)
         parts = insert(torch.ops.aten.unflatten.int, (m.sinks, 0, [u, -1]), "sinks_per_rank", m.node)
         j = resolve_group(heads).rank()
-        sinks = {"sinks": insert(torch.ops.aten.select.int, (parts, 0, j), "hybrid_sinks", m.node)}
-    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node, (sinks | m.capped) or None)
+        sinks = insert(torch.ops.aten.select.int, (parts, 0, j), "hybrid_sinks", m.node)
+    named = op_extras(sinks, m.softcap) or None
+    cp = insert(torch.ops.cpcompile.cp_attention.default, args, "cp_attention", m.node, named)
     out = insert(operator.getitem, (cp, 0), "hybrid_out", m.node)
     outputs = {0: insert(a2a, (out, heads, False, group_name), "tokens_to_heads", m.node)}
     if 1 in _used_outputs(m.node):  # a tuple used whole is no match: its read outputs are known
@@ -615,7 +616,7 @@ def rewrite_packed_attention(
                     (*args, m.max_seqlen, spec.kernel),
                     "cp_head_attention",
                     m.node,
-                    ({} if m.sinks is None else {"sinks": m.sinks}) | m.capped or None,
+                    m.op_extras or None,
                 )
             elif captured_call:
                 name, target = "cp_attention_captured", torch.ops.cpcompile.cp_attention_captured.default
@@ -683,7 +684,7 @@ def rewrite_packed_attention(
                     ),
                     name,
                     m.node,
-                    (op_kwargs or {}) | ({} if m.sinks is None else {"sinks": m.sinks}) | m.capped or None,
+                    (op_kwargs or {}) | m.op_extras or None,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, spec))
             if split:

@@ -18,12 +18,14 @@ rather than replay one pack's sizes for every other (``cache.refuse_capture``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-from cpcompile.attention.plan_op import layers_needed
+from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
+from cpcompile.plan.pieces import every_rank_plan
 from cpcompile.plan.slots import ACTIVE, PlanSlots, location
 from cpcompile.spec import current_spec
 
@@ -55,13 +57,23 @@ class _Bucket:
         self.pool = None
 
 
-def pack_layers(plans: dict) -> int:
-    """The layers of pieces over one key that a pack's plans (``PlanSlots.plans``) need, at least 1: a
-    captured attention backward runs one kernel call per layer, each over every key and query row, however
-    few pieces it has, so a pack needing one runs in a graph of one."""
+def pack_layers(calls: dict) -> int:
+    """The layers of pieces over one key that a pack's plans need on the rank that needs the most, at least 1
+    (``calls``: its plan op calls, ``PlanSlots.calls``). A captured attention backward runs one kernel call
+    per layer, each over every key and query row however few pieces it has, so a pack needing one runs in a
+    graph of one. The count is every rank's: each rank makes the others' plans from the global offsets on the
+    host (``plan.pieces.every_rank_plan``, no communication), so that all ranks replay the graph of one count,
+    captured on the same call (a rank holding the head and the tail of a cut document needs two where its
+    peers need one)."""
     need = 1
-    for plan in plans.values():
-        if hasattr(plan, "k_len_causal"):  # an attention plan (``cp_plan``)
+    for (make, _), args in calls.items():
+        if make is not step_plan_in_layers:  # the attention plan (``cp_plan``); other plans are not captured
+            continue
+        bound = inspect.signature(make).bind(*args)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        del given["rank"], given["layers"]
+        for plan in every_rank_plan(**given):
             need = max(need, layers_needed(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full)[0])
     return need
 
@@ -112,8 +124,9 @@ class CapturedStep:
         if bucket.warmed < self._warmup:
             bucket.warmed += 1
             return self._warm(bucket, leaves, spec)
-        plans = bucket.slots.plans(leaves)  # on the host, from the inputs' host twins: no sync
-        layers = pack_layers(plans)
+        calls = bucket.slots.calls(leaves)
+        plans = bucket.slots.plans(calls)  # on the host, from the inputs' host twins: no sync
+        layers = pack_layers(calls)
         captured = bucket.graphs.get(layers)
         if captured is None:
             try:

@@ -160,6 +160,11 @@ def make_plan(
 def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, strategy=None, num_tokens=None):
     """:func:`make_plan` (an :class:`AttentionPlan`) of offsets a public entry checked."""
     requested, pack = pack_of(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
+    return _rank_plan(pack, requested, cu_seqlens, rank)
+
+
+def _rank_plan(pack: Pack, requested: StrategySpec, cu_seqlens: torch.Tensor, rank: int) -> AttentionPlan:
+    """Rank ``rank``'s plan of ``pack`` (:func:`pack_of`)."""
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     t_local = layout.shape[1]
     gather_index = _gather_index(layout)
@@ -205,14 +210,32 @@ def plan_extras(spec: StrategySpec) -> tuple:
     return (tuple(spec.windows),) if spec.windows else ()
 
 
+def _host_spec(cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=()):
+    """``(cu, padded, spec)``: host copies of the pack (no sync where they are its host twins; ``padded``
+    ``None`` where not given) and the spec of a plan op's arguments."""
+    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+    cu, *padded = on_host(cu_seqlens, *padded)
+    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
+    return cu, (padded[0] if padded else None), spec
+
+
 def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=(), **kw):
     """``make(cu, padded, strategy=..., **kw)`` (an :class:`AttentionPlan`) run on host copies of the pack
     (no sync where they are its host twins) and its tensors uploaded to ``cu_seqlens``' device with
     host twins (:mod:`cpcompile.cache`), so that what derives from the plan reads sizes there."""
-    padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
-    cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
-    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in make(cu, *padded, strategy=spec, **kw)))
+    cu, padded, spec = _host_spec(cu_seqlens, cu_seqlens_padded, strategy, stripe_size, windows, capacity)
+    return AttentionPlan(*(upload(t, cu_seqlens.device) for t in make(cu, padded, strategy=spec, **kw)))
+
+
+def every_rank_plan(
+    cu_seqlens, cu_seqlens_padded, num_tokens, cp_size: int, strategy: str, stripe_size: int, windows=(), capacity=()
+) -> list[AttentionPlan]:  # fmt: skip
+    """Every rank's :func:`step_plan` of a pack (the arguments after ``rank``'s place as its), on the host:
+    the pack laid out once. What a rank derives from its peers' pieces without communication (the layers
+    of pieces a captured step's graph is chosen by, ``compiler.captured_step.pack_layers``)."""
+    cu, padded, spec = _host_spec(cu_seqlens, cu_seqlens_padded, strategy, stripe_size, windows, capacity)
+    requested, pack = pack_of(cu, padded, cp_size, spec, num_tokens)
+    return [_rank_plan(pack, requested, cu, rank) for rank in range(cp_size)]
 
 
 @per_plan

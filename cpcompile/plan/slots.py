@@ -60,14 +60,18 @@ class PlanSlots:
         self.capturing, self.layers = False, None
         return slots
 
-    def plans(self, originals: list) -> dict:
-        """Each plan op call seen in the warm-up, made for the pack of ``originals`` (the step's inputs as
-        the caller gives them): ``(make, where) -> plan``."""
-        made = {}
-        for make, where in self._seen:
-            args = tuple(originals[a[1]] if isinstance(a, tuple) and a[:1] == ("input",) else a for a in where)
-            made[make, where] = make(*args)
-        return made
+    def calls(self, originals: list) -> dict:
+        """Each plan op call seen in the warm-up, with its arguments for the pack of ``originals`` (the step's
+        inputs as the caller gives them): ``(make, where) -> args``."""
+        return {
+            (make, where): tuple(originals[a[1]] if isinstance(a, tuple) and a[:1] == ("input",) else a for a in where)
+            for make, where in self._seen
+        }
+
+    @staticmethod
+    def plans(calls: dict) -> dict:
+        """The plans of ``calls`` (:meth:`calls`): ``(make, where) -> plan``."""
+        return {(make, where): make(*args) for (make, where), args in calls.items()}
 
     @staticmethod
     def _where(args: tuple, positions: dict) -> tuple | None:

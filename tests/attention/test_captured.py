@@ -296,19 +296,20 @@ def test_plan_slots_refill_a_captured_plan_for_every_pack_of_the_bucket():
     captured = slots.captured()
     assert not slots.capturing and slots.layers is None
     for cu in packs:
-        slots.fill(slots.plans([cu, 7]), captured)
+        slots.fill(slots.plans(slots.calls([cu, 7])), captured)
         for buffer, want in zip(buffers, step_plan(cu, None, *rest), strict=True):
             assert torch.equal(buffer, want)
     # a pack not padded to the bucket's documents: the plan refuses it (``check_capacity_documents``)
     with pytest.raises(ValueError, match=r"attention takes the batch's cu_seqlens .* got 2 documents"):
-        slots.plans([cu_seqlens([3, 3]), 7])
+        slots.plans(slots.calls([cu_seqlens([3, 3]), 7]))
 
 
 def test_a_captured_backward_runs_the_layers_its_capturing_step_was_told():
     """Inside a ``CapturedStep``'s capture told its pack's count of layers, the captured attention's backward
     runs that many (never more than its strategy's bound, at least one); outside one, the bound. And the
-    count a pack needs (``pack_layers``): one for pieces over disjoint keys, two where a rank holds the head
-    and the tail of one document (both read its first keys)."""
+    count a pack needs (``pack_layers``), alike on every rank: the most of any rank's, one for pieces over
+    disjoint keys, two where a rank holds the head and the tail of one document (both read its first keys)."""
+    from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
     from cpcompile.compiler.captured_step import pack_layers
     from cpcompile.plan import slots as plan_slots
     from cpcompile.plan.pieces import plan_extras, step_plan
@@ -327,15 +328,26 @@ def test_a_captured_backward_runs_the_layers_its_capturing_step_was_told():
         assert plan_slots.layers_in_capture(2) == 2
     finally:
         plan_slots.ACTIVE.slots = None
-    spec = StrategySpec("dual_chunk_swap")
-    rest = (2, 0, "dual_chunk_swap", 1, *plan_extras(spec))
-    # dual_chunk_swap at cp=2: rank 0 holds chunks 0 and 3 of each document, both reading its first keys
-    one_doc = cu_seqlens([16])
-    assert pack_layers({"p": step_plan(one_doc, None, 16, *rest)}) == 2
-    # documents of one token each: every piece reads its own key alone
-    many = cu_seqlens([1, 1, 1, 1])
-    padded = cpcompile.layouts.pad_for_cp(many, cp_size=2, strategy=spec)
-    assert pack_layers({"p": step_plan(many, padded, int(padded[-1]), *rest)}) == 1
+
+    def counts(lengths, strategy):  # every rank's own count, and the pack's (every rank's most)
+        spec = StrategySpec(strategy)
+        cu = cu_seqlens(lengths)
+        padded = cpcompile.layouts.pad_for_cp(cu, cp_size=2, strategy=spec)
+        args = (cu, padded, int(padded[-1]), 2, 0, strategy, 1, *plan_extras(spec))
+        own = []
+        for rank in range(2):
+            plan = step_plan(*args[:4], rank, *args[5:])
+            own.append(layers_needed(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full)[0])
+        return own, pack_layers({(step_plan_in_layers, None): args})
+
+    # dual_chunk_swap at cp=2: rank 0 holds chunks 0 and 3 of the document, both reading its first keys;
+    # rank 1's chunks 1 and 2 are one piece
+    assert counts([16], "dual_chunk_swap") == ([2, 1], 2)
+    # documents of one token each: every piece reads its own key alone (rank 1 holds padding only)
+    assert counts([1, 1, 1, 1], "dual_chunk_swap") == ([1, 0], 1)
+    # balanced cuts the long document into rank 0's head and tail: rank 1 needs one layer, the pack two,
+    # so that both ranks replay the graph of two
+    assert counts([1, 300], "balanced") == ([2, 1], 2)
 
 
 def test_a_captured_step_knows_inputs_by_memory_and_plans_from_any_thread():

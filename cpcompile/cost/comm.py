@@ -68,12 +68,19 @@ def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") ->
 
 class Heads(NamedTuple):
     """The attention's head shape: ``q`` query heads, ``kv`` key/value heads of ``dim`` elements
-    of ``itemsize`` bytes (2: bf16; 4: float32; 8: float64)."""
+    of ``itemsize`` bytes (2: bf16; 4: float32; 8: float64); ``v_dim``: a value head's elements where
+    they differ from the query/key heads' (MLA's ``v_head_dim``), ``None``: ``dim``."""
 
     q: int
     kv: int
     dim: int = 128
     itemsize: int = 2
+    v_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        """Elements of a value head (and of an output head)."""
+        return self.dim if self.v_dim is None else self.v_dim
 
     @property
     def acc_itemsize(self) -> int:
@@ -83,11 +90,12 @@ class Heads(NamedTuple):
 
 def check_heads(heads: object) -> Heads:
     """``heads`` as :class:`Heads`, or a ``ValueError`` naming it and what is accepted."""
-    if not isinstance(heads, tuple) or not 2 <= len(heads) <= 4:
-        raise ValueError(f"heads must be Heads(q, kv, dim=128, itemsize=2), got {heads!r}")
+    if not isinstance(heads, tuple) or not 2 <= len(heads) <= 5:
+        raise ValueError(f"heads must be Heads(q, kv, dim=128, itemsize=2, v_dim=None), got {heads!r}")
     heads = Heads(*heads)
     for name, value in heads._asdict().items():
-        check_int(f"heads.{name}", value, minimum=1)
+        if value is not None or name != "v_dim":
+            check_int(f"heads.{name}", value, minimum=1)
     if heads.q % heads.kv:
         raise ValueError(f"heads.q={heads.q} must be a multiple of heads.kv={heads.kv} (GQA)")
     if heads.itemsize not in (2, 4, 8):
@@ -235,11 +243,12 @@ def peer_bytes(
     _memo = _memo if padded is None else None
     pack = memoized(_memo, ("pack", layout_key(spec)), lambda: Pack.build(cu, padded, spec=spec, cp_size=cp))
     t_local = pack.layout.shape[1]
-    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * heads.dim
+    d, dv = heads.dim, heads.value_dim
+    b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * (d + dv)  # g: K and V elements of a token
     others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
     if spec.kv == "ring":
         prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
-        block = t_local * 2 * g
+        block = t_local * g
         steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
         phases = [
             Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
@@ -253,38 +262,40 @@ def peer_bytes(
         else:
             matrix = None
         if matrix is not None and use_exchange(matrix, t_local, spec.exchange):
-            row = 2 * g
+            row = g
             recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
             sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
             phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
             return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
-        kv = t_local * g  # K or V elements of one rank
+        kv = t_local * g  # K and V elements of one rank
         phases = [
-            Phase("forward", "gather", _uniform(cp, others, 2 * kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, 2 * kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, 2 * kv * a), 2),
+            Phase("forward", "gather", _uniform(cp, others, kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, others, kv * a), 2),
         ]
         return Layer(spec, "all-gather", phases)
     f = kv_replication(heads.q, heads.kv, u)
     hq, hkv = heads.q // u, heads.kv * f // u
-    slot = t_local * heads.dim  # elements of one head a rank sends to each group peer ((u - 1) of them)
+    # elements of a q/k head and of a v/output head a rank sends to each group peer ((u - 1) of them)
+    slot, vslot = t_local * d, t_local * dv
+    qkv = slot * (hq + hkv) + vslot * hkv
     group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
     if u == cp:
         lse = t_local * hq * a
-        fwd = [slot * (hq + 2 * hkv) * b, slot * hq * b + lse]  # q, k, v; back: out, lse
-        dkv = slot * 2 * hkv * (b if f == 1 else a)
-        bwd = [slot * (3 * hq + 2 * hkv) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
+        fwd = [qkv * b, vslot * hq * b + lse]  # q, k, v; back: out, lse
+        dkv = (slot + vslot) * hkv * (b if f == 1 else a)
+        bwd = [(qkv + 2 * vslot * hq) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
         phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
         return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
-    a2a = [slot * (hq + 2 * hkv) * b, slot * hq * b]
+    a2a = [qkv * b, vslot * hq * b]
     across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
-    kv = u * t_local * hkv * heads.dim
+    kv = u * t_local * hkv * (d + dv)  # K and V elements of a head group's rank
     phases = [
         *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("forward", "gather", _uniform(cp, across, 2 * kv * b), 2),
+        Phase("forward", "gather", _uniform(cp, across, kv * b), 2),
         *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("backward", "gather", _uniform(cp, across, 2 * kv * b), 2),
-        Phase("backward", "gather", _uniform(cp, across, 2 * kv * a), 2),
+        Phase("backward", "gather", _uniform(cp, across, kv * b), 2),
+        Phase("backward", "gather", _uniform(cp, across, kv * a), 2),
     ]
     return Layer(spec, "hybrid", phases)
 

@@ -268,7 +268,7 @@ def layer_terms(
     backward = passes == "forward+backward"
     b, a = heads.itemsize, heads.acc_itemsize
     f = kv_replication(heads.q, heads.kv, u) if u > 1 else 1
-    kv_row = 2 * heads.kv * f // u * heads.dim  # elements of a K and a V row of the rank's heads
+    kv_row = heads.kv * f // u * (heads.dim + heads.value_dim)  # elements of a K and a V row of the rank's heads
     phases = [p for p in layer.phases if p.passes == "forward" or backward]
     row_bytes = b + (b + a if backward else 0)  # K/V copied; in the backward again, and their dK/dV sums
     copied = []
@@ -322,9 +322,10 @@ class StepTime(NamedTuple):
 def evaluate(terms: LayerTerms, topology: Topology = H200, speed: KernelSpeed | None = None) -> StepTime:
     """:class:`StepTime` of ``terms`` at ``topology`` and ``speed`` (cheap: no plans)."""
     speed = KernelSpeed() if speed is None else speed
-    scale = terms.heads.q * terms.heads.dim / 128  # query heads of 128 elements
+    dims = (terms.heads.dim + terms.heads.value_dim) / 2  # QK^T over dim, PV over value_dim
+    scale = terms.heads.q * dims / 128  # query heads of 128 elements
     per_tile = speed.forward_ps + (speed.backward_ps if terms.backward else 0.0)
-    kv_scale = terms.heads.kv * terms.heads.dim / 128
+    kv_scale = terms.heads.kv * dims / 128
     passes = 2 if terms.backward else 1
     merge = terms.merges * speed.ring_row_ps * (scale + kv_scale)
     fixed = terms.tokens * (speed.token_ns * 1e3 + merge)  # ps

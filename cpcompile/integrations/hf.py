@@ -433,14 +433,25 @@ def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor
     return shifted
 
 
-def model_heads(model: torch.nn.Module) -> Heads:
+def model_heads(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Heads:
     """A transformers model's attention heads as ``auto`` weighs them (:func:`shard_flattened_batch`'s
-    ``heads``): query and key/value heads, the head dimension, its parameters' element size."""
-    config = model.config
+    ``heads``): query and key/value heads and their dimensions, from the language model's config
+    (``get_text_config``: a multimodal model's); MLA's (DeepSeek-V2/V3) query/key heads are
+    ``qk_nope_head_dim + qk_rope_head_dim`` and its value heads ``v_head_dim``. The element size is
+    ``dtype``'s, the dtype attention runs in (under autocast, ``torch.bfloat16`` say); default that of
+    the model's floating-point parameters (the first one's)."""
+    config = model.config.get_text_config(decoder=True)
     q = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or q
-    dim = getattr(config, "head_dim", None) or config.hidden_size // q
-    return Heads(q, kv, dim, next(model.parameters()).element_size())
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:  # MLA: q and k carry the rotary part beside the rest
+        dim = nope + rope
+    else:
+        dim = getattr(config, "head_dim", None) or config.hidden_size // q
+    v_dim = getattr(config, "v_head_dim", None) or dim
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return Heads(q, kv, dim, dtype.itemsize, None if v_dim == dim else v_dim)
 
 
 def shard_flattened_batch(

@@ -151,7 +151,9 @@ class CPTrainerMixin:
         self.cp_strategy = _with_model_windows(config.strategy, cphf.layer_windows(model.config))
         self.cp_heads = None  # auto's decision with communication weighs the model's heads
         if config.topology is not None:
-            self.cp_heads = cphf.model_heads(model)
+            # attention's dtype: the autocast one where the Trainer's mixed precision is on
+            dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+            self.cp_heads = cphf.model_heads(model, dtype)
             _make_room_for_decisions(config.cp_size, self.cp_heads)
         # one process without a process group has nothing to make CP: the inner compiler alone
         backend = cpcompile.backend(group=self.cp_group, inner=config.inner) if world > 1 else config.inner

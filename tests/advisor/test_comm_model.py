@@ -150,7 +150,7 @@ def test_comm_pairs():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(heads=(32,)), r"heads must be Heads\(q, kv, dim=128, itemsize=2\), got \(32,\)"),
+        (dict(heads=(32,)), r"heads must be Heads\(q, kv, dim=128, itemsize=2, v_dim=None\), got \(32,\)"),
         (dict(heads=Heads(32, 6)), "heads.q=32 must be a multiple of heads.kv=6"),
         (dict(heads=Heads(32, 8, itemsize=3)), "heads.itemsize must be 2, 4 or 8"),
         (

@@ -12,7 +12,7 @@ import torch
 import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.cost import predict_rank_costs, timing
-from cpcompile.cost.comm import Heads, Phase, layer_bytes, peer_bytes
+from cpcompile.cost.comm import Heads, Phase, check_heads, layer_bytes, peer_bytes
 from cpcompile.cost.model import auto_candidates, resolve_auto
 from cpcompile.cost.timing import (
     ASSUMED_HEADS,
@@ -303,3 +303,18 @@ def test_resolve_without_heads_fixed_paths_and_kept_decisions():
 def test_resolve_refuses_what_it_cannot_decide(spec, kw, message):
     with pytest.raises(ValueError, match=message):
         resolve(spec, cu_seqlens([40, 24]), cp_size=4, **kw)
+
+
+def test_value_heads_of_their_own_dimension_move_their_bytes():
+    """``Heads.v_dim`` (MLA's value heads): K/V bytes are ``kv x (dim + v_dim)`` per token, and with
+    ``v_dim == dim`` every path's bytes are those of ``v_dim=None``."""
+    cu = cu_seqlens([3000, 40, 7, 900, 1, 260, 5000, 12])
+    for spec in options(4, Heads(8, 8, 64)):  # the ring's too: peer_bytes
+        same = peer_bytes(cu, cp_size=4, strategy=spec, heads=Heads(8, 8, 64, 2, 64)).phases
+        assert same == peer_bytes(cu, cp_size=4, strategy=spec, heads=Heads(8, 8, 64)).phases, spec
+    gather = StrategySpec("no_load_balance", kv="all_gather")
+    small_v = layer_bytes(cu, cp_size=4, strategy=gather, heads=Heads(8, 8, 64, 2, 32)).forward
+    full = layer_bytes(cu, cp_size=4, strategy=gather, heads=Heads(8, 8, 64)).forward
+    assert torch.equal(small_v * 4, full * 3)  # (64 + 32) / (64 + 64)
+    with pytest.raises(ValueError, match="heads.v_dim must be"):
+        check_heads(Heads(8, 8, 64, 2, 0))

@@ -248,12 +248,13 @@ def test_shard_keeps_global_metadata():
 
 
 def test_auto_with_a_topology_decides_from_the_models_heads():
+    from cpcompile.cost.comm import Heads
     from cpcompile.cost.timing import resolve
 
     model = tiny_model("llama", "sdpa")
     heads = cphf.model_heads(model)
     config = model.config
-    assert heads == (config.num_attention_heads, config.num_key_value_heads, 32 // 4, 8)  # float64
+    assert heads == Heads(config.num_attention_heads, config.num_key_value_heads, 32 // 4, 8)  # float64
     batch = flattened_batch([70, 5, 40, 13], seed=1)
     _, sharded = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy="auto", heads=heads, topology="h200")
     assert sharded.spec == resolve("auto", batch["cu_seq_lens_q"], cp_size=2, heads=heads, topology="h200")
@@ -308,3 +309,23 @@ def test_errors_name_the_argument(kwargs, message):
     args = {"cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32), **kwargs}
     with pytest.raises(ValueError, match=message):
         cphf.cpcompile_attention_forward(module, q, kv, kv, None, **args)
+
+
+def test_model_heads_reads_the_text_config_mla_dims_and_attentions_dtype():
+    """The language model's config (a multimodal model's text config), MLA's query/key and value head
+    dimensions, and the dtype attention runs in where given (autocast), else the parameters'."""
+    from cpcompile.cost.comm import Heads
+
+    class Stub(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.emb = config, torch.nn.Embedding(4, 4, dtype=torch.bfloat16)
+
+    mla = transformers.DeepseekV3Config(
+        num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    )
+    assert cphf.model_heads(Stub(mla)) == Heads(16, 16, 192, 2, 128)
+    assert cphf.model_heads(Stub(mla), torch.float32).itemsize == 4
+    llama = transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+    outer = transformers.LlavaConfig(text_config=llama.to_dict())
+    assert cphf.model_heads(Stub(outer)) == Heads(8, 2, 8, 2)  # v_dim None: the value heads are dim's

@@ -202,7 +202,7 @@ def test_config_and_batches_cp_cannot_take_are_refused(tmp_path):
         trainer.shard_inputs({**flattened, "token_type_ids": torch.zeros_like(flattened["input_ids"])})
 
 
-def test_auto_with_a_topology_is_told_the_windows_and_room_for_its_graphs(tmp_path, monkeypatch):
+def test_auto_with_a_topology_is_told_the_windows_and_room_for_its_graphs(tmp_path):
     """``auto`` on a sliding-window model weighs the windows (never head parallelism, which attention refuses
     under windows); with a topology the trainer raises Dynamo's recompile limit to hold a graph per option;
     a topology is refused with another strategy, when the config is made."""
@@ -218,13 +218,14 @@ def test_auto_with_a_topology_is_told_the_windows_and_room_for_its_graphs(tmp_pa
     assert cpt._with_model_windows("striped", (15,)) == "striped"
     with pytest.raises(ValueError, match="the model has sliding-window layers"):
         cpt._with_model_windows(cpcompile.StrategySpec("auto", kv="heads", head_parallel=2), (15,))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    heads = cpcompile.cost.comm.Heads(32, 8)
-    cpt._make_room_for_decisions(8, heads)
-    assert torch._dynamo.config.recompile_limit == len(cpcompile.cost.timing.options(8, heads)) + 8 > 21
-    torch._dynamo.config.recompile_limit = 100
-    cpt._make_room_for_decisions(8, heads)  # never lowered
-    assert torch._dynamo.config.recompile_limit == 100
+    # config.patch, not monkeypatch: undoing a monkeypatch of Dynamo's config module deletes the setting
+    with torch._dynamo.config.patch(recompile_limit=8):
+        heads = cpcompile.cost.comm.Heads(32, 8)
+        cpt._make_room_for_decisions(8, heads)
+        assert torch._dynamo.config.recompile_limit == len(cpcompile.cost.timing.options(8, heads)) + 8 > 21
+        torch._dynamo.config.recompile_limit = 100
+        cpt._make_room_for_decisions(8, heads)  # never lowered
+        assert torch._dynamo.config.recompile_limit == 100
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -208,3 +208,13 @@ def test_backend_keeps_the_group_by_name(single_rank_group):
     ):
         with pytest.raises(ValueError, match=outside):
             call(dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def test_compiled_packed_attention_checks_a_constant_scale():
+    """A constant ``scale`` is checked while tracing as in eager: a NaN never reaches a compiled kernel."""
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    torch._dynamo.reset()
+    compiled = torch.compile(cpcompile.packed_attention, backend="aot_eager")
+    with pytest.raises(ValueError, match="scale must be None .* a finite positive number, got nan"):
+        compiled(q, k, v, cu, scale=float("nan"))
+    torch._dynamo.reset()

@@ -5,7 +5,8 @@
   :mod:`~cpcompile.attention.ring`, :mod:`~cpcompile.attention.heads`,
   :mod:`~cpcompile.attention.hybrid`: one op per way K/V move, over :mod:`cpcompile.comm`.
 - :mod:`~cpcompile.attention.plan_op`: the plan as an op, which compiled graphs call once per step.
-- :mod:`~cpcompile.attention.split`: the all-gather path with its transfers as graph nodes (``overlap_kv``).
+- :mod:`~cpcompile.attention.split`: the all-gather path with its transfers as graph nodes (``overlap_kv``);
+  :mod:`~cpcompile.attention.split_exchange`: the sparse exchange's (and ``kv="auto"``'s) the same way.
 - :mod:`~cpcompile.attention.captured`: the ops of a captured step (CUDA graphs).
 - :mod:`~cpcompile.attention.common`: what the ops share (agreement, autograd registration).
 """

@@ -14,8 +14,9 @@ size ``T``), ``cpcompile::cp_attention_split_backward``
 (the kernel; dK/dV sums in at least float32, in the all-gather's order), and the reduce-scatters of
 those sums, whose waits ``compiler.overlap.sink_waits`` moves to where dK and dV are first read: the
 dQ path and the weight gradients run while the sums travel. Sizes are the local token count times
-cp, symbolic, so one graph serves every pack. Why the sparse exchange is not split this way:
-docs/communication.md, "Transfers as graph nodes".
+cp, symbolic, so one graph serves every pack. ``kv="exchange"`` and ``kv="auto"`` take
+``attention.split_exchange`` instead, whose transfers are nodes too (docs/communication.md,
+"Transfers as graph nodes").
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _call(
     return kern, pieces, kernel_keywords(q, scale, window, softcap)
 
 
-def _check_fake_gathered(k, v, k_all, v_all, cp_size: int) -> None:
+def check_fake_gathered(k, v, k_all, v_all, cp_size: int) -> None:
     torch._check(
         k_all.shape[:2] == v_all.shape[:2],
         lambda: f"gathered k {k_all.shape} and v {v_all.shape} differ in rows or heads",
@@ -103,7 +104,7 @@ def _(q, k, v, k_all, v_all, gather_index, cu_q, k_start, k_len, group_name, cau
     check_fake_qkv(q, k, v)
     check_fake_sinks(q, sinks)
     cp_size = resolve_group(group_name).size()
-    _check_fake_gathered(k, v, k_all, v_all, cp_size)
+    check_fake_gathered(k, v, k_all, v_all, cp_size)
     plan = {"gather_index": gather_index, "cu_q": cu_q, "k_start": k_start, "k_len": k_len}
     check_device(q, **plan, q_pos=q_pos, k_all=k_all, v_all=v_all, sinks=sinks)
     check_fake_gather(q, gather_index, cp_size)

@@ -21,10 +21,12 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
     return (out, work) if async_op else out
 
 
-def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
-    """``[size * n, ...]`` summed over ranks, rank r keeps rows ``[r * n, (r + 1) * n)``;
-    with ``async_op``, ``(output, work)``."""
-    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+def reduce_scatter_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False, out: torch.Tensor | None = None
+):
+    """``[size * n, ...]`` summed over ranks, rank r keeps rows ``[r * n, (r + 1) * n)`` (into ``out``,
+    contiguous, if given); with ``async_op``, ``(output, work)``."""
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:])) if out is None else out
     work = _reduce_scatter(out, x.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
@@ -64,6 +66,14 @@ def start_all_gather(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
 def start_reduce_scatter(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
     """Start summing ``[cp * n, ...]`` over the ``cp`` ranks, each keeping its ``n`` rows; valid after :func:`wait`."""
     return torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", cp, group_name)
+
+
+def registered(x: torch.Tensor, work) -> torch.Tensor:
+    """``x``, the output of ``work`` (an asynchronous collective a custom op started), registered as the
+    functional collectives register theirs: :func:`wait` (``wait_tensor``) waits for ``work`` before it
+    returns ``x``, so that a graph node of its own waits for a transfer that the op started."""
+    torch._C._distributed_c10d._register_work(x, work)
+    return x
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

@@ -273,16 +273,16 @@ def backend(
             captured as one CUDA graph by hand): attention becomes the captured op where it can
             (``attention.captured``), and the checks of CUDA graphs below apply (``dynamic=False``, a
             capacity); attention that cannot be captured raises when the step is captured.
-        overlap_kv: move K/V as nodes of the graph (``attention.split``): the K/V all-gathers start as soon
+        overlap_kv: move K/V as nodes of the graph (``attention.split``): the K/V transfers start as soon
             as K and V exist and are waited for just before attention, and the backward's dK/dV
             reduce-scatters are waited for where dK and dV are first read (``compiler.overlap``), so the
             graph computes what does not depend on them (the Q projection and RoPE; the dQ path and the
-            weight gradients) while they travel. Calls on the all-gather path move K/V by all-gather
-            only, never by the sparse exchange (a strategy spec with ``kv="exchange"`` or ``kv_chunks > 1``
-            is refused when the graph is compiled, and so are CUDA graphs); the ring, head parallelism and
-            the hybrid are unchanged. The waits are moved for ``inner="inductor"`` and ``"aot_eager"``;
-            another ``inner`` gets the split graph with the backward's waits where autograd puts them
-            (docs/communication.md, "Transfers as graph nodes").
+            weight gradients) while they travel. ``kv="exchange"``, and ``kv="auto"`` where the plan picks
+            it, move K/V by the sparse exchange, its transfers nodes too (``attention.split_exchange``:
+            buffers of the all-gather's rows); ``kv_chunks > 1`` is refused when the graph is compiled, and
+            so are CUDA graphs; the ring, head parallelism and the hybrid are unchanged. The waits are
+            moved for ``inner="inductor"`` and ``"aot_eager"``; another ``inner`` gets the split graph with
+            the backward's waits where autograd puts them (docs/communication.md, "Transfers as graph nodes").
 
     ``torch.compile``'s ``mode`` and ``options`` reach ``inner="inductor"``. With CUDA graphs
     (``mode="reduce-overhead"``, ``triton.cudagraphs``) the forward and the backward are each
@@ -354,16 +354,10 @@ def backend(
 
 
 def _check_overlap(spec: StrategySpec) -> None:
-    """``overlap_kv`` moves K/V of the all-gather path by one all-gather each of K and V."""
-    if spec.kv == "exchange":
-        raise ValueError(
-            "overlap_kv=True moves K/V by all-gather (the sparse exchange is not split into graph nodes), but the "
-            "strategy has kv='exchange': use kv='auto' or 'all_gather' (cpcompile.strategy(..., kv=...)), or "
-            "overlap_kv=False"
-        )
+    """``overlap_kv`` moves K and V in one transfer each (an all-gather, or the exchange's all-to-all)."""
     if spec.kv_chunks != 1:
         raise ValueError(
-            f"overlap_kv=True gathers K and V in one collective each, but the strategy has kv_chunks={spec.kv_chunks}: "
+            f"overlap_kv=True moves K and V in one transfer each, but the strategy has kv_chunks={spec.kv_chunks}: "
             "use kv_chunks=1, or overlap_kv=False"
         )
 

@@ -1,11 +1,13 @@
 """Where a compiled graph waits for its collectives: as late as it can (``overlap_kv``).
 
-The pass (``compiler.shard_attention``) writes the forward's all-gathers of K and V as soon
-as K and V exist and their waits just before attention (``attention.split``), so the
+The pass (``compiler.shard_attention``) writes the forward's transfers of K and V as soon
+as K and V exist and their waits just before attention (``attention.split``,
+``attention.split_exchange``), so the
 forward graph runs what lies between (the Q projection, RoPE) while they travel. The
 backward graph is traced by AOT autograd from the backward formula, which waits for the
-dK/dV reduce-scatters right after starting them; :func:`sink_waits` moves each wait (and
-the cast of its result to the input dtype) to just before the first node that reads it,
+dK/dV reduce-scatters (the exchange's returns) right after starting them; :func:`sink_waits`
+moves each wait (and the cast of its result to the input dtype, or the exchange's
+``cp_exchange_add``) to just before the first node that reads it,
 so that the dQ path and the weight gradients, traced after it, run while the sums travel.
 
 It runs on the graphs AOT autograd hands to the compiler: for ``inner="inductor"`` as
@@ -33,9 +35,14 @@ try:  # torch 2.6+: what inductor accepts as a custom pass (its uuid keys the FX
 except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
+from cpcompile.attention import split_exchange as _split_exchange  # noqa: F401  (registers cp_exchange_add)
+
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 #: Casts of a wait's result that move with it: the dK/dV sums rounded to the input dtype.
 _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+#: The exchange's last backward op (``attention.split_exchange``): it adds the returned sums (argument 1,
+#: a wait's result) to the own parts and rounds to the input dtype, the exchange's cast.
+_ADD = torch.ops.cpcompile.cp_exchange_add.default
 
 
 def _first_user(node: fx.Node) -> fx.Node | None:
@@ -54,13 +61,15 @@ def _moves(node: fx.Node, moving: set[fx.Node]) -> bool:
         return False
     if node.target is _WAIT:
         return True
+    if node.target is _ADD:  # pure, its other inputs made before it: it may run anywhere before its readers
+        return node.args[1] in moving
     # a cast whose one input is a wait (or a cast that moves): read no earlier than the wait
     return node.target in _CASTS and len(node.all_input_nodes) == 1 and node.all_input_nodes[0] in moving
 
 
 def sink_waits(graph: fx.Graph) -> int:
-    """Move every functional collective's ``wait_tensor`` (and the casts of its result) to just before
-    its first reader; returns how many moved. Nothing else moves, so the collectives start where
+    """Move every functional collective's ``wait_tensor`` (and the casts of its result, or the exchange's
+    add) to just before its first reader; returns how many moved. Nothing else moves, so the collectives start where
     they stood and in the same order."""
     moving = set()
     for node in graph.nodes:

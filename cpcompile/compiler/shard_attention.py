@@ -33,6 +33,7 @@ one warning each, for users who mean it. The rewrite removes only nodes it added
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -46,6 +47,7 @@ from cpcompile.attention import hybrid as _hybrid  # noqa: F401  (registers cpco
 from cpcompile.attention import plan_op as _plan_op  # noqa: F401  (registers cpcompile::cp_plan)
 from cpcompile.attention import ring as _ring  # noqa: F401  (registers cpcompile::ring_key_ranges, cp_ring_attention)
 from cpcompile.attention import split as _split  # noqa: F401  (registers cpcompile::cp_attention_split)
+from cpcompile.attention import split_exchange as _split_exchange  # noqa: F401  (cp_exchange_fetch, ...)
 from cpcompile.attention.api import op_extras, op_window
 from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.comm.groups import resolve_group
@@ -485,10 +487,12 @@ def rewrite_packed_attention(
     ``cp_head_attention`` for ``spec.kv == "heads"``), one shared plan per ``cu_seqlens``; the ops
     get ``spec``'s kernel and K/V transport as arguments.
 
-    ``overlap_kv``: a ``cp_attention`` call becomes its all-gathers as graph nodes, started as soon as
-    K and V exist (after the plan, whose agreement comes first), their waits, and
-    ``cp_attention_split`` over the gathered K/V (``attention.split``): always the all-gather, never the
-    sparse exchange. Ring, head-parallel, hybrid and captured calls stay as they are.
+    ``overlap_kv``: a ``cp_attention`` call becomes its transfers as graph nodes, started as soon as
+    K and V exist (after the plan, whose agreement comes first), their waits, and attention over what
+    they brought: under ``kv="all_gather"`` the all-gathers and ``cp_attention_split``
+    (``attention.split``), else ``cp_exchange_fetch`` and ``cp_attention_exchange``
+    (``attention.split_exchange``: the exchange, or the all-gather where the plan picks it). Ring,
+    head-parallel, hybrid and captured calls stay as they are.
 
     ``captured`` (CUDA graphs on, packs padded to a capacity): calls that can be captured become
     ``cp_attention_captured`` (``attention.captured.capturable``; the others stay as above, between the
@@ -593,15 +597,18 @@ def rewrite_packed_attention(
                     )
                 window_key = (*key, m.window)
                 if window_key not in window_keys:
-                    keys = insert(
-                        torch.ops.cpcompile.window_keys.default,
-                        (cu_q, k_start, k_len_causal, k_len_full, *m.window),
-                        "window_keys",
-                        m.node,
-                    )
-                    window_keys[window_key] = [
-                        insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)
-                    ]
+                    # before a split call's transfers, which the exchange's read the windowed pieces for
+                    point = graph.inserting_before(plan_at) if split else contextlib.nullcontext()
+                    with point:
+                        keys = insert(
+                            torch.ops.cpcompile.window_keys.default,
+                            (cu_q, k_start, k_len_causal, k_len_full, *m.window),
+                            "window_keys",
+                            m.node,
+                        )
+                        window_keys[window_key] = [
+                            insert(operator.getitem, (keys, i), f) for i, f in enumerate(_WINDOW_KEYS)
+                        ]
                 k_start, k_len, q_pos = window_keys[window_key]
             op_kwargs = None
             if hybrid:
@@ -641,6 +648,19 @@ def rewrite_packed_attention(
                 config_args = (spec.kernel,)
                 if banded:
                     config_args += (q_pos, ring_ranges[ring_key][2], *m.window)
+            elif split and spec.exchange != "never":  # the exchange where the plan picks it (attention.split_exchange)
+                name, target = "cp_attention_exchange", torch.ops.cpcompile.cp_attention_exchange.default
+                transfer = (gather_index, k_start, k_len, group_name, spec.exchange, *m.window, pack_cu, pack_padded)
+                with graph.inserting_before(plan_at):  # started as soon as K and V exist
+                    kv = [insert(torch.ops.aten.detach.default, (x,), f"{x.name}_to_fetch") for x in (m.k, m.v)]
+                    fetch = insert(torch.ops.cpcompile.cp_exchange_fetch.default, (*kv, *transfer), "kv_fetch", m.node)
+                    pending = [
+                        insert(operator.getitem, (fetch, i), f"{x.name}_fetch") for i, x in enumerate((m.k, m.v))
+                    ]
+                fetched = [insert(torch.ops._c10d_functional.wait_tensor.default, (p,), f"{p.name}ed") for p in pending]
+                plan_args = (gather_index, cu_q, k_start, k_len)
+                config_args = (spec.kernel, spec.exchange, None if m.causal else q_pos, *m.window, pack_cu, pack_padded)
+                qkv = (m.q, m.k, m.v, *fetched)
             elif split:
                 name, target = "cp_attention_split", torch.ops.cpcompile.cp_attention_split.default
                 with graph.inserting_before(plan_at):  # started as soon as K and V exist
@@ -811,8 +831,8 @@ def shard_attention_pass(
     within its own tokens only). ``spec``: the layout, and the kernel and K/V transport the
     inserted ops get as arguments. ``captured``:
     CUDA graphs are on, and calls that can be captured become ``cp_attention_captured``
-    (:func:`rewrite_packed_attention`). ``overlap_kv``: the all-gathers as graph nodes
-    (:func:`rewrite_packed_attention`, ``attention.split``).
+    (:func:`rewrite_packed_attention`). ``overlap_kv``: the K/V transfers as graph nodes
+    (:func:`rewrite_packed_attention`, ``attention.split``, ``attention.split_exchange``).
     """
     # The root graph and the bodies its higher-order ops call (activation checkpointing puts
     # each checkpointed layer in one): a call left in a body would run single-device on a

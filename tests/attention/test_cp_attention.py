@@ -158,6 +158,7 @@ def _every_case(rank: int, world: int, kv_env: str) -> None:
     check_compiled_variant(rank, world, spec("balanced", kv="exchange"), window=(3, 0))
     check_compiled_variant(rank, world, spec("striped", stripe_size=2, kv="ring"), window=(2, 0))
     check_compiled_variant(rank, world, spec("no_load_balance", kv="all_gather"), overlap_kv=True)
+    check_compiled_variant(rank, world, spec("balanced", kv="exchange"), window=(3, 0), overlap_kv=True)
     if world == 2:
         # the K/V gather pipelined over two head groups (opt-in)
         _check_rank(rank, world, {"kv": "all_gather", "kv_chunks": 2})

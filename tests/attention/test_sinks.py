@@ -139,6 +139,7 @@ WINDOWS = {
     "heads": [None, (-1, -1)],
     "hybrid": [None, (-1, -1)],
     "split": [],  # compiled only: backend(overlap_kv=True)'s all-gathers as graph nodes
+    "split_exchange": [],  # compiled only: backend(overlap_kv=True)'s exchange as graph nodes (kv="auto")
 }
 
 
@@ -149,7 +150,8 @@ def _paths(world: int) -> list[tuple[str, dict]]:
         ("exchange", {"kv": "exchange"}),
         ("ring", {"kv": "ring"}),
         ("heads", {"kv": "heads", "head_parallel": world}),
-        ("split", {}),
+        ("split", {"kv": "all_gather"}),
+        ("split_exchange", {}),
     ]
     if world == 4:
         paths.append(("hybrid", {"kv": "heads", "head_parallel": 2}))
@@ -157,7 +159,10 @@ def _paths(world: int) -> list[tuple[str, dict]]:
 
 
 #: per path, the mask its compiled case runs (compiling is the slow part: one case a path, at one CP size)
-COMPILED = {"all_gather": (3, 0), "exchange": (2, 1), "ring": (3, 0), "heads": None, "hybrid": None, "split": (2, 1)}
+COMPILED = {
+    "all_gather": (3, 0), "exchange": (2, 1), "ring": (3, 0), "heads": None, "hybrid": None, "split": (2, 1),
+    "split_exchange": (3, 0),
+}  # fmt: skip
 
 
 def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
@@ -185,7 +190,9 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             leaves = [sharded.tensors[n].clone().requires_grad_() for n in "qkv"] + [sinks.clone().requires_grad_()]
             mask = {"causal": causal} if ref_window is None else {"causal": False, "window_size": window}
             if compiled:
-                out = _compiled(leaves, cu, sharded, mask, overlap_kv=name == "split")
+                out = _compiled(
+                    leaves, cu, sharded, mask, split={"split": "split", "split_exchange": "exchange"}.get(name)
+                )
             else:
                 out = cpcompile.cp_attention(
                     *leaves[:3], cu, cu_seqlens_padded=sharded.cu_seqlens_padded, strategy=sharded, sinks=leaves[3],
@@ -199,9 +206,11 @@ def check_sinks_on_rank(rank: int, world: int, compiled_at: int = 4) -> None:
             case += 1
 
 
-def _compiled(leaves, cu, sharded, mask: dict, overlap_kv: bool) -> torch.Tensor:
+def _compiled(leaves, cu, sharded, mask: dict, split: str | None) -> torch.Tensor:
     """The single-device call with sinks, compiled with the backend and run in the batch's strategy block;
-    the graph must hold no packed_attention left (every call rewritten, the sinks an input of the CP op)."""
+    the graph must hold no packed_attention left (every call rewritten, the sinks an input of the CP op).
+    ``split``: with ``overlap_kv``, and the graph must hold ``cp_attention_split`` (``"split"``) or
+    ``cp_attention_exchange`` (``"exchange"``)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     ops = []
@@ -214,10 +223,10 @@ def _compiled(leaves, cu, sharded, mask: dict, overlap_kv: bool) -> torch.Tensor
         return cpcompile.packed_attention(q, k, v, cu_seqlens, sinks=sinks, **mask)
 
     torch._dynamo.reset()
-    backend = cpcompile.backend(inner=inner, overlap_kv=overlap_kv)
+    backend = cpcompile.backend(inner=inner, overlap_kv=split is not None)
     fn = torch.compile(model, backend=backend, dynamic=True)
     with cpcompile.strategy(sharded):
         out = fn(*leaves[:3], cu, leaves[3])
     assert "cpcompile.packed_attention.default" not in ops and any("cpcompile.cp_" in op for op in ops), ops
-    assert not overlap_kv or "cpcompile.cp_attention_split.default" in ops, ops
+    assert split is None or f"cpcompile.cp_attention_{split}.default" in ops, ops
     return out

@@ -45,16 +45,51 @@ def test_split_on_one_rank_is_packed_attention(single_rank_group, window, frozen
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def _exchange_args(q, k, v, cu, window, group_name, kv):
+    """``cp_attention_exchange``'s arguments on one rank (``kv``: ``"always"``, the exchange's reading, or
+    ``"never"``, the all-gather's): what the fetch brings is K/V themselves."""
+    plan = cpcompile.plan.make_plan(cu, cp_size=1, rank=0, strategy="no_load_balance")
+    k_start, k_len, q_pos = window_keys(*plan.pieces, window)
+    causal = window[1] == 0
+    args = (q, k, v, k.detach(), v.detach(), plan.gather_index, plan.cu_q, k_start, k_len, group_name, causal, None)
+    return (*args, 9, 9, None, kv, None if causal else q_pos, *window, plan.cu_seqlens, plan.cu_seqlens_padded)
+
+
+@pytest.mark.parametrize("kv", ["always", "never"])
+@pytest.mark.parametrize("window", [(-1, 0), (2, 1)])
+def test_opcheck_exchange_op(single_rank_group, window, kv):
+    cu, _, q, k, v, _ = attention_case([3, 9, 4])
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    args = _exchange_args(*leaves, cu, window, single_rank_group.group_name, kv)
+    opcheck(torch.ops.cpcompile.cp_attention_exchange.default, args)
+
+
+@pytest.mark.parametrize("frozen", ["", "k"])
+@pytest.mark.parametrize("kv", ["always", "never"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_exchange_op_on_one_rank_is_packed_attention(single_rank_group, window, kv, frozen):
+    """The exchange's nodes (``attention.split_exchange``) called eagerly: the backward's fetch, returns
+    and adds (the returns' work waited for through ``wait_tensor``) give packed attention's gradients."""
+    cu, _, q, k, v, dout = attention_case([3, 9, 4], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(name not in frozen) for name, t in zip("qkv", (q, k, v))]
+    trained = [t for t in leaves if t.requires_grad]
+    want = cpcompile.packed_attention(*leaves, cu, window_size=window, causal=window[1] == 0)
+    want_grads = torch.autograd.grad(want, trained, dout)
+    args = _exchange_args(*leaves, cu, window, single_rank_group.group_name, kv)
+    got = torch.ops.cpcompile.cp_attention_exchange(*args)[0]
+    for a, b in zip((got, *torch.autograd.grad(got, trained, dout)), (want, *want_grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_overlap_kv_refuses_what_it_cannot_split():
-    """The strategy in force when a CP graph is compiled (the backend checks it there) must move K/V by
-    one all-gather each."""
+    """The strategy in force when a CP graph is compiled (the backend checks it there) must move K and V
+    in one transfer each: the all-gather or the exchange (``attention.split_exchange``), not head groups."""
     from cpcompile.compiler.backend import _check_overlap
 
-    with pytest.raises(ValueError, match="the strategy has kv='exchange': use kv='auto' or 'all_gather'"):
-        _check_overlap(cpcompile.StrategySpec(kv="exchange"))
-    with pytest.raises(ValueError, match="the strategy has kv_chunks=2"):
+    with pytest.raises(ValueError, match="one transfer each, but the strategy has kv_chunks=2"):
         _check_overlap(cpcompile.StrategySpec(kv_chunks=2))
-    _check_overlap(cpcompile.StrategySpec(kv="ring"))  # the ring is left as it is
+    for kv in ("exchange", "auto", "all_gather", "ring"):  # the ring is left as it is
+        _check_overlap(cpcompile.StrategySpec(kv=kv))
     with pytest.raises(TypeError, match="overlap_kv must be a bool, got 'yes'"):
         cpcompile.backend(overlap_kv="yes")
 

@@ -113,18 +113,30 @@ def _check_exact(rank: int, world: int, runs) -> None:
 @pytest.mark.distributed
 def test_split_graphs_train_exactly():
     """The all-gather path split into graph nodes (``inner="aot_eager"``, whose AOT graphs get
-    ``compiler.overlap.sink_waits``), causal and windowed, with and without activation checkpointing,
-    over a layout of whole chunks and balanced's
-    (the split op reads the plan as ``cp_attention`` does: the other layouts differ only in the plan);
-    the ring and head parallelism, which the option leaves alone (head parallelism takes no window)."""
+    ``compiler.overlap.sink_waits``), causal and windowed, with and without activation checkpointing:
+    ``kv="all_gather"``'s functional collectives, and the exchange's nodes (``attention.split_exchange``)
+    under ``kv="exchange"`` and ``kv="auto"`` (balanced: the plan picks the exchange); the ring and head
+    parallelism, which the option leaves alone (head parallelism takes no window)."""
     S, windowed, causal = cpcompile.StrategySpec, ((-1, 0), (3, 0)), ((-1, 0),)
     runs = [
-        (S("dual_chunk_swap"), windowed, False),
+        (S("dual_chunk_swap", kv="all_gather"), windowed, False),
+        (S("dual_chunk_swap", kv="exchange"), windowed, False),
         (S("balanced", windows=(-1, 3)), windowed, True),
         (S("dual_chunk_swap", kv="ring"), windowed, False),
         (S("dual_chunk_swap", kv="heads", head_parallel=2), causal, False),
     ]
     run_ranks(_check_exact, 2, runs)
+
+
+@pytest.mark.distributed
+def test_exchange_graphs_train_exactly_at_cp_3():
+    """The exchange's nodes at cp=3, where a rank receives from two peers and returns their sums to
+    two owners: ``kv="exchange"`` under balanced, and ``kv="auto"`` under dual_chunk_swap, whose plans
+    pick the exchange for the windowed layer and the all-gather for the causal one, inside the same nodes."""
+    S, windowed = cpcompile.StrategySpec, ((-1, 0), (3, 0))
+    run_ranks(
+        _check_exact, 3, [(S("balanced", kv="exchange"), windowed, False), (S("dual_chunk_swap"), windowed, False)]
+    )
 
 
 def _interesting(gm: torch.fx.GraphModule) -> list[str]:
@@ -181,8 +193,10 @@ def test_sinking_passes_over_a_wait_nobody_reads():
 
 
 class SnapshotTest(FakeGroupTestCase):
-    def graphs(self, model) -> list[torch.fx.GraphModule]:
-        """The forward and backward graphs AOT autograd hands the compiler, ``overlap_kv=True``."""
+    def graphs(self, model, spec: cpcompile.StrategySpec | None = None) -> list[torch.fx.GraphModule]:
+        """The forward and backward graphs AOT autograd hands the compiler, ``overlap_kv=True``, ``spec``
+        in force (default: dual_chunk_swap over the all-gather's functional collectives)."""
+        spec = spec or cpcompile.StrategySpec("dual_chunk_swap", kv="all_gather")
         graphs = []
 
         def capture(gm, example_inputs):
@@ -193,7 +207,7 @@ class SnapshotTest(FakeGroupTestCase):
         backend = cpcompile.backend(inner=overlap.aot_backend(capture), overlap_kv=True)
         compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
         ids, positions, cu, longest = _pack(0)
-        batch = cpcompile.shard_batch({"ids": ids, "pos": positions}, cu, cp_size=2, rank=1)
+        batch = cpcompile.shard_batch({"ids": ids, "pos": positions}, cu, cp_size=2, rank=1, strategy=spec)
         with cpcompile.strategy(batch):
             _loss(compiled(batch.tensors["ids"], batch.tensors["pos"], cu, longest)).backward()
         return graphs
@@ -238,4 +252,20 @@ class SnapshotTest(FakeGroupTestCase):
         self.assertExpectedInline(
             " ".join(_interesting(backward)),
             "mm mm cp_attention_split_regather wait wait cp_attention_split_backward reduce_scatter mm wait mm",
+        )
+
+    def test_the_exchange_starts_before_and_waits_after_independent_work(self):
+        """The sparse exchange (``attention.split_exchange``; ``kv="auto"`` takes the same nodes, choosing
+        per plan inside them): one fetch of K and V, started before the Q projection, waited for just before
+        attention; in the backward the sums' returns started before the Q projection's gradients, each
+        wait and its add just before the gradient is read."""
+        forward, backward = self.graphs(Net(windows=((-1, 0),)), cpcompile.StrategySpec("balanced", kv="exchange"))
+        self.assertExpectedInline(
+            " ".join(_interesting(forward)),
+            "mm mm cp_plan cp_exchange_fetch mm wait wait cp_attention_exchange mm",
+        )
+        self.assertExpectedInline(
+            " ".join(_interesting(backward)),
+            "mm mm cp_exchange_refetch wait wait cp_attention_exchange_backward cp_exchange_return cp_exchange_return "
+            "mm mm wait cp_exchange_add wait cp_exchange_add mm mm mm mm",
         )

@@ -115,10 +115,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="FSDP2 fully_shard per decoder layer, the output projection and the decoder stack (cp > 1)",
     )
-    p.add_argument("--overlap-kv", action="store_true", help="cpcompile.backend(overlap_kv=True): K/V all-gathers "
-                   "and dK/dV reduce-scatters as graph nodes, overlapped with the Q projection and the dQ path and "
-                   "weight gradients (all-gather path, no sparse exchange; docs/communication.md); on the fake group "
-                   "their outputs are not filled (filled_collectives)")  # fmt: skip
+    p.add_argument("--overlap-kv", action="store_true", help="cpcompile.backend(overlap_kv=True): K/V transfers "
+                   "(all-gathers, or the sparse exchange where kv picks it) and the dK/dV reduce-scatters or returns "
+                   "as graph nodes, overlapped with the Q projection and the dQ path and weight gradients "
+                   "(docs/communication.md); on the fake group the functional collectives' outputs and the "
+                   "exchange's all-to-alls are not filled (filled_collectives)")  # fmt: skip
     p.add_argument("--regional", action="store_true", help="compile each decoder layer on its own (one graph for all)")
     p.add_argument("--loss", default="fused", choices=["fused", "hf"], help="fused: the loss from hidden states "
                    "chunk by chunk, without whole-pack logits (cpcompile.testing.losses; the default); "

@@ -10,8 +10,8 @@ heads; efficiency = one GPU's attention time for the pack / (cp x the slowest ra
 time), forward and backward of one layer, as run and with all communication hidden (overlapped). Two
 series: tokens per rank fixed, and total tokens fixed. Then dp x cp: the same GPUs as ``dp`` groups of
 ``cp``, each with its own pack cut from the same documents, against one group over all of them. Host
-time (measured here, one thread, median of 3): rank 0's plan for the pick (``make_plan``, with the
-exchange's plan where it exchanges), and ``decide`` itself.
+time (measured here, one thread): rank 0's plan for the pick (``make_plan``, with the exchange's plan
+where it exchanges, median of 3), and ``decide`` itself as the runtime's ``auto`` runs it (``prune``).
 
 Calibration: the cp=2 rows of BENCHMARKS.md's "CP step with communication" section (2 x H200, NCCL,
 one ProLong pack rebuilt here as ``benchmarks/cp_step.py`` draws it: ``--doclens`` must hold
@@ -54,6 +54,7 @@ from cpcompile.cost.timing import (
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.plan.exchange import make_exchange
+from cpcompile.plan.pieces import layout_of
 from cpcompile.testing import sample_lengths
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -233,13 +234,15 @@ def median_ms(fn, repeats: int = 3) -> float:
 
 
 def plan_ms(cu: torch.Tensor, cp: int, option: StrategySpec) -> float:
-    """Rank 0's host plan for ``option`` from scratch: its layout and plan, and the exchange's plan."""
+    """Rank 0's host plan for ``option`` from scratch: its layout and plan, and the exchange's plan from the
+    plan, as the runtime makes them (``plan.pieces.step_plan``, ``plan.exchange.exchange_plan``: the layout
+    is the plan's ``gather_index`` inverted, not laid out again)."""
     spec = layout_key(option)
 
     def plan() -> None:
         p = cpcompile.plan.make_plan(cu, cp_size=cp, rank=0, strategy=spec)
         if option.kv == "exchange":
-            pack = Pack.build(cu, None, spec=spec, cp_size=cp)
+            pack = Pack(layout_of(p.gather_index, cp), p.cu_seqlens, p.cu_seqlens_padded)
             make_exchange(p.k_start, p.k_len(True), pack, read_ranges(pack, (-1, 0)), 0, "always")
 
     return median_ms(plan)
@@ -266,10 +269,11 @@ def single_us(cu: torch.Tensor) -> float:
 
 def scale_row(cu: torch.Tensor, cp: int) -> Row:
     start = time.perf_counter()
-    d = decide(cu, cp_size=cp, heads=HEADS, choices=choices(cp))
+    d = decide(cu, cp_size=cp, heads=HEADS, choices=choices(cp), prune=True)  # as the runtime's auto decides
     decide_ms = 1e3 * (time.perf_counter() - start)
     one = single_us(cu)
-    gather = min(t.as_run for t in d.times if t.path == "all-gather")
+    gathers = [o for o in choices(cp) if o.kv == "all_gather"]  # priced whole, which pruning may not have
+    gather = min(t.as_run for t in decide(cu, cp_size=cp, heads=HEADS, choices=tuple(gathers)).times)
     lengths = cu.diff().long()
     return Row(
         cp=cp,

@@ -39,13 +39,15 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
 from cpcompile.cost.model import _host, resolve_auto
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.reads import read_counts, read_ranges
+from cpcompile.layouts.partition import layout_runs, padded_offsets, run_pieces, spec_runs
+from cpcompile.layouts.reads import piece_reads, read_matrix, with_idle
 from cpcompile.spec import StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 #: Exchange when the busiest rank's rows sent or received are at most this fraction of an
@@ -204,18 +206,36 @@ def memoized(memo: dict | None, key: tuple, make):
     return memo[key]
 
 
-def exchange_matrix(pack: Pack, causal: bool) -> list[list[int]]:
+def exchange_matrix(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, runs: tuple[torch.Tensor, ...], causal: bool
+) -> list[list[int]]:
     """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
-    matrix, :func:`cpcompile.layouts.reads.read_counts`, as every rank builds it)."""
-    return read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
+    matrix, :func:`cpcompile.layouts.reads.read_counts`, as every rank builds it), counted from the
+    layout's runs (:func:`cpcompile.layouts.partition.layout_runs`) of the pack of these offsets."""
+    cp = int(runs[0][-1]) + 1
+    pieces = run_pieces(*runs, cu_seqlens, cu_seqlens_padded)
+    reads = piece_reads(pieces, cp, cu_seqlens, cu_seqlens_padded, (-1, 0) if causal else (-1, -1))[:3]
+    return read_matrix(runs, with_idle(cu_seqlens_padded, reads, cp), cp)
 
 
-def _uniform(cp: int, peers, nbytes: int) -> list[list[int]]:
-    """``recv[r][s] = nbytes`` for every ``s`` in ``peers(r)``."""
-    recv = [[0] * cp for _ in range(cp)]
+def _uniform(cp: int, peers: str, nbytes: int, u: int = 1) -> list[list[int]]:
+    """``recv[r][s] = nbytes`` for every peer ``s`` of ``r``: ``"others"``, every other rank; ``"prev"``, the
+    previous rank, ``(r - 1) % cp`` (none where ``cp`` is 1); ``"group"``, the other ranks of ``r``'s group
+    of ``u`` consecutive ranks; ``"across"``, the other ranks ``s`` with ``s % u == r % u``. Rows are
+    made whole, by repeating lists: ``cp`` squared bytes are counted at every layer's option."""
+    recv = []
     for r in range(cp):
-        for s in peers(r):
-            recv[r][s] = nbytes
+        if peers == "others":
+            row = [nbytes] * cp
+        elif peers == "prev":
+            row = [0] * cp
+            row[(r - 1) % cp] = nbytes
+        elif peers == "group":
+            row = [0] * (r // u * u) + [nbytes] * u + [0] * (cp - r // u * u - u)
+        else:  # across
+            row = ([0] * (r % u) + [nbytes] + [0] * (u - 1 - r % u)) * (cp // u)
+        row[r] = 0
+        recv.append(row)
     return recv
 
 
@@ -241,37 +261,42 @@ def peer_bytes(
     check_head_parallel(u, cp, heads.q)
     padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
     _memo = _memo if padded is None else None
-    pack = memoized(_memo, ("pack", layout_key(spec)), lambda: Pack.build(cu, padded, spec=spec, cp_size=cp))
-    t_local = pack.layout.shape[1]
+    key = layout_key(spec)
+    if padded is not None or spec.capacity is not None:  # laid out, which checks them against the layout
+        pack = memoized(_memo, ("pack", key), lambda: Pack.build(cu, padded, spec=spec, cp_size=cp))
+        padded, runs_of = pack.cu_seqlens_padded, lambda: layout_runs(pack.layout)
+    else:  # the reads need the layout's runs alone, and the other paths not even those
+        padded = padded_offsets(cu, key, cp)
+        runs_of = lambda: spec_runs(cu, padded, key, cp)  # noqa: E731
+    t_local = int(padded[-1]) // cp
     d, dv = heads.dim, heads.value_dim
     b, a, g = heads.itemsize, heads.acc_itemsize, heads.kv * (d + dv)  # g: K and V elements of a token
-    others = lambda r: [s for s in range(cp) if s != r]  # noqa: E731
     if spec.kv == "ring":
-        prev = lambda r: [(r - 1) % cp] if cp > 1 else []  # noqa: E731
         block = t_local * g
         steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
         phases = [
-            Phase("forward", "ring", _uniform(cp, prev, steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, prev, steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, prev, (steps + 1) * block * a), steps + 1 if steps else 0),
+            Phase("forward", "ring", _uniform(cp, "prev", steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, "prev", steps * block * b), steps),
+            Phase("backward", "ring", _uniform(cp, "prev", (steps + 1) * block * a), steps + 1 if steps else 0),
         ]
         return Layer(spec, "ring", phases)
     if u == 1:
         if cp > 1 and spec.exchange != "never":
-            matrix = memoized(_memo, ("matrix", layout_key(spec), causal), lambda: exchange_matrix(pack, causal))
+            runs = memoized(_memo, ("runs", key), runs_of)  # layer_terms counts pieces from them too
+            matrix = memoized(_memo, ("matrix", key, causal), lambda: exchange_matrix(cu, padded, runs, causal))
         else:
             matrix = None
         if matrix is not None and use_exchange(matrix, t_local, spec.exchange):
-            row = g
-            recv = [[0 if s == r else matrix[r][s] * row * b for s in range(cp)] for r in range(cp)]
-            sums = [[0 if s == r else matrix[s][r] * row * a for s in range(cp)] for r in range(cp)]
+            counts = np.array(matrix, dtype=np.int64)  # [cp, cp]: a rank's own rows do not travel
+            np.fill_diagonal(counts, 0)
+            recv, sums = (counts * g * b).tolist(), (counts.T * g * a).tolist()
             phases = [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
             return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
         kv = t_local * g  # K and V elements of one rank
         phases = [
-            Phase("forward", "gather", _uniform(cp, others, kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, others, kv * a), 2),
+            Phase("forward", "gather", _uniform(cp, "others", kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, "others", kv * b), 2),
+            Phase("backward", "gather", _uniform(cp, "others", kv * a), 2),
         ]
         return Layer(spec, "all-gather", phases)
     f = kv_replication(heads.q, heads.kv, u)
@@ -279,23 +304,23 @@ def peer_bytes(
     # elements of a q/k head and of a v/output head a rank sends to each group peer ((u - 1) of them)
     slot, vslot = t_local * d, t_local * dv
     qkv = slot * (hq + hkv) + vslot * hkv
-    group = lambda r: [s for s in range(r // u * u, r // u * u + u) if s != r]  # noqa: E731
     if u == cp:
         lse = t_local * hq * a
         fwd = [qkv * b, vslot * hq * b + lse]  # q, k, v; back: out, lse
         dkv = (slot + vslot) * hkv * (b if f == 1 else a)
         bwd = [(qkv + 2 * vslot * hq) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
-        phases = [Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in fwd]
-        return Layer(spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in bwd])
+        phases = [Phase("forward", "all-to-all", _uniform(cp, "group", n, u)) for n in fwd]
+        return Layer(
+            spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, "group", n, u)) for n in bwd]
+        )
     a2a = [qkv * b, vslot * hq * b]
-    across = lambda r: [s for s in range(r % u, cp, u) if s != r]  # noqa: E731
     kv = u * t_local * hkv * (d + dv)  # K and V elements of a head group's rank
     phases = [
-        *(Phase("forward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("forward", "gather", _uniform(cp, across, kv * b), 2),
-        *(Phase("backward", "all-to-all", _uniform(cp, group, n)) for n in a2a),
-        Phase("backward", "gather", _uniform(cp, across, kv * b), 2),
-        Phase("backward", "gather", _uniform(cp, across, kv * a), 2),
+        *(Phase("forward", "all-to-all", _uniform(cp, "group", n, u)) for n in a2a),
+        Phase("forward", "gather", _uniform(cp, "across", kv * b, u), 2),
+        *(Phase("backward", "all-to-all", _uniform(cp, "group", n, u)) for n in a2a),
+        Phase("backward", "gather", _uniform(cp, "across", kv * b, u), 2),
+        Phase("backward", "gather", _uniform(cp, "across", kv * a, u), 2),
     ]
     return Layer(spec, "hybrid", phases)
 

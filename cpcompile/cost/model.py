@@ -66,8 +66,8 @@ from torch._subclasses.fake_tensor import is_fake
 from cpcompile.checks import check_cp, check_int, check_offsets
 from cpcompile.layouts.balanced import band_tiles, causal_tiles, window_pairs
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.partition import padded_offsets, piece_marks
-from cpcompile.layouts.reads import read_ranges
+from cpcompile.layouts.partition import join_runs, layout_runs, padded_offsets, run_pieces
+from cpcompile.layouts.reads import piece_reads
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, check_head_parallel, resolve_strategy
 
 
@@ -164,28 +164,39 @@ def rank_costs(
     cu_seqlens_padded: torch.Tensor | None,
     model: CostModel,
     pack: Pack | None = None,
+    runs: tuple[torch.Tensor, ...] | None = None,
 ) -> RankCosts:
     """:func:`predict_rank_costs` of offsets a public entry checked; ``pack``: the pack already laid out by
-    ``spec`` (``auto`` resolved), if a caller has it."""
+    ``spec`` (``auto`` resolved), if a caller has it; ``runs``: its layout's runs
+    (:func:`cpcompile.layouts.partition.layout_runs`), if a caller has them (then no pack is needed).
+
+    Counted per piece, from the layout's runs: nothing per token but the one pass that finds the runs."""
     cu = _host("cu_seqlens", cu_seqlens)
     spec = resolve_auto(spec, cu, cp_size=cp_size, model=model)
     padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
     u = spec.head_parallel
-    pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size) if pack is None else pack
-    layout, padded = pack.layout, pack.cu_seqlens_padded  # [cp, T_local], [B + 1]
-    tokens = torch.full((cp_size,), layout.shape[1], dtype=torch.long)
+    if pack is None and runs is None:  # laid out here, which checks given offsets against the layout
+        pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size)
+    if pack is not None:
+        padded = pack.cu_seqlens_padded  # [B + 1]
+    elif padded is None:
+        padded = padded_offsets(cu, spec, cp_size)
+    total = int(padded[-1])
+    tokens = torch.full((cp_size,), total // cp_size, dtype=torch.long)
     # the rows one kernel call runs over, one row per head group: the pack in physical order (u == cp),
-    # else the group's layouts one after the other (u == 1: the rank's own)
+    # else the group's layouts one after the other (u == 1: the rank's own), as runs of consecutive
+    # positions: a group's runs are its ranks', joined where one ends where the next starts
     whole = u == cp_size > 1
-    layout = torch.arange(layout.numel()).unsqueeze(0) if whole else layout.reshape(cp_size // u, -1)
-    cp_size, t_local = layout.shape  # from here on, head groups
-    doc, pos, real, start = piece_marks(layout, cu, padded)
-    rank, row = start.nonzero(as_tuple=True)  # [P] each: the pieces, rank-major
-    first = rank * t_local + row
-    q_len = torch.diff(first, append=first.new_full((1,), cp_size * t_local))
-    live = real.reshape(-1)[first]
-    offset = pos.reshape(-1)[first]
-    doc_len = (cu[1:] - cu[:-1]).long()[doc.reshape(-1)[first]]
+    if whole:
+        runs = tuple(torch.tensor([x]) for x in (0, 0, total))
+    else:
+        runs = layout_runs(pack.layout) if runs is None else runs
+        if u > 1:
+            runs = join_runs(*runs, u)
+    cp_size = 1 if whole else cp_size // u  # from here on, head groups
+    pieces = run_pieces(*runs, cu, padded)
+    rank, _, q_len, doc, offset, live = pieces  # [P] each: the pieces
+    doc_len = (cu[1:] - cu[:-1]).long()[doc]
     w = model.window
     pairs = window_pairs(offset + q_len, w) - window_pairs(offset, w) if model.causal else q_len * doc_len
     keys = (offset if w < 0 else offset.clamp(max=w)) + q_len if model.causal else doc_len
@@ -198,23 +209,13 @@ def rank_costs(
     tiles_r = per_rank(torch.where(live, tiles, 0))
     live_keys = torch.where(live, keys, 0).long()
     key_rows = per_rank(live_keys)
-    # the runs of keys each rank reads (document prefixes, or windows); of each, it holds those of
-    # its sorted rows that fall in it
-    # [cp, T_local]: what a rank (head group) holds, ascending (a rank's own layout row already is)
-    held = layout if u == 1 else layout.sort(dim=1).values
-    reader, lo, hi = read_ranges(Pack(held, cu, padded), (w, 0) if model.causal else (-1, -1))  # [M] each
-    # every row's positions, shifted by its row times past the pack's end: one ascending sequence, so each
-    # bound is searched in its reader's row alone
-    span = int(padded[-1]) + 1
-    shift = torch.arange(cp_size)[:, None] * span
-    flat = (held + shift).reshape(-1)
-
-    def rows_below(x: torch.Tensor) -> torch.Tensor:  # [M]: the reader's rows below each run bound
-        return torch.searchsorted(flat, x + reader * span) - reader * t_local
-
+    # the runs of keys each rank (head group) reads (document prefixes, or windows), and of each the
+    # keys it holds itself
+    window = (w, 0) if model.causal else (-1, -1)
+    reader, lo, hi, held = piece_reads(pieces, cp_size, cu, padded, window)  # [M] each
     by_reader = torch.zeros(cp_size, dtype=torch.long)
     keys_read = by_reader.index_add(0, reader, hi - lo)
-    own = by_reader.index_add(0, reader, rows_below(hi) - rows_below(lo))
+    own = by_reader.index_add(0, reader, held)
     if whole:  # whole documents: disjoint key ranges, which the backward reads in place
         key_rows = torch.zeros_like(key_rows)
 

@@ -56,7 +56,7 @@ from cpcompile.cost.comm import (
 from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.partition import piece_marks
+from cpcompile.layouts.partition import padded_offsets, piece_marks, spec_runs
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 #: The K/V paths :func:`predict_time` models: ``cp_attention``'s all-gather and sparse exchange, the ring
@@ -153,14 +153,14 @@ LLAMA_8B_TOKEN_NS = 2180.0
 
 def phase_times(phase: Phase, topology: Topology) -> list[float]:
     """Microseconds each rank spends in ``phase`` (module docstring), all its ``count`` collectives or steps."""
-    recv = torch.tensor(phase.recv, dtype=torch.long)  # [cp, cp]
-    cp = recv.shape[0]
-    node = torch.arange(cp) // topology.gpus_per_node
-    same, has = node[:, None] == node[None, :], recv > 0
-    # per rank, exact integers: bytes from its node and from others, its peers and those on its node
-    columns = (torch.where(same, recv, 0).sum(1), torch.where(same, 0, recv).sum(1), has.sum(1), (has & same).sum(1))
+    cp, per_node = len(phase.recv), topology.gpus_per_node
     times = []
-    for intra, inter, peers, near in zip(*(c.tolist() for c in columns), strict=True):
+    # per rank, exact integers: bytes from its node (consecutive ranks) and from others, its peers and
+    # those on its node; list operations, not tensors: a phase of cp squared counts is priced per option
+    for r, row in enumerate(phase.recv):
+        node = row[r // per_node * per_node : (r // per_node + 1) * per_node]
+        intra, inter = sum(node), sum(row) - sum(node)
+        peers, near = cp - row.count(0), len(node) - node.count(0)
         times.append(_rank_us(phase, topology, intra, inter, peers, near) if peers and phase.count else 0.0)
     return times
 
@@ -259,11 +259,19 @@ def layer_terms(
     layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
     key = layout_key(spec)
-    pack = (_memo or {}).get(("pack", key))  # peer_bytes laid it out
+    # the layout's runs, found once (peer_bytes may have): the options of every path and u count their
+    # pieces from them; the pack is laid out token by token only where a capacity is checked, or for the
+    # ring's steps
+    pack = (_memo or {}).get(("pack", key))
+    if spec.capacity is None and not spec.head_parallel == cp > 1:  # (u == cp: the pack in physical order)
+        padded = padded_offsets(cu, key, cp)
+        runs = memoized(_memo, ("runs", key), lambda: spec_runs(cu, padded, key, cp))
+    else:
+        runs = None
     costs = memoized(
         _memo,
         ("costs", key, spec.head_parallel, causal),
-        lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal), pack),
+        lambda: rank_costs(cu, cp, spec, None, CostModel(causal=causal), pack, runs),
     )
     backward = passes == "forward+backward"
     b, a = heads.itemsize, heads.acc_itemsize
@@ -410,12 +418,31 @@ def options(cp_size: int, heads: Heads, paths: tuple[str, ...] = PATHS) -> tuple
 
 
 class Decision(NamedTuple):
-    """What :func:`decide` chose, and every option's predicted layer (``times``, in :func:`options`' order)."""
+    """What :func:`decide` chose, and every option's predicted layer (``times``, in :func:`options`' order;
+    ``None`` for an option :func:`decide` ruled out by its floor, under ``prune``)."""
 
     spec: StrategySpec
     time: StepTime
     options: tuple[StrategySpec, ...]
-    times: list[StepTime]
+    times: list[StepTime | None]
+
+
+def floor(terms_of, option: StrategySpec, pairs: int, topology: Topology, speed: KernelSpeed | None) -> float:
+    """A lower bound on ``option``'s ``as_run`` (microseconds) that needs no layout: its slowest rank's
+    communication where the path's bytes do not depend on the layout (all but the exchange: ``terms_of``
+    gives its phases), and the ranks' mean kernel time, a kernel tile holding at most ``128 x 128`` of the
+    pack's ``pairs`` (query-key pairs). Both bound the layer as run, the ring's too (it waits for each step's
+    slowest rank, compute or transfer); shaved by a part in 10**9 against rounding."""
+    speed = KernelSpeed() if speed is None else speed
+    path, phases, heads, backward, cp = terms_of(option)
+    comm = 0.0
+    if path != "exchange":
+        times = [phase_times(p, topology) for p in phases]  # as evaluate() sums them
+        comm = max(sum(t[r] for t in times) for r in range(cp))
+    dims = (heads.dim + heads.value_dim) / 2
+    per_tile = speed.forward_ps + (speed.backward_ps if backward else 0.0)
+    kernel = pairs / (128 * 128) * per_tile * heads.q * dims / 128 / 1e6 / cp
+    return max(comm, kernel) * (1 - 1e-9)
 
 
 def decide(
@@ -428,6 +455,7 @@ def decide(
     causal: bool = True,
     paths: tuple[str, ...] = PATHS,
     choices: tuple[StrategySpec, ...] | None = None,
+    prune: bool = False,
 ) -> Decision:
     """The layout, K/V path and head parallelism ``u`` with the lowest predicted layer as it runs
     (:func:`predict_time`'s ``as_run``, forward and backward) for this pack over ``topology``; ties go to
@@ -445,6 +473,10 @@ def decide(
             which ``u`` divide).
         paths: the paths to weigh (default all of :data:`PATHS`).
         choices: the options to weigh instead (default :func:`options` of ``paths``).
+        prune: weigh the options by their :func:`floor` first, lowest first, and leave out those whose floor
+            is above a time found (or equal to it, after it in order): the same choice, without laying
+            out the layouts only those options use (at large ``cp`` the all-gather's traffic alone rules
+            it out); their ``times`` are ``None``. The runtime's ``auto`` prunes (:func:`resolve`).
     """
     check_cp(cp_size)
     cu = _host("cu_seqlens", cu_seqlens)
@@ -453,9 +485,28 @@ def decide(
         raise ValueError(f"paths={paths} leave no option at cp_size={cp_size} with {heads.q} query heads")
     memo: dict = {}  # the options share layouts: each built once
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "_memo": memo}
-    times = [evaluate(layer_terms(cu, strategy=o, **kw), topology, speed) for o in choices]
-    steps = [t.as_run for t in times]
-    best = steps.index(min(steps))
+    if not prune:
+        times = [evaluate(layer_terms(cu, strategy=o, **kw), topology, speed) for o in choices]
+        steps = [t.as_run for t in times]
+        best = steps.index(min(steps))
+        return Decision(choices[best], times[best], choices, times)
+    heads = check_heads(heads)
+    lengths = (cu[1:] - cu[:-1]).long()
+    pairs = int((lengths * (lengths + 1) // 2 if causal else lengths * lengths).sum())
+
+    def terms_of(option: StrategySpec):
+        layer = peer_bytes(cu, cp_size=cp_size, strategy=option, heads=heads, causal=causal, _memo=memo)
+        return layer.path, layer.phases, heads, True, cp_size
+
+    floors = [floor(terms_of, o, pairs, topology, speed) for o in choices]
+    times: list[StepTime | None] = [None] * len(choices)
+    best = None
+    for i in sorted(range(len(choices)), key=lambda i: (floors[i], i)):
+        if best is not None and (floors[i], i) > (times[best].as_run, best):
+            continue  # it can neither be faster nor, as fast, come first
+        times[i] = evaluate(layer_terms(cu, strategy=choices[i], **kw), topology, speed)
+        if best is None or (times[i].as_run, i) < (times[best].as_run, best):
+            best = i
     return Decision(choices[best], times[best], choices, times)
 
 
@@ -535,7 +586,9 @@ def resolve(
         layout = resolve_auto(spec, cu, cp_size=cp_size)
         kvs = ("all_gather", "exchange", "ring") if spec.kv == "auto" else (spec.kv,)
         choices = tuple(dataclasses.replace(layout, kv=kv) for kv in kvs)
-        picked = decide(cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices).spec
+        picked = decide(
+            cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices, prune=True
+        ).spec
         _decisions[key] = picked
     else:
         choices = options(cp_size, heads, PATHS if given else SEQUENCE_PATHS)
@@ -547,7 +600,9 @@ def resolve(
                     f"{'no such option' if given else 'head parallelism is weighed only given the heads'} "
                     f"(heads={tuple(heads) if given else None}); give the model's heads, or kv='auto'"
                 )
-        picked = decide(cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices).spec
+        picked = decide(
+            cu, cp_size=cp_size, heads=heads, topology=topology, speed=speed, choices=choices, prune=True
+        ).spec
         _decisions[key] = picked
     while len(_decisions) > DECISIONS_KEPT:
         _decisions.popitem(last=False)

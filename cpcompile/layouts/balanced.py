@@ -299,54 +299,83 @@ def _align(
     doc2 = (n * seq.rate[d])[:, None]  # twice the document's work (step 2)
     by_h = cp * (seq.work2_before[d][:, None] + h * (h + s)) - target2.cumsum(0)[:-1, None]
     by_t = cp * torch.where(t > 0, (n[:, None] - t) * (n[:, None] - t + s) - doc2, 0)
-    by_took = cp * (int(seq.work2_before[-1]) - seq.prefix_work2(back.clamp(0, seq.tokens)))
+    # the back cuts' work: heads and tails step by a tile, so a back cut with a tail (j >= 1) is one of
+    # 2K - 1 positions, i + j - 1 tiles past the first; counted there (and without one, at each head)
+    k = h.shape[1]
+    first = back[:, :, 1:2].select(1, 0)  # [cp - 1, 1]: i = 0, j = 1
+    steps = torch.cat([back[:, :, 0], first + torch.arange(2 * k - 1) * TILE], 1)  # [cp - 1, 3K - 1]
+    work2 = seq.prefix_work2(steps.clamp(0, seq.tokens))
+    tiles_past = torch.arange(k)[:, None] + torch.arange(k)[None, :]  # [K, K]: i + j - 1, for j >= 1
+    by_took = cp * (int(seq.work2_before[-1]) - torch.cat([work2[:, :k, None], work2[:, k + tiles_past]], 2))
     fits = (took <= n[:, None, None]) & (back <= seq.tokens) & ((x > 0) & (x < n))[:, None, None]
     fits &= (h >= 0)[:, :, None] & (t >= 0)[:, None, :]
     off = (by_h[:, :, None] - by_t[:, None, :] + by_took).abs()
     off = off.masked_fill_(~fits, torch.iinfo(off.dtype).max).flatten(1)  # [cp - 1, K (K + 1)] by i (K + 1) + j
     # each cut's _SNAP_TRIES candidates nearest the share (ties: the first), and whether within the slack
-    tries = torch.argsort(off, dim=1, stable=True)[:, :_SNAP_TRIES]  # [cp - 1, M]
-    ok = (off.gather(1, tries) <= cp * slack2).tolist()
+    tries = _least(off, _SNAP_TRIES)  # [cp - 1, M]
+    ok = (off.gather(1, tries) <= cp * slack2).reshape(-1).tolist()  # [(cp - 1) M], cut-major
     i, j = tries // t.shape[1], tries % t.shape[1]
     pos = torch.cat([exact[:, None], pos.flatten(1).gather(1, tries)], 1)  # [cp - 1, 1 + M]: unmoved, then the tries
     g = pos + skip[:, None]  # their back cuts
-    back_docs = seq.doc_at(torch.stack([g - 1, g], 2).clamp(0, seq.tokens - 1)).tolist()  # each side
+    sides = seq.doc_at(torch.stack([g - 1, g], 2).clamp(0, seq.tokens - 1))  # [cp - 1, 1 + M, 2] each side's document
     heads, tails = torch.cat([head[:, None], h.gather(1, i)], 1), torch.cat([tail[:, None], t.gather(1, j)], 1)
-    split = torch.stack([heads, tails], 2)  # [cp - 1, 1 + M, 2]
-    d, take, pos, split = d.tolist(), take.tolist(), pos.tolist(), split.tolist()
+    # Flat lists of ints, column c of cut r at r (1 + M) + c: nested lists (one per pair of sides) cost
+    # more to make, and to collect, than the search itself
+    w = 1 + _SNAP_TRIES
+    pos, heads, tails, sides = (v.reshape(-1).tolist() for v in (pos, heads, tails, sides))
+    d, take = d.tolist(), take.tolist()
     inner = [doc if 0 < a < b else None for doc, a, b in zip(d, x.tolist(), n.tolist(), strict=True)]
+
+    def back_docs(k: int) -> set[int]:  # the documents on either side of column k's back cut
+        return {sides[2 * k], sides[2 * k + 1]}
 
     # Cuts in order take the first try consistent with the cut before as placed and the one after
     # as is (it can always stay): the rank between them keeps its tokens, their splits nest where
     # both fall inside one document (`inner`), and no back cut falls in a moved cut's document.
-    later = [set() for _ in range(cp)]  # the documents of the back cuts after each cut, unmoved
-    for r in range(cp - 2, -1, -1):
-        later[r] = later[r + 1] | set(back_docs[r][0])
+    last_back = {}  # each document of the unmoved back cuts: the last cut whose back cut falls in it
+    for r in range(cp - 1):
+        last_back.update(dict.fromkeys(back_docs(r * w), r))
     choice, backs, moved = [0] * (cp - 1), set(), set()  # a column of pos, split and back_docs: 0 unmoved
     for r in range(cp - 1):
-        before = (pos[r - 1][choice[r - 1]], split[r - 1][choice[r - 1]], inner[r - 1]) if r else (0, None, None)
-        after = (pos[r + 1][0], split[r + 1][0], inner[r + 1]) if r < cp - 2 else (None, None, None)
+        if r:
+            k = (r - 1) * w + choice[r - 1]
+            before = (pos[k], (heads[k], tails[k]), inner[r - 1])
+        else:
+            before = (0, None, None)
+        k = (r + 1) * w
+        after = (pos[k], (heads[k], tails[k]), inner[r + 1]) if r < cp - 2 else (None, None, None)
+        later = last_back.get(d[r], -1) > r  # a later cut's back cut, unmoved, falls in d[r]
         for m in range(1, _SNAP_TRIES + 1):
-            if not ok[r][m - 1]:
+            if not ok[r * _SNAP_TRIES + m - 1]:
                 break  # and no later try is within the slack
-            p, these = pos[r][m], set(back_docs[r][m])
+            k = r * w + m
+            p, these, split = pos[k], back_docs(k), (heads[k], tails[k])
             tokens = 0 <= p - before[0] <= take[r] and (after[0] is None or 0 <= after[0] - p <= take[r + 1])
-            nest = (before[2] != d[r] or _nested(before[1], split[r][m])) and (
-                after[2] != d[r] or _nested(split[r][m], after[1])
-            )
-            if tokens and nest and d[r] not in backs | these | later[r + 1] and not moved & these:
+            nest = (before[2] != d[r] or _nested(before[1], split)) and (after[2] != d[r] or _nested(split, after[1]))
+            if tokens and nest and d[r] not in backs and d[r] not in these and not later and not moved & these:
                 choice[r] = m
                 break
-        backs |= set(back_docs[r][choice[r]])
+        backs |= back_docs(r * w + choice[r])
         if choice[r]:
             moved.add(d[r])
-    at = [pos[r][choice[r]] for r in range(cp - 1)]
-    sp = [split[r][choice[r]] for r in range(cp - 1)]
-    splits = [(at[r], *sp[r]) for r in range(cp - 1) if choice[r]]
+    at = [pos[r * w + choice[r]] for r in range(cp - 1)]
+    splits = [(at[r], heads[r * w + c], tails[r * w + c]) for r, c in enumerate(choice) if c]
     return torch.tensor([0, *at, at[-1]]), tuple(torch.tensor(c) for c in zip(*splits)) or None
 
 
-def _nested(a: list[int], b: list[int]) -> bool:
+def _least(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``torch.argsort(x, dim=1, stable=True)[:, :m]`` (``x`` ``[R, N]`` int64): each row's ``m`` least,
+    ties by index, found without sorting the rows: those below the ``m``-th least, then its ties."""
+    if x.shape[1] <= m:
+        return torch.argsort(x, dim=1, stable=True)
+    kth = torch.topk(x, m, dim=1, largest=False).values.amax(1, keepdim=True)  # [R, 1] the m-th least
+    below, tie = x < kth, x == kth
+    keep = below | (tie & (tie.cumsum(1) <= m - below.sum(1, keepdim=True)))  # m in each row
+    index = keep.nonzero()[:, 1].view(-1, m)  # by index
+    return index.gather(1, torch.argsort(x.gather(1, index), dim=1, stable=True))
+
+
+def _nested(a: tuple[int, int], b: tuple[int, int]) -> bool:
     """Whether split ``a`` (head, tail) lies inside split ``b`` of the same document."""
     return a[0] <= b[0] and a[1] <= b[1]
 
@@ -373,6 +402,22 @@ def balanced_layout(
     Returns:
         ``[cp_size, T / cp_size]`` int64 on the device of ``cu_seqlens_padded``.
     """
+    _, start, length = balanced_runs(cu_seqlens_padded, cp_size, windows, cu_seqlens, backward)
+    # expanded outside inference mode: the layout indexes tensors that autograd may save
+    total = int(length.sum())
+    return _expand_runs(start, length, total).view(cp_size, total // cp_size).to(cu_seqlens_padded.device)
+
+
+def balanced_runs(
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int,
+    windows: tuple[int, ...] = (),
+    cu_seqlens: torch.Tensor | None = None,
+    backward: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`balanced_layout` as runs of consecutive positions, on the host: ``(rank, start, length)``,
+    each ``[R]`` int64, non-empty, rank-major and in physical order within a rank; runs that touch are
+    not joined. What counts per piece needs no layout token by token (:mod:`cpcompile.cost.model`)."""
     with torch.inference_mode():  # integer work with nothing to record: no autograd bookkeeping
         cu_padded = cu_seqlens_padded.detach()
         if cu_seqlens is None:
@@ -380,9 +425,7 @@ def balanced_layout(
         else:  # one copy to the host for both
             both = torch.cat([cu_padded, cu_seqlens.detach().to(cu_padded)]).cpu().long()
             cu, free = free_padding(both[: cu_padded.shape[0]], both[cu_padded.shape[0] :])
-        layout = _host_layout(cu, cp_size, tuple(windows), free, backward)
-    # copied outside inference mode: the layout indexes tensors that autograd may save
-    return layout.to(cu_seqlens_padded.device, copy=True)
+        return _host_runs(cu, cp_size, tuple(windows), free, backward)
 
 
 def free_padding(cu_padded: torch.Tensor, cu_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,14 +461,15 @@ def backward_overhead(offset: torch.Tensor, rows: torch.Tensor) -> tuple[torch.T
     return fwd, (5 * (bwd - fwd + key_blocks * KEY_BLOCK * BWD_ROWS * TILE) + 1) // 2
 
 
-def _host_layout(
+def _host_runs(
     cu: torch.Tensor,
     cp_size: int,
     windows: tuple[int, ...] = (),
     free: torch.Tensor | None = None,
     backward: bool = True,
-) -> torch.Tensor:
-    """:func:`balanced_layout` on the host: ``cu`` ``[D + 1]`` int64 -> ``[cp_size, T / cp_size]`` int64.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout's runs: ``(rank, start, length)`` ``[R]`` int64, non-empty, rank-major and in physical
+    order within a rank (runs that touch are not joined), from ``cu`` ``[D + 1]`` int64.
 
     ``free``: ``[D]`` bool, the documents that are padding (:func:`free_padding`; ``None``: none). They
     are dealt first, so that every rank holds as many real tokens as without them (give or take one),
@@ -508,7 +552,7 @@ def _host_layout(
     keep = run_len > 0
     run_rank, run_start, run_len = run_rank[keep], run_start[keep], run_len[keep]
     sort = torch.argsort(run_rank * (total + 1) + run_start)  # rank-major, then physical order
-    return _expand_runs(run_start[sort], run_len[sort], total).view(cp, t_local)
+    return run_rank[sort], run_start[sort], run_len[sort]
 
 
 def _deal_padding(cu: torch.Tensor, free: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from cpcompile.checks import check_cp, check_cu_seqlens, check_padding, data_checks_enabled
+from cpcompile.layouts.balanced import balanced_runs
 from cpcompile.layouts.balanced_op import balanced_layout_op
 from cpcompile.spec import Capacity, Strategy, StrategyLike, StrategySpec, resolve_strategy
 
@@ -214,7 +215,8 @@ def _indices(
         windows = list(spec.windows) if spec.windows else None
         # only the arguments that are set: the op's call as it was without windows and a capacity
         args = (windows, cu_real) if cu_real is not None else (windows,) if windows else ()
-        return balanced_layout_op(cu_padded, cp, t_local * cp, *args)[ranks[:, 0]]
+        layout = balanced_layout_op(cu_padded, cp, t_local * cp, *args)
+        return layout if ranks.shape[0] == cp else layout[ranks[:, 0]]  # every rank's: no copy
     j = torch.arange(t_local, device=cu_padded.device)  # [t_local] local positions
     if spec.strategy is Strategy.NO_LOAD_BALANCE:
         return ranks * t_local + j
@@ -332,3 +334,75 @@ def piece_marks(
         (layout[..., 1:] != layout[..., :-1] + 1) | (doc[..., 1:] != doc[..., :-1]) | (real[..., 1:] != real[..., :-1])
     )
     return doc, pos, real, start
+
+
+def layout_runs(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row, start, length)``, each ``[R]`` int64: the maximal runs of consecutive physical positions
+    of each row of ``layout`` (``[rows, n]`` int64, in storage order), row after row: one pass over the
+    layout, after which its pieces (:func:`run_pieces`) take work per run, not per token."""
+    rows, n = layout.shape
+    flat = layout.reshape(-1)
+    new = torch.ones_like(flat, dtype=torch.bool)
+    torch.ne(flat[1:], flat[:-1] + 1, out=new[1:])
+    new[::n] = True  # every row starts a run
+    first = new.nonzero().squeeze(1)  # [R]
+    length = torch.diff(first, append=first.new_full((1,), flat.shape[0]))
+    return first // n, flat[first], length
+
+
+def join_runs(row: torch.Tensor, start: torch.Tensor, length: torch.Tensor, u: int = 1) -> tuple[torch.Tensor, ...]:
+    """Runs of rows (``row``, ``start``, ``length`` ``[R]`` int64, row after row, each row's in storage
+    order) as runs of groups of ``u`` consecutive rows, each group's rows one after the other: a run joins
+    the one before where it continues it in the same group (``u`` 1: runs that touch, joined)."""
+    group = row // u
+    new = torch.ones_like(row, dtype=torch.bool)
+    new[1:] = (group[1:] != group[:-1]) | (start[1:] != (start + length)[:-1])
+    first = new.nonzero().squeeze(1)
+    total = torch.cat([length.new_zeros(1), length.cumsum(0)])
+    last = torch.cat([first[1:], first.new_full((1,), row.shape[0])])
+    return group[first], start[first], total[last] - total[first]
+
+
+def spec_runs(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, spec: StrategySpec, cp_size: int
+) -> tuple[torch.Tensor, ...]:
+    """:func:`layout_runs` of the layout of ``spec`` (a layout) over ``cp_size`` ranks, of offsets a
+    public entry checked (``cu_seqlens_padded``: the layout's padding, :func:`padded_offsets`): balanced's
+    from its cuts, without laying the pack out token by token; the others' from their layouts."""
+    cu_real = _real_offsets(spec, cu_seqlens, cu_seqlens_padded)
+    if spec.strategy is Strategy.BALANCED:
+        return join_runs(*balanced_runs(cu_seqlens_padded, cp_size, tuple(spec.windows), cu_real))
+    return layout_runs(positions(cu_seqlens_padded, spec, cp_size, cu_seqlens=cu_seqlens))
+
+
+def run_pieces(
+    row: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Runs of consecutive physical positions (``row``, ``start``, ``length`` ``[R]`` int64, each run
+    non-empty) cut into pieces where a document starts or its padding does: the pieces of
+    :func:`piece_marks`, without a value per token.
+
+    Returns:
+        ``(row, start, length, doc, pos, real)``, each ``[P]``: each piece's row, first physical
+        position and rows (int64), its document and first position in it (int64), and whether it is
+        real (bool); in the runs' order, each run's pieces ascending.
+    """
+    cu_p = cu_seqlens_padded.long()
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    # every position where a piece must start: a document's start (empty ones included, which coincide
+    # with the next one's) and its padding's
+    cuts = torch.unique(torch.cat([cu_p, cu_p[:-1] + real_len]))  # [C] ascending
+    inside = torch.searchsorted(cuts, start, right=True)  # [R] the first cut past each run's start
+    count = torch.searchsorted(cuts, start + length) - inside  # [R] cuts strictly inside each run
+    run = torch.repeat_interleave(torch.arange(row.shape[0]), count + 1)  # [P] each piece's run
+    j = torch.arange(run.shape[0]) - (torch.cumsum(count + 1, 0) - (count + 1))[run]  # its place in its run
+    cut = cuts[(inside[run] + j - 1).clamp(0, cuts.shape[0] - 1)]  # the cut before it (j > 0)
+    first = torch.where(j > 0, cut, start[run])
+    end = torch.where(j < count[run], cuts[(inside[run] + j).clamp(max=cuts.shape[0] - 1)], (start + length)[run])
+    doc = torch.searchsorted(cu_p, first, right=True) - 1  # right: empty documents are skipped
+    pos = first - cu_p[doc]
+    return row[run], first, end - first, doc, pos, pos < real_len[doc]

@@ -75,6 +75,39 @@ def keys_read(k_start: torch.Tensor, k_len: torch.Tensor, num_keys: int) -> torc
     return reads.cumsum(0)[:num_keys] > 0
 
 
+def with_idle(cu_seqlens_padded: torch.Tensor, reads: tuple[torch.Tensor, ...], cp: int) -> tuple[torch.Tensor, ...]:
+    """Every rank's reads ``(reader, lo, hi)`` ``[M]`` with a rank that reads no key given the pack's first
+    row, physical row 0 (kernels need keys), still rank after rank."""
+    reader, lo, hi = reads
+    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
+    if bool(idle.any()):
+        start = cu_seqlens_padded[:-1].long()  # [B]
+        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
+        idlers = idle.nonzero().squeeze(1)
+        row = start[first_doc].expand(idlers.shape[0])
+        order = torch.cat([reader, idlers]).argsort(stable=True)
+        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    return reader, lo, hi
+
+
+def read_matrix(runs: tuple[torch.Tensor, ...], reads: tuple[torch.Tensor, ...], cp: int) -> list[list[int]]:
+    """:func:`read_counts`' count matrix, ``matrix[r][s]`` the rows rank ``r`` reads from rank ``s``, from
+    the layout's runs (:func:`cpcompile.layouts.partition.layout_runs`, ``(rank, start, length)``) and the
+    reads (:func:`with_idle`'s): the runs of all ranks tile the pack, so a read overlaps a run of them
+    after another, found by bisection; nothing per token, nor per rank and read."""
+    owner, start, length = runs
+    order = torch.argsort(start)
+    owner, start, length = owner[order], start[order], length[order]
+    reader, lo, hi = reads
+    first = torch.searchsorted(start, lo, right=True) - 1  # [M] the run holding each read's first key
+    count = torch.where(hi > lo, torch.searchsorted(start, hi) - first, 0)  # [M] runs it overlaps
+    read = torch.repeat_interleave(torch.arange(reader.shape[0]), count)  # [N] each (read, run) pair
+    run = first[read] + torch.arange(read.shape[0]) - (torch.cumsum(count, 0) - count)[read]
+    rows = torch.minimum(hi[read], start[run] + length[run]) - torch.maximum(lo[read], start[run])
+    matrix = torch.zeros(cp * cp, dtype=torch.long).index_add_(0, reader[read] * cp + owner[run], rows)
+    return matrix.view(cp, cp).numpy().tolist()
+
+
 def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
     """``(reader, lo, hi, first, n, matrix)``: every rank's reads ``(reader, lo, hi)`` ``[M]``
     (:func:`cpcompile.layouts.reads.read_ranges`), a rank that reads no key given the pack's first row
@@ -83,17 +116,72 @@ def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
     reads from rank ``s``: the same on every rank, what :func:`cpcompile.cost.comm.use_exchange` decides by."""
     layout = pack.layout  # [cp, T_local], each row ascending
     cp = layout.shape[0]
-    reader, lo, hi = reads
-    idle = torch.bincount(reader, minlength=cp) == 0  # [cp]
-    if bool(idle.any()):
-        # a rank whose pieces read no key reads the pack's first, physical row 0 (kernels need keys)
-        start = pack.cu_seqlens_padded[:-1].long()  # [B]
-        first_doc = int(torch.searchsorted(start, 0, right=True)) - 1  # the first document that is not empty
-        idlers = idle.nonzero().squeeze(1)
-        row = start[first_doc].expand(idlers.shape[0])
-        order = torch.cat([reader, idlers]).argsort(stable=True)
-        reader, lo, hi = (torch.cat(x)[order] for x in ((reader, idlers), (lo, row), (hi, row + 1)))
+    reader, lo, hi = with_idle(pack.cu_seqlens_padded, reads, cp)
     first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
     n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
     matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
     return reader, lo, hi, first, n, matrix
+
+
+def piece_reads(
+    pieces: tuple[torch.Tensor, ...], rows: int, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, window
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(reader, lo, hi, held)``, each ``[M]`` int64: :func:`read_ranges` of rows that hold the pieces
+    ``pieces`` (:func:`cpcompile.layouts.partition.run_pieces`' ``(row, start, length, doc, pos, real)``,
+    ``rows`` rows), and of each run the keys its reader holds; from the pieces alone, nothing per token.
+
+    A row's pieces sorted by start are what it holds in order: a document's prefix reaches the end of
+    its last real piece there, and how many positions a row holds below a bound is found by bisection.
+    Under a window (``(left, 0)``, ``left >= 0``) a real piece ``[a, a + n)`` reads ``[a - left, a + n)``
+    within its document (its tokens' windows overlap), and a row's runs are the union of its pieces' reads.
+    """
+    row, first, length, doc, pos, real = pieces
+    cu_p = cu_seqlens_padded.long()
+    start = cu_p[:-1]  # [B]
+    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    span = int(cu_p[-1]) + 1
+    order = torch.argsort(row * span + first)  # each row's pieces ascending
+    row, first, length, doc, pos, real = (x[order] for x in (row, first, length, doc, pos, real))
+    key = row * span + first  # [P] ascending
+    before = torch.cumsum(length, 0) - length  # [P] positions held by the pieces before each
+
+    def last_below(reader: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The piece holding the reader's last position below ``bound``, and whether it has one."""
+        i = torch.searchsorted(key, reader * span + bound) - 1
+        i0 = i.clamp(min=0)
+        return i0, (i >= 0) & (row[i0] == reader)
+
+    if window in ((-1, 0), (-1, -1)):
+        # document prefixes: to the end of the last real piece a row holds of each document (its pieces
+        # ascend, and so do their documents), or the whole real document
+        live = real & (length > 0)
+        r, d, reach = row[live], doc[live], (pos + length)[live]
+        last = torch.ones_like(r, dtype=torch.bool)
+        last[:-1] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
+        reader, d, reach = r[last], d[last], reach[last]
+        lo = start[d]
+        hi = lo + (reach if window == (-1, 0) else real_len[d])
+    else:
+        left, right = window
+        if left < 0 or right != 0:
+            raise ValueError(f"piece_reads takes (-1, 0), (-1, -1) or a causal window (left >= 0, 0), got {window}")
+        live = real & (length > 0)
+        r, s = row[live], start[doc[live]]
+        lo_p = s + (pos[live] - left).clamp(min=0)
+        hi_p = s + torch.minimum(real_len[doc[live]], pos[live] + length[live])
+        new = torch.ones_like(r, dtype=torch.bool)
+        new[1:] = (r[1:] != r[:-1]) | (lo_p[1:] > hi_p[:-1])
+        last = torch.ones_like(new)
+        last[:-1] = new[1:]  # a run's last piece reaches furthest
+        reader, lo, hi = r[new], lo_p[new], hi_p[last]
+
+    # positions each row holds before its own pieces: every row's pieces precede it in `before`
+    held_before = torch.zeros(rows + 1, dtype=torch.long).index_add_(0, row + 1, length).cumsum(0)[:-1]  # [rows]
+
+    def held_below(bound: torch.Tensor) -> torch.Tensor:  # [M]: the reader's positions below each bound
+        i, has = last_below(reader, bound)
+        count = before[i] - held_before[reader] + torch.minimum(bound - first[i], length[i])
+        return torch.where(has, count, 0)
+
+    held = held_below(hi) - held_below(lo)
+    return reader, lo, hi, held

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grimp
+import pytest
+
+# import-linter's graph library (the dev extra, which CI installs); a GPU machine without it skips these
+grimp = pytest.importorskip("grimp")
 
 ROOT = Path(__file__).resolve().parents[1]
 

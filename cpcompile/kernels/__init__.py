@@ -87,12 +87,8 @@ def select(
 
     if name in ("cudnn", "auto") and not cudnn.available():
         raise ValueError(f"kernel {name!r} needs cudnn-frontend: pip install 'cpcompile[gpu]'")
-    if name == "fa4" and not fa4.supports(q, v):
-        dims = f"{q.shape[-1]}" if v is None else f"{q.shape[-1]} (values {v.shape[-1]})"
-        raise ValueError(
-            f"kernel 'fa4' needs FlashAttention-4 ({fa4.SUPPORTED}: pip install 'cpcompile[fa4]') on Hopper or "
-            f"Blackwell, with a head dim it supports; got head dim {dims}, installed: {fa4.available()}"
-        )
+    if name == "fa4" and (why := fa4.why_not(q, v)) is not None:
+        raise ValueError(f"kernel 'fa4' cannot run this call: {why}")
     if name == "cudnn":
         return cudnn
     if name == "fa4":

@@ -40,18 +40,35 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
-    """Whether FA4 runs ``q`` ``[T, H, D]`` (and ``v`` ``[T, Hkv, Dv]``, default ``Dv = D``): CUDA fp16/bf16
-    on Hopper (head dims multiples of 8 up to 256) or Blackwell (up to 128, and DeepSeek's 192/128),
-    and installed. Another shape: device and dtype only."""
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and available()):
-        return False
+    """Whether FA4 runs ``q`` ``[T, H, D]`` (and ``v`` ``[T, Hkv, Dv]``, default ``Dv = D``) both ways:
+    :func:`why_not` finds nothing against it."""
+    return why_not(q, v) is None
+
+
+def why_not(q: torch.Tensor, v: torch.Tensor | None = None) -> str | None:
+    """What keeps FA4 from running ``q`` and ``v`` forward and backward (``None``: nothing): CUDA fp16/bf16
+    on Hopper (head dims multiples of 8 up to 256) or Blackwell (up to 128, and DeepSeek's 192/128), and
+    installed. Hopper's backward takes a value head dim of its own only without GQA (4.0.0b36's
+    ``FlashAttentionBackwardSm90`` asserts ``head_dim == head_dim_v`` where query heads share K/V heads).
+    Without a head dim (``kernels.select`` is given a dtype and device): device and dtype only."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return f"it runs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}"
+    if not available():
+        return f"it is not installed ({SUPPORTED}: pip install 'cpcompile[fa4]')"
     major = _major(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if q.dim() != 3:  # no head dim to check (``kernels.select`` is given a dtype and device)
-        return major in (9, 10, 11)
+    if major not in (9, 10, 11):
+        return f"it runs on Hopper or Blackwell, got compute capability {major}.x"
+    if q.dim() != 3:
+        return None
     d, dv = q.shape[-1], q.shape[-1] if v is None else v.shape[-1]
-    if d % 8 or dv % 8 or min(d, dv) < 8:
-        return False
-    return major == 9 and max(d, dv) <= 256 or major in (10, 11) and (max(d, dv) <= 128 or (d, dv) == (192, 128))
+    if d % 8 or dv % 8 or min(d, dv) < 8 or max(d, dv) > (256 if major == 9 else 128) and (d, dv) != (192, 128):
+        return f"head dims {d}/{dv} (query-key/value) are outside what it runs on compute capability {major}.x"
+    if major == 9 and d != dv and v is not None and v.shape[-2] != q.shape[-2]:
+        return (
+            f"on Hopper its backward needs as many K/V heads as query heads ({q.shape[-2]}) where the value head "
+            f"dim ({dv}) differs from the query-key one ({d}); got {v.shape[-2]} K/V heads"
+        )
+    return None
 
 
 @functools.cache

@@ -135,13 +135,14 @@ def exchange_plan(
         return None
     group = resolve_group(group_name)
     cp, rank = group.size(), group.rank()
+    device = k_len.device  # the plan's: the host copies below are on the CPU
     cu, padded, k_start, k_len = on_host(cu_seqlens, cu_seqlens_padded, k_start, k_len)
     pack = Pack(_layout(gather_index, cp), cu, padded)
     ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window), rank, choice)
     if ex is None:
         return None
     return ex._replace(
-        **{f: upload(getattr(ex, f), k_len.device) for f in ("k_start", "gather", "send_rows", "recv_dst", "sums")}
+        **{f: upload(getattr(ex, f), device) for f in ("k_start", "gather", "send_rows", "recv_dst", "sums")}
     )
 
 

@@ -116,10 +116,23 @@ def test_simulated_ranks_bf16_fa4_without_gqa(strategy, causal):
 @pytest.mark.parametrize(("d", "dv", "softcap"), [(192, 128, 0.0), (128, 128, 2.0), (192, 128, 2.0)])
 @pytest.mark.parametrize(("strategy", "causal"), [("dual_chunk_swap", True), ("striped", True), ("balanced", False)])
 def test_simulated_ranks_bf16_fa4_variants(strategy, causal, d, dv, softcap):
-    """FA4 on ranks' pieces with DeepSeek's multi-head latent attention head dims (192/128) and with
-    Gemma 2's logit soft-capping (a cap the scores reach), against FA4 on the whole pack with the same
-    variant: within twice its error against float64."""
-    _check_simulated_ranks(strategy, causal, "fa4", kv_heads=2, d=d, dv=dv, softcap=softcap)
+    """FA4 on ranks' pieces with DeepSeek's multi-head latent attention head dims (192/128, without GQA as
+    DeepSeek trains it: Hopper's FA4 backward refuses GQA there) and with Gemma 2's logit soft-capping (a
+    cap the scores reach), against FA4 on the whole pack with the same variant: within twice its error
+    against float64."""
+    _check_simulated_ranks(strategy, causal, "fa4", kv_heads=2 if d == dv else 8, d=d, dv=dv, softcap=softcap)
+
+
+@_needs_fa4
+def test_fa4_refuses_what_its_backward_cannot_run():
+    """Hopper's FA4 backward asserts equal head dims under GQA: selecting FA4 for it is an error that says
+    so, before any kernel runs; without GQA the same head dims select FA4."""
+    q = torch.empty(4, 8, 192, device="cuda", dtype=torch.bfloat16)
+    v_gqa, v_mha = (torch.empty(4, h, 128, device="cuda", dtype=torch.bfloat16) for h in (2, 8))
+    assert kernels.select(q, "fa4", v=v_mha) is fa4
+    if torch.cuda.get_device_capability()[0] == 9:
+        with pytest.raises(ValueError, match=r"kernel 'fa4' cannot run this call: on Hopper .* got 2 K/V heads"):
+            kernels.select(q, "fa4", v=v_gqa)
 
 
 def _check_simulated_ranks(strategy, causal, kernel, kv_heads, d=128, dv=128, softcap=0.0):

@@ -50,7 +50,7 @@ def _native_forward(q, k, v, cu, sinks, window):
     if "learnable_sink" not in inspect.signature(forward).parameters:
         return None
     m = int((cu[1:] - cu[:-1]).max())
-    kw = fa4._keywords(cu, cu, m, m, window[1] == 0 and window[0] < 0, q.shape[-1] ** -0.5, window)
+    kw = fa4._keywords(cu, cu, m, m, window[1] == 0 and window[0] < 0, q.shape[-1] ** -0.5, window, softcap=0.0)
     out, *_ = forward(q, k, v, learnable_sink=sinks, **kw)
     return out
 

@@ -51,6 +51,7 @@ from cpcompile.cost.timing import (
     layer_terms,
     option_name,
 )
+from cpcompile.layouts import balanced
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.plan.exchange import make_exchange
@@ -233,13 +234,16 @@ def median_ms(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def plan_ms(cu: torch.Tensor, cp: int, option: StrategySpec) -> float:
-    """Rank 0's host plan for ``option`` from scratch: its layout and plan, and the exchange's plan from the
-    plan, as the runtime makes them (``plan.pieces.step_plan``, ``plan.exchange.exchange_plan``: the layout
-    is the plan's ``gather_index`` inverted, not laid out again)."""
+def plan_ms(cu: torch.Tensor, cp: int, option: StrategySpec, scratch: bool = True) -> float:
+    """Rank 0's host plan for ``option``: its layout and plan, and the exchange's plan from the plan, as the
+    runtime makes them (``plan.pieces.step_plan``, ``plan.exchange.exchange_plan``: the layout is the plan's
+    ``gather_index`` inverted, not laid out again). ``scratch``: balanced's cuts found anew (else those
+    ``decide`` found for the pack, which ``layouts.balanced.balanced_runs`` keeps)."""
     spec = layout_key(option)
 
     def plan() -> None:
+        if scratch:
+            balanced._runs.clear()
         p = cpcompile.plan.make_plan(cu, cp_size=cp, rank=0, strategy=spec)
         if option.kv == "exchange":
             pack = Pack(layout_of(p.gather_index, cp), p.cu_seqlens, p.cu_seqlens_padded)
@@ -257,6 +261,7 @@ class Row(NamedTuple):
     megabytes: float
     gather: float  # the best all-gather option's efficiency
     plan_ms: float
+    warm_ms: float  # the plan after decide
     decide_ms: float
     step_ms: float
     single_us: float
@@ -284,6 +289,7 @@ def scale_row(cu: torch.Tensor, cp: int) -> Row:
         megabytes=max(d.time.received) / 1e6,
         gather=one / (cp * gather),
         plan_ms=plan_ms(cu, cp, d.spec),
+        warm_ms=plan_ms(cu, cp, d.spec, scratch=False),
         decide_ms=decide_ms,
         step_ms=d.time.as_run / 1e3,
         single_us=one,
@@ -366,7 +372,9 @@ def scale_section(setup: Setup, draw) -> list[str]:
         "",
         *dp,
         "",
-        f"cp={top.cp}: {top.pick} {top.efficiency:.2f}, a {top.step_ms:.1f} ms layer.",
+        f"cp={top.cp}: {top.pick} {top.efficiency:.2f}, a {top.step_ms:.1f} ms layer; host: decide"
+        f" {top.decide_ms:.0f} ms, rank 0's plan {top.plan_ms:.0f} ms from scratch, {top.warm_ms:.0f} ms after decide"
+        " (balanced's cuts kept).",
     ]
 
 

@@ -151,13 +151,14 @@ class KernelSpeed:
 LLAMA_8B_TOKEN_NS = 2180.0
 
 
-def phase_times(phase: Phase, topology: Topology) -> list[float]:
-    """Microseconds each rank spends in ``phase`` (module docstring), all its ``count`` collectives or steps."""
+def phase_times(phase: Phase, topology: Topology, ranks: int | None = None) -> list[float]:
+    """Microseconds each rank spends in ``phase`` (module docstring), all its ``count`` collectives or steps;
+    ``ranks``: those of the first ``ranks`` alone."""
     cp, per_node = len(phase.recv), topology.gpus_per_node
     times = []
     # per rank, exact integers: bytes from its node (consecutive ranks) and from others, its peers and
     # those on its node; list operations, not tensors: a phase of cp squared counts is priced per option
-    for r, row in enumerate(phase.recv):
+    for r, row in enumerate(phase.recv[:ranks]):
         node = row[r // per_node * per_node : (r // per_node + 1) * per_node]
         intra, inter = sum(node), sum(row) - sum(node)
         peers, near = cp - row.count(0), len(node) - node.count(0)
@@ -430,15 +431,15 @@ class Decision(NamedTuple):
 def floor(terms_of, option: StrategySpec, pairs: int, topology: Topology, speed: KernelSpeed | None) -> float:
     """A lower bound on ``option``'s ``as_run`` (microseconds) that needs no layout: its slowest rank's
     communication where the path's bytes do not depend on the layout (all but the exchange: ``terms_of``
-    gives its phases), and the ranks' mean kernel time, a kernel tile holding at most ``128 x 128`` of the
-    pack's ``pairs`` (query-key pairs). Both bound the layer as run, the ring's too (it waits for each step's
-    slowest rank, compute or transfer); shaved by a part in 10**9 against rounding."""
+    gives its phases: rank 0's, which is as cheap for every ``cp``), and the ranks' mean kernel time, a kernel
+    tile holding at most ``128 x 128`` of the pack's ``pairs`` (query-key pairs). Both bound the layer as run,
+    the ring's too (it waits for each step's slowest rank, compute or transfer); shaved by a part in 10**9
+    against rounding."""
     speed = KernelSpeed() if speed is None else speed
     path, phases, heads, backward, cp = terms_of(option)
     comm = 0.0
     if path != "exchange":
-        times = [phase_times(p, topology) for p in phases]  # as evaluate() sums them
-        comm = max(sum(t[r] for t in times) for r in range(cp))
+        comm = sum(phase_times(p, topology, 1)[0] for p in phases)  # as evaluate() sums rank 0's
     dims = (heads.dim + heads.value_dim) / 2
     per_tile = speed.forward_ps + (speed.backward_ps if backward else 0.0)
     kernel = pairs / (128 * 128) * per_tile * heads.q * dims / 128 / 1e6 / cp

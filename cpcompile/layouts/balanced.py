@@ -82,6 +82,9 @@ of a rank's ranges); there are ``2 * (cp - 1)`` cuts in all.
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
 import torch
 
 #: Rows and keys of an attention kernel tile: a piece shorter than this costs a whole tile.
@@ -100,7 +103,7 @@ SNAP_MIN_TOKENS = 8 * (_SNAP_TILES + 1) * TILE
 _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] head or tail moves
 #: Step 4 tries this many of a front cut's candidates, nearest the share first.
 _SNAP_TRIES = 32
-_SEARCH_WAYS = 64
+_SEARCH_WAYS = 8
 #: Step 5: query rows of a backward tile (FlashAttention-4's backward runs ``BWD_ROWS x TILE`` tiles).
 BWD_ROWS = 64
 #: Step 5: what the backward pays per key block a piece reads (loading its keys, writing its dK/dV), in
@@ -417,7 +420,10 @@ def balanced_runs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`balanced_layout` as runs of consecutive positions, on the host: ``(rank, start, length)``,
     each ``[R]`` int64, non-empty, rank-major and in physical order within a rank; runs that touch are
-    not joined. What counts per piece needs no layout token by token (:mod:`cpcompile.cost.model`)."""
+    not joined. What counts per piece needs no layout token by token (:mod:`cpcompile.cost.model`).
+
+    Kept for the latest :data:`RUNS_KEPT` packs (a pure function of the offsets' values): a step lays a
+    pack out more than once on the host (``auto``'s decision, ``shard_batch``, the step's plan)."""
     with torch.inference_mode():  # integer work with nothing to record: no autograd bookkeeping
         cu_padded = cu_seqlens_padded.detach()
         if cu_seqlens is None:
@@ -425,7 +431,20 @@ def balanced_runs(
         else:  # one copy to the host for both
             both = torch.cat([cu_padded, cu_seqlens.detach().to(cu_padded)]).cpu().long()
             cu, free = free_padding(both[: cu_padded.shape[0]], both[cu_padded.shape[0] :])
-        return _host_runs(cu, cp_size, tuple(windows), free, backward)
+        key = (cu.numpy().tobytes(), None if free is None else free.numpy().tobytes(), cp_size, tuple(windows))
+        key += (backward,)
+        if key in _runs:
+            _runs.move_to_end(key)
+            return _runs[key]
+        runs = _runs[key] = _host_runs(cu, cp_size, tuple(windows), free, backward)
+        while len(_runs) > RUNS_KEPT:
+            _runs.popitem(last=False)
+        return runs
+
+
+#: Packs whose runs :func:`balanced_runs` keeps, by their offsets and arguments.
+RUNS_KEPT = 8
+_runs: collections.OrderedDict = collections.OrderedDict()
 
 
 def free_padding(cu_padded: torch.Tensor, cu_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -570,10 +589,11 @@ def _deal_padding(cu: torch.Tensor, free: torch.Tensor, pad: torch.Tensor) -> tu
 
 
 def _expand_runs(start: torch.Tensor, length: torch.Tensor, total: int) -> torch.Tensor:
-    """Runs ``[start, start + length)`` (all non-empty) back to back: ``[total]`` int64."""
-    # A cumulative sum of steps: 1 inside a run, a jump to the next run's start at its first token.
-    offset = length.cumsum(0) - length
-    last_before = torch.cat([start.new_zeros(1), (start + length - 1)[:-1]])
-    step = torch.ones(total, dtype=torch.long)
-    step[offset] = start - last_before
-    return step.cumsum(0)
+    """Runs ``[start, start + length)`` (all non-empty) back to back: ``[total]`` int64, on the host.
+
+    Each run's start less its offset, repeated over it, plus the offsets: numpy's, which write the
+    ``T`` values in fewer passes than torch's ops (the layout is the one tensor of ``T`` here)."""
+    start, length = start.numpy(), length.numpy()
+    held = np.repeat(start - (np.cumsum(length) - length), length)
+    held += np.arange(total, dtype=held.dtype)
+    return torch.from_numpy(held)

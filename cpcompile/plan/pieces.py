@@ -24,7 +24,9 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from cpcompile.cache import on_host, per_plan, upload
 from cpcompile.checks import check_cp, check_int, check_offsets
@@ -112,10 +114,20 @@ def pack_of(cu_seqlens, cu_seqlens_padded, cp_size: int, strategy, num_tokens) -
     return requested, Pack.build(cu_seqlens, cu_seqlens_padded, spec=spec, cp_size=cp_size, num_tokens=num_tokens)
 
 
+def _tracing() -> bool:
+    """Whether torch ops are being recorded (compiled, or under a dispatch mode), which numpy would bypass."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
 def _gather_index(layout: torch.Tensor) -> torch.Tensor:
     """``[T]`` int64: for each physical position, its row in the all-gather of the ranks' rows, from
     ``layout`` ``[cp, T_local]`` (row-major, the all-gather's rows are each rank's positions)."""
     flat = layout.reshape(-1)
+    if type(flat) is torch.Tensor and flat.device.type == "cpu" and not _tracing():
+        # on the host (where plans are made) numpy's scatter, which costs less than torch's at large T
+        inverse = np.empty(flat.shape[0], dtype=np.int64)
+        inverse[flat.numpy(force=True)] = np.arange(flat.shape[0], dtype=np.int64)
+        return torch.from_numpy(inverse)
     return torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
 
 

@@ -9,7 +9,7 @@ Forward and forward+backward, bf16, heads 32/8 (GQA) and 16/16, head dim 128 (``
 ``--softcap C``: Gemma 2's logit soft-capping; kernels that cannot run the variant are left out;
 ``--sinks``: GPT-OSS's learnable sinks, ``[Hq]`` float32 logits in every call: the single-GPU reference is FA4's own
 varlen call with ``learnable_sink=`` (torch's ``varlen_attn`` has none: left out), ``packed_attention(sinks=)``
-and each rank's kernel calls followed by the sink applied after them, as the ops do (``attention.sinks``)).
+and each rank's kernel calls given the sinks, as the ops give them (FA4 joins them in its softmax)).
 
     python benchmarks/attention_gpu.py --doclens ../shared/data/doclens/prolong.json [--tokens 131072] [--window 4096]
 
@@ -144,9 +144,7 @@ def kernel_step(
             pass
 
     def run():
-        out, lse = kernel.forward(q, k, v, pieces, **kw)
-        if sinks is not None:  # as every op applies them, after its kernel (attention.sinks)
-            out, lse = sink_ops.apply(out, lse, sinks)
+        out, lse = kernel.forward(q, k, v, pieces, sinks=sinks, **kw)  # as the ops hand them to the kernel
         if backward:
             finish(kernel.backward(out, q, k, v, out, lse, pieces, **sums(), **kw)[1:])
             if sinks is not None:  # the sinks' gradient, as the ops' autograd adds it (dO: out, as above)

@@ -29,7 +29,7 @@ from cpcompile.attention.common import (
     register_attention_autograd,
     softmax_scale,
 )
-from cpcompile.attention.sinks import check_fake_sinks, check_sinks, with_sinks
+from cpcompile.attention.sinks import check_fake_sinks, check_sinks
 from cpcompile.batch import check_rows
 from cpcompile.cache import on_host, per_plan, twin
 from cpcompile.checks import (
@@ -136,7 +136,7 @@ def _packed_attention(
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
     kern = kernels.select(q, kernel_name, band=band, v=v, softcap=softcap)
-    return dense(*with_sinks(kern.forward(q, k, v, pieces, **kernel_keywords(q, scale, window, softcap)), sinks))
+    return dense(*kern.forward(q, k, v, pieces, sinks=sinks, **kernel_keywords(q, scale, window, softcap)))
 
 
 @_packed_attention.register_fake
@@ -340,8 +340,8 @@ def _cp_attention(
     group, kern, ex, kw = _cp_call(q, v, plan, group_name, scale, kernel_name, kv_exchange, window, softcap)
     pieces = kernels.Pieces(cu_q, k_start, k_len, max_q=max_seqlen_q, max_k=max_seqlen, q_pos=q_pos)
     if ex is not None:
-        return dense(*with_sinks(exchange.forward(kern, q, k, v, ex, pieces, group, **kw), sinks))
-    return dense(*with_sinks(gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, **kw), sinks))
+        return dense(*exchange.forward(kern, q, k, v, ex, pieces, group, sinks=sinks, **kw))
+    return dense(*gathered.forward(kern, q, k, v, gather_index, pieces, group, kv_chunks, sinks=sinks, **kw))
 
 
 @_cp_attention.register_fake

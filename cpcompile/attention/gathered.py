@@ -36,16 +36,19 @@ def gathered_order(gather_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gather_index).scatter_(0, gather_index, rows)
 
 
-def forward(kernel, q, k, v, gather_index, pieces: Pieces, group, chunks: int = 1, **kw):
+def forward(kernel, q, k, v, gather_index, pieces: Pieces, group, chunks: int = 1, sinks=None, **kw):
     """q ``[T_local, Hq, D]``, local k, v ``[T_local, Hkv, D]`` -> out ``[T_local, Hq, D]``, lse ``[Hq, T_local]``;
-    ``pieces`` over the gathered keys, ``kw`` the kernel's keywords (``causal``, ``scale``)."""
+    ``pieces`` over the gathered keys, ``kw`` the kernel's keywords (``causal``, ``scale``); ``sinks`` ``[Hq]``
+    to each head group's call (a chunk holds whole heads: every row of a head is in one call)."""
     chunks = kv_chunks(chunks, k.shape[1])
     pending = start_gathers(k, v, group, chunks)
     qh = q.shape[1] // chunks
     outs, lses = [], []
     for i in range(chunks):
         k_all, v_all = wait_physical(pending[i], gather_index)
-        out, lse = kernel.forward(q[:, i * qh : (i + 1) * qh], k_all, v_all, pieces, **kw)
+        heads = slice(i * qh, (i + 1) * qh)
+        group_sinks = None if sinks is None else sinks[heads]
+        out, lse = kernel.forward(q[:, heads], k_all, v_all, pieces, sinks=group_sinks, **kw)
         outs.append(out)
         lses.append(lse)
     if chunks == 1:

@@ -9,7 +9,9 @@ For one query row of head ``h`` with scores ``s_j`` over its keys, ``Z = sum_j e
 
 So the sink applies after the attention, exactly, from its ``(out, lse)`` (:func:`apply`): once per
 row, after the ring's merged ``lse``, never per block. A row with no keys (``lse = -inf``) gets
-``w = 0``: output 0, and ``lse_final = sinks[h]``.
+``w = 0``: output 0, and ``lse_final = sinks[h]``. Where each row comes from one kernel call (the
+all-gather, the exchange, one device), the kernel takes the sinks (``AttentionKernel.forward(sinks=)``):
+FA4 joins them in its softmax, with no pass over the output; the other kernels apply them after it.
 
 Backward. With ``p_j = exp(s_j - lse_final)`` and the sink's probability ``1 - w = exp(sinks[h] -
 lse_final)``, the softmax gradient over the keys and the sink column (whose value is 0) is
@@ -35,6 +37,9 @@ from __future__ import annotations
 import torch
 
 from cpcompile.checks import check_device
+from cpcompile.kernels.sinks import apply, joined
+
+__all__ = ["apply", "check_fake_sinks", "check_sinks", "grad", "head_slice", "with_sinks"]
 
 
 def check_sinks(sinks: object, q: torch.Tensor, what: str = "sinks") -> None:
@@ -63,18 +68,11 @@ def check_fake_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
         )
 
 
-def apply(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [T, Hq, Dv]`` and ``lse [Hq, T]`` (natural log, accumulation dtype) of ordinary attention ->
-    ``(out * w, logaddexp(lse, sinks))``, ``out`` in its dtype, computed in ``lse``'s."""
-    acc = lse.dtype
-    final = torch.logaddexp(lse, sinks.to(acc)[:, None])  # [Hq, T]; sinks[h] where lse = -inf
-    w = torch.exp(lse - final)  # sigmoid(lse - sinks[h]): 0 where the row has no keys
-    return (out.to(acc) * w.t().unsqueeze(-1)).to(out.dtype), final
-
-
 def with_sinks(out_and_lse: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None):
-    """An op's ``(out, lse)`` with ``sinks`` applied (:func:`apply`), or as they are without sinks."""
-    return out_and_lse if sinks is None else apply(*out_and_lse, sinks)
+    """``(out, lse)`` of paths that merge partial results (the ring) with ``sinks`` applied once, after the
+    merge (:func:`~cpcompile.kernels.sinks.apply`), or as they are without sinks. Paths whose rows each come
+    from one kernel call give the sinks to the kernel instead (``AttentionKernel.forward(sinks=)``)."""
+    return joined(out_and_lse, sinks)
 
 
 def grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from cpcompile.attention.common import (
     out_and_lse,
 )
 from cpcompile.attention.gathered import backward_on_gathered, forward_on_gathered
-from cpcompile.attention.sinks import check_fake_sinks, with_sinks
+from cpcompile.attention.sinks import check_fake_sinks
 from cpcompile.attention.sinks import grad as sinks_grad
 from cpcompile.checks import check_device
 from cpcompile.comm.collectives import start_all_gather, start_reduce_scatter, wait
@@ -95,7 +95,7 @@ def _cp_attention_split(
     ``sinks`` ``[Hq]`` applied to them (``attention.sinks``)."""
     args = (scale, max_seqlen, max_seqlen_q, kernel_name, q_pos, window_left, window_right, causal, softcap)
     kern, pieces, kw = _call(q, v_all, cu_q, k_start, k_len, *args)
-    return dense(*with_sinks(forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, **kw), sinks))
+    return dense(*forward_on_gathered(kern, q, k_all, v_all, gather_index, pieces, sinks=sinks, **kw))
 
 
 @_cp_attention_split.register_fake

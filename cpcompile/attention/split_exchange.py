@@ -48,7 +48,7 @@ from cpcompile.attention.common import (
     out_and_lse,
 )
 from cpcompile.attention.gathered import backward_on_gathered, forward_on_gathered
-from cpcompile.attention.sinks import check_fake_sinks, with_sinks
+from cpcompile.attention.sinks import check_fake_sinks
 from cpcompile.attention.sinks import grad as sinks_grad
 from cpcompile.attention.split import check_fake_gathered
 from cpcompile.checks import check_device
@@ -177,11 +177,11 @@ def _cp_attention_exchange(
     kern, pieces, kw = _call(q, v, cu_q, k_start, k_len, scale, max_seqlen, max_seqlen_q, kernel_name, q_pos,
                              window, softcap)  # fmt: skip
     if ex is None:
-        result = forward_on_gathered(kern, q, k_buffer, v_buffer, gather_index, pieces, **kw)
+        result = forward_on_gathered(kern, q, k_buffer, v_buffer, gather_index, pieces, sinks=sinks, **kw)
     else:
         k_read, v_read = (compact_keys(b, ex) for b in (k_buffer, v_buffer))
-        result = exchange.forward_on_fetched(kern, q, k_read, v_read, ex, pieces, **kw)
-    return dense(*with_sinks(result, sinks))
+        result = exchange.forward_on_fetched(kern, q, k_read, v_read, ex, pieces, sinks=sinks, **kw)
+    return dense(*result)
 
 
 @_cp_attention_exchange.register_fake

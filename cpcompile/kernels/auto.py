@@ -41,7 +41,7 @@ def _fa4(q, banded: bool) -> bool:
     return fa4.supports(q) and (not banded or fa4.supports_window())
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, sinks=None):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`: FA4's where it runs ``q`` (and the
     window), else cuDNN's (flash's for a window this cuDNN lacks); FA4's for what only it runs
     (``contract.variant``)."""
@@ -49,7 +49,7 @@ def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, 
     kernel = fa4 if _fa4(q, banded) else cudnn if not banded or cudnn.supports_window() else flash
     if variant(q, v, softcap) is not None:
         kernel = fa4
-    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
+    return kernel.forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def use_fa4_backward(piece_rows: int) -> bool:

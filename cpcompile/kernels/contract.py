@@ -234,7 +234,7 @@ class AttentionKernel(Protocol):
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, *, causal: bool, scale: float,
-        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Attention of every piece over its keys.
 
@@ -246,11 +246,14 @@ class AttentionKernel(Protocol):
             scale: the softmax scale.
             window: ``(left, right)``, the band around each row's position (module docstring).
             softcap: ``c > 0`` caps the scaled scores to ``c * tanh(s / c)``; 0: none (module docstring).
+            sinks: ``[Hq]`` learnable sinks joined to every row's softmax (``cpcompile.attention.sinks``),
+                ``out`` and ``lse`` then final; ``None``: none. FA4 joins them in its kernel, the others
+                after it (``kernels.sinks.apply``).
 
         Returns:
             ``out`` ``[Tq, Hq, Dv]`` in ``q``'s dtype; ``lse`` ``[Hq, Tq]`` float32 (float64
             for float64 inputs), the log-sum-exp of each row's scaled (and capped) scores, ``-inf``
-            for rows that see no key.
+            for rows that see no key (with sinks: of the scores and the sink, ``sinks[h]`` there).
         """
         ...
 

@@ -53,6 +53,7 @@ from cpcompile.cache import per_plan, readable
 from cpcompile.kernels.contract import Pieces, check_options, gpu_window, refuse_variant
 from cpcompile.kernels.metadata.chunks import row_chunks
 from cpcompile.kernels.metadata.scratch import add_back_grads, place_grads, scratch_rows
+from cpcompile.kernels.sinks import joined
 from cpcompile.kernels.triton import dead_rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -361,7 +362,7 @@ def _band(causal: bool, window, pieces: Pieces) -> tuple[int, int]:
     return band
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, sinks=None):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     band = _band(causal, window, pieces)
     _check(q, k, v, softcap)
@@ -381,7 +382,8 @@ def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, 
         },
         q.device,
     )  # fmt: skip
-    return out, dead_rows.finish(out, stats.view(tq, hq), dead_rows.live_rows(pieces.cu_q, pieces.k_len, tq))
+    lse = dead_rows.finish(out, stats.view(tq, hq), dead_rows.live_rows(pieces.cu_q, pieces.k_len, tq))
+    return joined((out, lse), sinks)
 
 
 @per_plan

@@ -112,10 +112,12 @@ def _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap) -> dict:
 
 
 def _forward_call(
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, seqused_k=None, seqused_q=None
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, seqused_k=None, seqused_q=None, sinks=None
 ):  # fmt: skip
     kw = _keywords(cu_q, cu_k, max_q, max_k, causal, scale, window, softcap)
     used = {"seqused_q": seqused_q, "seqused_k": seqused_k}
+    if sinks is not None:  # joined in the softmax (its lse includes them): the backward needs nothing more
+        kw["learnable_sink"] = sinks if sinks.dtype in (torch.float16, torch.bfloat16, torch.float32) else sinks.float()
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, return_lse=True, **used, **kw)
     return out, lse
 
@@ -126,5 +128,5 @@ def _backward_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     return dq, dk, dv
 
 
-FA4 = VarlenKernel("fa4", _forward_call, _backward_call, in_place_backward=True, variants=True)
+FA4 = VarlenKernel("fa4", _forward_call, _backward_call, in_place_backward=True, variants=True, joins_sinks=True)
 forward, backward = FA4.forward, FA4.backward

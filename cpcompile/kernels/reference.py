@@ -16,6 +16,7 @@ import torch
 
 from cpcompile.kernels.contract import Pieces, check_options
 from cpcompile.kernels.metadata.scratch import place_grads
+from cpcompile.kernels.sinks import joined
 
 _ROW_BLOCK = 256
 
@@ -87,10 +88,10 @@ def _scores(q, k, bounds, pieces: Pieces, window, r0, r1, k0, k1, scale, acc, so
     return s.masked_fill(~mask, float("-inf")), slope
 
 
-def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
+def forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, sinks=None):
     """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
     with _no_autocast(q.device):
-        return _forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
+        return joined(_forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap), sinks)
 
 
 def _forward(q, k, v, pieces: Pieces, *, causal: bool, scale: float, window, softcap):

@@ -47,6 +47,7 @@ from cpcompile.cache import per_plan
 from cpcompile.kernels.contract import KeyPartials, Pieces, check_options, gpu_window, refuse_variant
 from cpcompile.kernels.metadata import order
 from cpcompile.kernels.metadata.scratch import add_back_grads, layer_calls, place_grads, scratch_rows, sum_layers
+from cpcompile.kernels.sinks import joined
 from cpcompile.kernels.triton import dead_rows
 
 #: Most layers of pieces whose backward runs one call per layer in place (``in_place_backward``),
@@ -60,7 +61,7 @@ IN_PLACE_LAYERS_GQA = 2
 class ForwardCall(Protocol):
     def __call__(
         self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, window, softcap: float,
-        seqused_k=None, seqused_q=None,
+        seqused_k=None, seqused_q=None, sinks=None,
     ):  # fmt: skip
         """q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]``, ``cu_q``/``cu_k`` ``[B + 1]`` int32 (``cu_k``
         monotone unless ``seqused_k [B]`` gives the lengths), ``window``: ``(left, right)`` of
@@ -68,7 +69,7 @@ class ForwardCall(Protocol):
         with ``variants`` is given another) -> ``(out [Tq, Hq, Dv], lse [Hq, Tq])``. ``seqused_q``
         (an ``in_place_backward`` kernel's only): ``[B]`` int32, each entry's query rows from
         ``cu_q[b]`` (``cu_q`` then not monotone; entries' rows disjoint); rows no entry holds
-        are left unwritten."""
+        are left unwritten. ``sinks`` (a ``joins_sinks`` kernel's only): ``[Hq]``, joined in the softmax."""
 
 
 class BackwardCall(Protocol):
@@ -120,19 +121,27 @@ class VarlenKernel:
 
     def __init__(
         self, name: str, forward_call: ForwardCall, backward_call: BackwardCall, *, in_place_backward=False,
-        variants=False,
+        variants=False, joins_sinks=False,
     ):  # fmt: skip
         """``variants``: the calls run values of their own head dim and soft-capping (``contract.variant``);
-        else such a call raises ``ValueError``."""
+        else such a call raises ``ValueError``. ``joins_sinks``: the forward call takes learnable sinks
+        (``sinks=``) into its softmax; else they are applied after it (``kernels.sinks.apply``), one more
+        pass over the output."""
         self._name, self._forward_call, self._backward_call = name, forward_call, backward_call
-        self._in_place, self._variants = in_place_backward, variants
+        self._in_place, self._variants, self._joins_sinks = in_place_backward, variants, joins_sinks
 
     def _check(self, q, v, softcap) -> None:
         if not self._variants:
             refuse_variant(self._name, q, v, softcap)
 
-    def forward(self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0):
+    def forward(
+        self, q, k, v, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0, sinks=None
+    ):  # fmt: skip
         """:meth:`~cpcompile.kernels.contract.AttentionKernel.forward`."""
+        if sinks is not None and not self._joins_sinks:
+            plain = self.forward(q, k, v, pieces, causal=causal, scale=scale, window=window, softcap=softcap)
+            return joined(plain, sinks)
+        sink = {} if sinks is None else {"sinks": sinks}
         self._check(q, v, softcap)
         band = gpu_window(self._name, causal, window, pieces)
         # The grid is sized by the bounds: tight ones save empty thread blocks. Rows of
@@ -141,19 +150,21 @@ class VarlenKernel:
         cu_q, k_start, k_len = pieces.tensors
         if pieces.disjoint_keys:  # consecutive key ranges, every row sees a key: the plain call
             cu_k = _consecutive_cu_k(k_start, k_len)
-            return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, softcap)
+            return self._forward_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, band, softcap, **sink)
         if self._in_place:  # it takes each entry's query rows (seqused_q): the pieces' chunks, longest first
             entries = order.longest_first(cu_q, k_start, k_len, q.shape[0], k.shape[0], causal, band[0])
             used = {"seqused_q": entries.used_q, "seqused_k": entries.used_k}
             launch = (min(max_q, order.ROWS), max_k, causal, scale, band, softcap)
-            out, lse = self._forward_call(q, k, v, entries.cu_q, entries.cu_k, *launch, **used)
+            out, lse = self._forward_call(q, k, v, entries.cu_q, entries.cu_k, *launch, **used, **sink)
         else:
             cu_k = torch.cat([k_start, k_start.new_full((1,), k.shape[0])])
             launch = (max_q, max_k, causal, scale, band, softcap)
-            out, lse = self._forward_call(q, k, v, cu_q, cu_k, *launch, seqused_k=k_len)
+            out, lse = self._forward_call(q, k, v, cu_q, cu_k, *launch, seqused_k=k_len, **sink)
         live = dead_rows.live_rows(cu_q, k_len, q.shape[0])
-        # in place: the kernel's fresh outputs
-        return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
+        # in place: the kernel's fresh outputs. A row of no key: lse -inf, with sinks the sink's logit
+        if sinks is None:
+            return dead_rows.zero(out, live), lse.masked_fill_(~live[None, :], float("-inf"))
+        return dead_rows.zero(out, live), torch.where(live[None, :], lse, sinks.to(lse.dtype)[:, None])
 
     def backward(
         self, dout, q, k, v, out, lse, pieces: Pieces, *, causal: bool, scale: float, window=(-1, -1), softcap=0.0,

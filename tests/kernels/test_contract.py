@@ -32,7 +32,7 @@ def test_every_backend_has_the_contracts_signatures(name):
         want = _parameters(getattr(contract.AttentionKernel, function), skip=1)  # less ``self``
         assert _parameters(getattr(backend, function)) == want, (name, function)
     # the call's pieces and the gradients' destination travel whole: the parameters stay few
-    names = ["q", "k", "v", "pieces", "causal", "scale", "window", "softcap"]
+    names = ["q", "k", "v", "pieces", "causal", "scale", "window", "softcap", "sinks"]
     assert [p[0] for p in _parameters(backend.forward)] == names
 
 
@@ -89,3 +89,21 @@ def test_every_plan_reads_disjoint_or_same_start_key_ranges():
                 ranges = [(a, a + n) for a, n in zip(k_start.tolist(), k_len.tolist()) if n > 0]
                 for a0, a1 in ranges:
                     assert all(b0 == a0 or a1 <= b0 or b1 <= a0 for b0, b1 in ranges), (spec, cp, rank)
+
+
+def test_sinks_given_to_the_kernel_equal_sinks_applied_after_it():
+    """A kernel given ``sinks`` returns what ``kernels.sinks.apply`` makes of its plain ``(out, lse)``, rows
+    of no key included (out 0, lse the sink's logit): what the ops rely on when they hand sinks down."""
+    from cpcompile.kernels import sinks as kernel_sinks
+
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    k_len = torch.tensor([3, 0, 4], dtype=torch.int32)  # the second piece sees no key
+    pieces = contract.Pieces(torch.tensor([0, 3, 5, 9], dtype=torch.int32), cu[:-1], k_len)
+    sinks = torch.randn(4, dtype=torch.float64, generator=g)
+    kw = {"causal": False, "scale": 0.3}
+    want = kernel_sinks.apply(*reference.forward(q, k, v, pieces, **kw), sinks)
+    got = reference.forward(q, k, v, pieces, sinks=sinks, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not got[0][3:5].any() and torch.equal(got[1][:, 3:5], sinks[:, None].expand(4, 2))

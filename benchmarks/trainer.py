@@ -9,10 +9,12 @@ same packs two ways, one after the other, each from a fresh model:
 2. **trainer**: ``cpcompile.integrations.trainer.CPTrainer.train()`` over a map-style dataset of the same
    flattened packs in the same order (each yielded once, one pack per step), with the same AdamW (passed in
    ``optimizers``, constant learning rate), gradient clipping off (``max_grad_norm=0``: the loop does not clip),
-   the model's weights in bf16 without autocast (``bf16=False``: the loop has none), the Trainer's other
-   defaults included (its nan/inf loss filter, which reads the loss on the host each step, and, in recent
-   transformers, the gradient norm it logs, computed every step even without clipping). The Trainer
-   shards each step's pack itself (``CPTrainerMixin.training_step``), inside its step time.
+   the model's weights in bf16 without autocast (``bf16=False``: the loop has none), its nan/inf loss filter
+   off (``logging_nan_inf_filter=False``: the filter reads each step's loss on the host, a sync after which
+   the GPU idles while the host prepares the next step; docs/trainers.md), the Trainer's other defaults
+   included (in recent transformers, the gradient norm it logs, computed every step even without
+   clipping). The Trainer shards each step's pack itself (``CPTrainerMixin.training_step``), inside its
+   step time.
 
 Both run at cp=1: a world of one process, no process group (``CPConfig(cp_size=1)``: the CP trainer's data,
 loss and compilation path with nothing to communicate). The fake process group that ``e2e.py`` uses to time
@@ -141,7 +143,7 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
             output_dir=out, per_device_train_batch_size=1, max_steps=total, learning_rate=1e-5,
             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=total, save_strategy="no",
             report_to="none", use_cpu=not cuda, bf16=False, disable_tqdm=True, remove_unused_columns=False,
-            dataloader_num_workers=0,
+            dataloader_num_workers=0, logging_nan_inf_filter=False,
         )  # fmt: skip
         trainer = InOrder(
             model=model,
@@ -195,8 +197,8 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         f"{'' if args.cpu_smoke else ' (fused)'}; median of {args.steps} steps, the loop after one step per pack, "
         f"{args.warmup} warm-up and one untimed step, the trainer after {untimed if untimed else 'its'} untimed "
         "steps. loop: `benchmarks/e2e.py`'s step (inputs sharded beforehand); trainer: `CPTrainer.train()` "
-        "(shards each step's pack itself; no gradient clipping, no autocast, a step timed from one `on_step_end` "
-        "to the next). Definitions: `benchmarks/trainer.py`'s docstring.",
+        "(shards each step's pack itself; no gradient clipping, no autocast, no nan/inf filter, a step timed from "
+        "one `on_step_end` to the next). Definitions: `benchmarks/trainer.py`'s docstring.",
         "",
     ]
 

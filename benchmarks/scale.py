@@ -53,6 +53,7 @@ from cpcompile.cost.timing import (
 )
 from cpcompile.layouts import balanced
 from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.partition import layout_runs
 from cpcompile.layouts.reads import read_ranges
 from cpcompile.plan.exchange import make_exchange
 from cpcompile.plan.pieces import layout_of
@@ -246,8 +247,9 @@ def plan_ms(cu: torch.Tensor, cp: int, option: StrategySpec, scratch: bool = Tru
             balanced._runs.clear()
         p = cpcompile.plan.make_plan(cu, cp_size=cp, rank=0, strategy=spec)
         if option.kv == "exchange":
-            pack = Pack(layout_of(p.gather_index, cp), p.cu_seqlens, p.cu_seqlens_padded)
-            make_exchange(p.k_start, p.k_len(True), pack, read_ranges(pack, (-1, 0)), 0, "always")
+            layout = layout_of(p.gather_index, cp)
+            pack, runs = Pack(layout, p.cu_seqlens, p.cu_seqlens_padded), layout_runs(layout)
+            make_exchange(p.k_start, p.k_len(True), pack, read_ranges(pack, (-1, 0), runs), 0, "always", runs)
 
     return median_ms(plan)
 

@@ -37,6 +37,7 @@ The runtime's own rule between the all-gather and the exchange (:func:`use_excha
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -175,11 +176,12 @@ _PATHS = {
 
 
 class Phase(NamedTuple):
-    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s``."""
+    """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s`` (lists, or
+    a sequence of them)."""
 
     passes: str  # "forward" or "backward"
     kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
-    recv: list[list[int]]
+    recv: Sequence[list[int]]
     count: int = 1  # collectives of this shape (their latency)
 
 
@@ -210,7 +212,7 @@ def exchange_matrix(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, runs: tuple[torch.Tensor, ...], causal: bool
 ) -> list[list[int]]:
     """``matrix[r][s]``: K/V rows rank ``r``'s pieces read from rank ``s`` (the sparse exchange's count
-    matrix, :func:`cpcompile.layouts.reads.read_counts`, as every rank builds it), counted from the
+    matrix, :func:`cpcompile.layouts.reads.read_matrix`, as every rank builds it), counted from the
     layout's runs (:func:`cpcompile.layouts.partition.layout_runs`) of the pack of these offsets."""
     cp = int(runs[0][-1]) + 1
     pieces = run_pieces(*runs, cu_seqlens, cu_seqlens_padded)
@@ -218,25 +220,46 @@ def exchange_matrix(
     return read_matrix(runs, with_idle(cu_seqlens_padded, reads, cp), cp)
 
 
-def _uniform(cp: int, peers: str, nbytes: int, u: int = 1) -> list[list[int]]:
-    """``recv[r][s] = nbytes`` for every peer ``s`` of ``r``: ``"others"``, every other rank; ``"prev"``, the
-    previous rank, ``(r - 1) % cp`` (none where ``cp`` is 1); ``"group"``, the other ranks of ``r``'s group
-    of ``u`` consecutive ranks; ``"across"``, the other ranks ``s`` with ``s % u == r % u``. Rows are
-    made whole, by repeating lists: ``cp`` squared bytes are counted at every layer's option."""
-    recv = []
-    for r in range(cp):
-        if peers == "others":
-            row = [nbytes] * cp
-        elif peers == "prev":
+class _Uniform(Sequence):
+    """``recv[r][s] = nbytes`` for every peer ``s`` of ``r`` (a :class:`Phase`'s ``recv``): ``"others"``,
+    every other rank; ``"prev"``, the previous rank, ``(r - 1) % cp`` (none where ``cp`` is 1);
+    ``"group"``, the other ranks of ``r``'s group of ``u`` consecutive ranks; ``"across"``, the other ranks
+    ``s`` with ``s % u == r % u``. A row is made where it is read: :func:`cpcompile.cost.timing.decide`
+    bounds an option by one rank's, and ``cp`` squared counts per phase are most of its time at large
+    ``cp``."""
+
+    def __init__(self, cp: int, peers: str, nbytes: int, u: int = 1) -> None:
+        self.cp, self.peers, self.nbytes, self.u = cp, peers, nbytes, u
+
+    def __len__(self) -> int:
+        return self.cp
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self._row(i) for i in range(*r.indices(self.cp))]
+        return self._row(range(self.cp)[r])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def _row(self, r: int) -> list[int]:
+        cp, n, u = self.cp, self.nbytes, self.u
+        if self.peers == "others":
+            row = [n] * cp
+        elif self.peers == "prev":
             row = [0] * cp
-            row[(r - 1) % cp] = nbytes
-        elif peers == "group":
-            row = [0] * (r // u * u) + [nbytes] * u + [0] * (cp - r // u * u - u)
+            row[(r - 1) % cp] = n
+        elif self.peers == "group":
+            row = [0] * (r // u * u) + [n] * u + [0] * (cp - r // u * u - u)
         else:  # across
-            row = ([0] * (r % u) + [nbytes] + [0] * (u - 1 - r % u)) * (cp // u)
+            row = ([0] * (r % u) + [n] + [0] * (u - 1 - r % u)) * (cp // u)
         row[r] = 0
-        recv.append(row)
-    return recv
+        return row
 
 
 def peer_bytes(
@@ -275,9 +298,9 @@ def peer_bytes(
         block = t_local * g
         steps = cp - 1  # and in the backward one more for dK/dV: the hand-back to the owner
         phases = [
-            Phase("forward", "ring", _uniform(cp, "prev", steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, "prev", steps * block * b), steps),
-            Phase("backward", "ring", _uniform(cp, "prev", (steps + 1) * block * a), steps + 1 if steps else 0),
+            Phase("forward", "ring", _Uniform(cp, "prev", steps * block * b), steps),
+            Phase("backward", "ring", _Uniform(cp, "prev", steps * block * b), steps),
+            Phase("backward", "ring", _Uniform(cp, "prev", (steps + 1) * block * a), steps + 1 if steps else 0),
         ]
         return Layer(spec, "ring", phases)
     if u == 1:
@@ -294,9 +317,9 @@ def peer_bytes(
             return Layer(spec, "exchange", [*phases, Phase("backward", "all-to-all", sums)])
         kv = t_local * g  # K and V elements of one rank
         phases = [
-            Phase("forward", "gather", _uniform(cp, "others", kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, "others", kv * b), 2),
-            Phase("backward", "gather", _uniform(cp, "others", kv * a), 2),
+            Phase("forward", "gather", _Uniform(cp, "others", kv * b), 2),
+            Phase("backward", "gather", _Uniform(cp, "others", kv * b), 2),
+            Phase("backward", "gather", _Uniform(cp, "others", kv * a), 2),
         ]
         return Layer(spec, "all-gather", phases)
     f = kv_replication(heads.q, heads.kv, u)
@@ -309,18 +332,18 @@ def peer_bytes(
         fwd = [qkv * b, vslot * hq * b + lse]  # q, k, v; back: out, lse
         dkv = (slot + vslot) * hkv * (b if f == 1 else a)
         bwd = [(qkv + 2 * vslot * hq) * b + lse, slot * hq * b + dkv]  # dO, q, out, k, v, lse; back dq, dk, dv
-        phases = [Phase("forward", "all-to-all", _uniform(cp, "group", n, u)) for n in fwd]
+        phases = [Phase("forward", "all-to-all", _Uniform(cp, "group", n, u)) for n in fwd]
         return Layer(
-            spec, "heads", phases + [Phase("backward", "all-to-all", _uniform(cp, "group", n, u)) for n in bwd]
+            spec, "heads", phases + [Phase("backward", "all-to-all", _Uniform(cp, "group", n, u)) for n in bwd]
         )
     a2a = [qkv * b, vslot * hq * b]
     kv = u * t_local * hkv * (d + dv)  # K and V elements of a head group's rank
     phases = [
-        *(Phase("forward", "all-to-all", _uniform(cp, "group", n, u)) for n in a2a),
-        Phase("forward", "gather", _uniform(cp, "across", kv * b, u), 2),
-        *(Phase("backward", "all-to-all", _uniform(cp, "group", n, u)) for n in a2a),
-        Phase("backward", "gather", _uniform(cp, "across", kv * b, u), 2),
-        Phase("backward", "gather", _uniform(cp, "across", kv * a, u), 2),
+        *(Phase("forward", "all-to-all", _Uniform(cp, "group", n, u)) for n in a2a),
+        Phase("forward", "gather", _Uniform(cp, "across", kv * b, u), 2),
+        *(Phase("backward", "all-to-all", _Uniform(cp, "group", n, u)) for n in a2a),
+        Phase("backward", "gather", _Uniform(cp, "across", kv * b, u), 2),
+        Phase("backward", "gather", _Uniform(cp, "across", kv * a, u), 2),
     ]
     return Layer(spec, "hybrid", phases)
 

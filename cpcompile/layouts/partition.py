@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from cpcompile.checks import check_cp, check_cu_seqlens, check_padding, data_checks_enabled
@@ -338,16 +339,18 @@ def piece_marks(
 
 def layout_runs(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row, start, length)``, each ``[R]`` int64: the maximal runs of consecutive physical positions
-    of each row of ``layout`` (``[rows, n]`` int64, in storage order), row after row: one pass over the
-    layout, after which its pieces (:func:`run_pieces`) take work per run, not per token."""
+    of each row of ``layout`` (``[rows, n]`` int64, in storage order, on the host), row after row: one
+    pass over the layout (numpy's, fewer passes than torch's), after which its pieces
+    (:func:`run_pieces`) and reads take work per run, not per token."""
     rows, n = layout.shape
-    flat = layout.reshape(-1)
-    new = torch.ones_like(flat, dtype=torch.bool)
-    torch.ne(flat[1:], flat[:-1] + 1, out=new[1:])
+    flat = layout.reshape(-1).numpy(force=True)
+    new = np.empty(flat.shape[0], dtype=bool)
+    new[0] = True
+    np.not_equal(flat[1:] - flat[:-1], 1, out=new[1:])
     new[::n] = True  # every row starts a run
-    first = new.nonzero().squeeze(1)  # [R]
-    length = torch.diff(first, append=first.new_full((1,), flat.shape[0]))
-    return first // n, flat[first], length
+    first = np.flatnonzero(new)
+    length = np.diff(first, append=flat.shape[0])
+    return tuple(torch.from_numpy(x) for x in (first // n, flat[first], length))
 
 
 def join_runs(row: torch.Tensor, start: torch.Tensor, length: torch.Tensor, u: int = 1) -> tuple[torch.Tensor, ...]:

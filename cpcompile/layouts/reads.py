@@ -12,33 +12,29 @@ from __future__ import annotations
 import torch
 
 from cpcompile.layouts.pack import Pack
+from cpcompile.layouts.partition import layout_runs, run_pieces
 
 
 def read_lengths(pack: Pack, causal: bool) -> torch.Tensor:
     """``[cp, B]`` int64: how many keys of document ``d`` rank ``r``'s pieces read, a prefix of it
-    (from ``cu_seqlens_padded[d]``): every rank's :func:`keys_read` at once, from the pack alone.
-
-    A piece reads its document's keys up to its own last token when causal, and all its real
-    tokens when not; so of each document a rank reads the keys up to the last real token it
-    holds there, or all the real ones if it holds any. Every layout stores a rank's positions
-    in ascending order, so that token is found by bisection: nothing of size ``T`` is made.
-    """
-    layout = pack.layout  # [cp, T_local]
-    start = pack.cu_seqlens_padded[:-1].long()  # [B]
-    real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
-    ends = (start + real_len).expand(layout.shape[0], -1).contiguous()  # [cp, B] where each document's padding starts
-    last = torch.searchsorted(layout, ends) - 1  # [cp, B] each rank's last position before it
-    position = layout.gather(1, last.clamp(min=0))
-    reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
-    return reach if causal else torch.where(reach > 0, real_len, 0)
+    (from ``cu_seqlens_padded[d]``): every rank's :func:`keys_read` at once, from the pack alone
+    (:func:`read_ranges`' document prefixes, as a table)."""
+    reader, lo, hi = read_ranges(pack, (-1, 0) if causal else (-1, -1))
+    doc = torch.searchsorted(pack.cu_seqlens_padded[:-1].long(), lo, right=True) - 1  # right: empty ones skipped
+    table = torch.zeros(pack.layout.shape[0], pack.cu_seqlens.shape[0] - 1, dtype=torch.long)
+    return table.index_put_((reader, doc), hi - lo)
 
 
-def read_ranges(pack: Pack, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def read_ranges(
+    pack: Pack, window: tuple[int, int], runs: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(reader, lo, hi)``, each ``[M]`` int64: the runs of physical keys ``[lo, hi)`` that rank
     ``reader`` reads under ``window`` (``(left, right)``, :mod:`cpcompile.plan.window`), ascending and
-    disjoint per rank, rank after rank; from the pack alone, as :func:`read_lengths`.
+    disjoint per rank, rank after rank; from the pack alone.
 
-    Causal and full attention read document prefixes (:func:`read_lengths`, by bisection). A
+    Causal and full attention read document prefixes: to the end of the last real piece a rank holds
+    of a document (:func:`piece_reads`, from the layout's runs, ``runs`` where the caller has them:
+    :func:`cpcompile.layouts.partition.layout_runs`). A
     window reads, of each document, the union of its held positions' windows: ``[p - left,
     p + right]`` cut to the document's real tokens, whose both ends grow with ``p`` over a
     rank's ascending positions, so a new run starts where a window begins past the previous
@@ -47,9 +43,9 @@ def read_ranges(pack: Pack, window: tuple[int, int]) -> tuple[torch.Tensor, torc
     start = pack.cu_seqlens_padded[:-1].long()  # [B]
     real_len = (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()  # [B]
     if window in ((-1, 0), (-1, -1)):
-        read_len = read_lengths(pack, window == (-1, 0))  # [cp, B]
-        reader, doc = read_len.nonzero(as_tuple=True)
-        return reader, start[doc], start[doc] + read_len[reader, doc]
+        runs = layout_runs(pack.layout) if runs is None else runs
+        pieces = run_pieces(*runs, pack.cu_seqlens, pack.cu_seqlens_padded)
+        return piece_reads(pieces, pack.layout.shape[0], pack.cu_seqlens, pack.cu_seqlens_padded, window)[:3]
     layout = pack.layout  # [cp, T_local]
     doc = torch.searchsorted(pack.cu_seqlens_padded.long(), layout, right=True) - 1  # right: skips empty documents
     s, n = start[doc], real_len[doc]
@@ -91,7 +87,8 @@ def with_idle(cu_seqlens_padded: torch.Tensor, reads: tuple[torch.Tensor, ...], 
 
 
 def read_matrix(runs: tuple[torch.Tensor, ...], reads: tuple[torch.Tensor, ...], cp: int) -> list[list[int]]:
-    """:func:`read_counts`' count matrix, ``matrix[r][s]`` the rows rank ``r`` reads from rank ``s``, from
+    """The count matrix, ``matrix[r][s]`` the rows rank ``r`` reads from rank ``s`` (what
+    :func:`cpcompile.cost.comm.use_exchange` decides by, the same on every rank), from
     the layout's runs (:func:`cpcompile.layouts.partition.layout_runs`, ``(rank, start, length)``) and the
     reads (:func:`with_idle`'s): the runs of all ranks tile the pack, so a read overlaps a run of them
     after another, found by bisection; nothing per token, nor per rank and read."""
@@ -106,21 +103,6 @@ def read_matrix(runs: tuple[torch.Tensor, ...], reads: tuple[torch.Tensor, ...],
     rows = torch.minimum(hi[read], start[run] + length[run]) - torch.maximum(lo[read], start[run])
     matrix = torch.zeros(cp * cp, dtype=torch.long).index_add_(0, reader[read] * cp + owner[run], rows)
     return matrix.view(cp, cp).numpy().tolist()
-
-
-def read_counts(pack: Pack, reads: tuple[torch.Tensor, ...]):
-    """``(reader, lo, hi, first, n, matrix)``: every rank's reads ``(reader, lo, hi)`` ``[M]``
-    (:func:`cpcompile.layouts.reads.read_ranges`), a rank that reads no key given the pack's first row
-    (kernels need keys), still rank after rank; ``first``, ``n`` ``[cp, M]``: rank ``s``'s first row of
-    each run and how many rows of it it holds; and the count matrix, ``matrix[r][s]`` the rows rank ``r``
-    reads from rank ``s``: the same on every rank, what :func:`cpcompile.cost.comm.use_exchange` decides by."""
-    layout = pack.layout  # [cp, T_local], each row ascending
-    cp = layout.shape[0]
-    reader, lo, hi = with_idle(pack.cu_seqlens_padded, reads, cp)
-    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())  # [cp, M] rank s's first row there
-    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first  # [cp, M]: rows of rank s read
-    matrix = n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()  # matrix[r][s]: rows r reads from s
-    return reader, lo, hi, first, n, matrix
 
 
 def piece_reads(

@@ -8,7 +8,7 @@ its offsets), which all ranks hold alike (:func:`exchange_plan`: no communicatio
 sync where the plan was made on the host, as :func:`cpcompile.plan.pieces.step_plan` makes it).
 The all-gather path stays for layouts where ranks read most keys: :func:`cpcompile.cost.comm.use_exchange` picks per
 plan, the same way on every rank, from the count matrix they all hold
-(:func:`cpcompile.layouts.reads.read_counts`); ``cost.comm.EXCHANGE_AT`` keeps a margin for cp > 2, where the
+(:func:`cpcompile.layouts.reads.read_matrix`); ``cost.comm.EXCHANGE_AT`` keeps a margin for cp > 2, where the
 all-to-all spans more GPUs. The rule lives with the communication model, which counts what it decides.
 
 :mod:`cpcompile.comm.exchange` moves the rows this plan names; :mod:`cpcompile.attention.exchange`
@@ -25,7 +25,8 @@ from cpcompile.cache import on_host, per_plan, twinned, upload
 from cpcompile.comm.groups import resolve_group
 from cpcompile.cost.comm import SETTINGS, use_exchange
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.reads import keys_read, read_counts, read_ranges
+from cpcompile.layouts.partition import layout_runs
+from cpcompile.layouts.reads import keys_read, read_matrix, read_ranges, with_idle
 from cpcompile.plan.pieces import layout_of
 
 
@@ -137,8 +138,9 @@ def exchange_plan(
     cp, rank = group.size(), group.rank()
     device = k_len.device  # the plan's: the host copies below are on the CPU
     cu, padded, k_start, k_len = on_host(cu_seqlens, cu_seqlens_padded, k_start, k_len)
-    pack = Pack(_layout(gather_index, cp), cu, padded)
-    ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window), rank, choice)
+    layout, runs = _layout(gather_index, cp)
+    pack = Pack(layout, cu, padded)
+    ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window, runs), rank, choice, runs)
     if ex is None:
         return None
     return ex._replace(
@@ -147,20 +149,29 @@ def exchange_plan(
 
 
 @per_plan
-def _layout(gather_index: torch.Tensor, cp: int) -> torch.Tensor:
-    """:func:`cpcompile.plan.pieces.layout_of` on the host (from the host twin where there is one), once
-    per plan: the causal, full and windowed exchanges of a step share it."""
+def _layout(gather_index: torch.Tensor, cp: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`cpcompile.plan.pieces.layout_of` on the host (from the host twin where there is one), and its
+    runs (:func:`cpcompile.layouts.partition.layout_runs`), once per plan: the causal, full and windowed
+    exchanges of a step share them."""
     (index,) = on_host(gather_index)
-    return layout_of(index, cp)
+    layout = layout_of(index, cp)
+    return layout, layout_runs(layout)
 
 
 def make_exchange(
-    k_start: torch.Tensor, k_len: torch.Tensor, pack: Pack, reads: tuple[torch.Tensor, ...], rank: int, choice: str
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    pack: Pack,
+    reads: tuple[torch.Tensor, ...],
+    rank: int,
+    choice: str,
+    runs: tuple[torch.Tensor, ...] | None = None,
 ) -> Exchange | None:
     """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
     ``k_len`` ``[P]`` of ``pack``, from every rank's reads ``(reader, lo, hi)`` ``[M]``
-    (:func:`cpcompile.layouts.reads.read_ranges`): the same count matrix on every rank, and the rows
-    other ranks read from this one, as each would have requested them.
+    (:func:`cpcompile.layouts.reads.read_ranges`): the same count matrix on every rank
+    (:func:`~cpcompile.layouts.reads.read_matrix`, from the layout's runs, ``runs`` where the caller has
+    them), and the rows other ranks read from this one, as each would have requested them.
 
     Note [reads as runs]: rank ``reader[m]`` reads the physical keys ``[lo[m], hi[m])``
     (document prefixes, or under a window the union of its pieces' windows). Every layout
@@ -170,18 +181,20 @@ def make_exchange(
     """
     layout = pack.layout  # [cp, T_local], each row ascending
     cp, t_local = layout.shape
-    reader, lo, hi, first, n, matrix = read_counts(pack, reads)
+    reader, lo, hi = with_idle(pack.cu_seqlens_padded, reads, cp)
+    matrix = read_matrix(layout_runs(layout) if runs is None else runs, (reader, lo, hi), cp)
     if not use_exchange(matrix, t_local, choice):
         return None
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]
     # the compact keys, by owner in rank order, each owner's in physical order (its storage order)
     mine = reader == rank  # [M]
-    lo_mine = lo[mine]
-    offset = (hi - lo)[mine].cumsum(0) - (hi - lo)[mine]  # [M_mine] compact row of each run's first key
-    runs = n[:, mine].reshape(-1)  # [cp * M_mine] owner-major
-    held = _runs((first[:, mine] + torch.arange(cp)[:, None] * t_local).reshape(-1), runs)  # all-gathered rows
-    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - lo_mine).repeat(cp), runs)  # [R]
+    lo_mine, hi_mine = lo[mine], hi[mine]
+    offset = (hi_mine - lo_mine).cumsum(0) - (hi_mine - lo_mine)  # [M_mine] compact row of each run's first key
+    first = torch.searchsorted(layout, lo_mine.expand(cp, -1).contiguous())  # [cp, M_mine] each owner's first row
+    counts = (torch.searchsorted(layout, hi_mine.expand(cp, -1).contiguous()) - first).reshape(-1)  # owner-major
+    held = _runs((first + torch.arange(cp)[:, None] * t_local).reshape(-1), counts)  # all-gathered rows
+    compact = layout.reshape(-1)[held] + torch.repeat_interleave((offset - lo_mine).repeat(cp), counts)  # [R]
     before = sum(matrix[rank][:rank])
     own = slice(before, before + matrix[rank][rank])
     own_compact, own_rows = compact[own], held[own] - rank * t_local
@@ -190,9 +203,10 @@ def make_exchange(
     gather[own_compact] = own_rows
     gather[by_owner] = t_local + torch.arange(by_owner.shape[0])  # past the own rows
     # what each other rank requests, in rank order: its runs of this rank's rows
-    send_rows = _runs(first[rank, ~mine], n[rank, ~mine])
+    own_first = torch.searchsorted(layout[rank], lo[~mine])  # [M - M_mine] its first row of each other read
+    send_rows = _runs(own_first, torch.searchsorted(layout[rank], hi[~mine]) - own_first)
     run = (torch.searchsorted(lo_mine, k_start.long(), right=True) - 1).clamp(min=0)  # [P] the run holding each
-    _check_runs(k_start, k_len, lo_mine[run], hi[mine][run], rank)
+    _check_runs(k_start, k_len, lo_mine[run], hi_mine[run], rank)
     return Exchange(
         k_start=torch.where(k_len > 0, offset[run] + k_start.long() - lo_mine[run], 0).to(torch.int32),
         gather=gather,

@@ -16,7 +16,7 @@ from cpcompile.cost.timing import TOPOLOGIES, decide
 from cpcompile.layouts.balanced import _least, window_pairs
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import layout_runs, padded_offsets, piece_marks, run_pieces, spec_runs
-from cpcompile.layouts.reads import read_counts, read_ranges
+from cpcompile.layouts.reads import read_lengths, read_ranges, with_idle
 
 LAYOUTS = (
     StrategySpec(Strategy.NO_LOAD_BALANCE),
@@ -94,6 +94,30 @@ def token_costs(cu: torch.Tensor, spec: StrategySpec, cp: int, model: CostModel)
     )
 
 
+def token_reads(pack: Pack, causal: bool) -> tuple[torch.Tensor, ...]:
+    """``read_ranges``' document prefixes as they were found: each document's padding start bisected in
+    every rank's positions (``[cp, B]``)."""
+    layout = pack.layout
+    start, real_len = pack.cu_seqlens_padded[:-1].long(), pack.cu_seqlens.diff().long()
+    ends = (start + real_len).expand(layout.shape[0], -1).contiguous()
+    last = torch.searchsorted(layout, ends) - 1  # [cp, B] each rank's last position before a document's padding
+    position = layout.gather(1, last.clamp(min=0))
+    reach = torch.where((last >= 0) & (position >= start), position - start + 1, 0)
+    reach = reach if causal else torch.where(reach > 0, real_len, 0)
+    reader, doc = reach.nonzero(as_tuple=True)
+    return reader, start[doc], start[doc] + reach[reader, doc]
+
+
+def token_matrix(pack: Pack, causal: bool) -> list[list[int]]:
+    """The exchange's count matrix as it was counted: every read bisected in every rank's positions."""
+    layout = pack.layout
+    cp = layout.shape[0]
+    reader, lo, hi = with_idle(pack.cu_seqlens_padded, token_reads(pack, causal), cp)
+    first = torch.searchsorted(layout, lo.expand(cp, -1).contiguous())
+    n = torch.searchsorted(layout, hi.expand(cp, -1).contiguous()) - first
+    return n.new_zeros((cp, cp)).index_add_(0, reader, n.T).tolist()
+
+
 def test_rank_costs_from_runs_are_the_token_counts():
     for cp, cu in packs(per_cp=2):
         for layout in LAYOUTS:
@@ -120,8 +144,13 @@ def test_runs_pieces_and_the_exchange_matrix_are_the_layouts():
             assert torch.equal(doc, d[at]) and torch.equal(pos, p[at]) and torch.equal(real, r[at])
             assert int(length.sum()) == pack.layout.numel()
             for causal in (True, False):
-                want = read_counts(pack, read_ranges(pack, (-1, 0) if causal else (-1, -1)))[-1]
+                want = token_matrix(pack, causal)
                 assert exchange_matrix(cu, padded, runs, causal) == want, (cp, cu.tolist(), spec, causal)
+                reads, want = read_ranges(pack, (-1, 0) if causal else (-1, -1)), token_reads(pack, causal)
+                assert all(torch.equal(a, b) for a, b in zip(reads, want, strict=True)), (cp, cu.tolist(), spec)
+                table = torch.zeros(cp, cu.shape[0] - 1, dtype=torch.long)
+                doc = torch.searchsorted(padded[:-1].long(), want[1], right=True) - 1
+                assert torch.equal(read_lengths(pack, causal), table.index_put_((want[0], doc), want[2] - want[1]))
 
 
 @pytest.mark.parametrize("heads", [Heads(32, 8), Heads(4, 2, 64, 4)])

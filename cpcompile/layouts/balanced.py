@@ -329,38 +329,39 @@ def _align(
     d, take = d.tolist(), take.tolist()
     inner = [doc if 0 < a < b else None for doc, a, b in zip(d, x.tolist(), n.tolist(), strict=True)]
 
-    def back_docs(k: int) -> set[int]:  # the documents on either side of column k's back cut
-        return {sides[2 * k], sides[2 * k + 1]}
-
     # Cuts in order take the first try consistent with the cut before as placed and the one after
     # as is (it can always stay): the rank between them keeps its tokens, their splits nest where
     # both fall inside one document (`inner`), and no back cut falls in a moved cut's document.
+    # sides[2 k], sides[2 k + 1]: the documents on either side of column k's back cut
     last_back = {}  # each document of the unmoved back cuts: the last cut whose back cut falls in it
     for r in range(cp - 1):
-        last_back.update(dict.fromkeys(back_docs(r * w), r))
+        last_back[sides[2 * r * w]] = last_back[sides[2 * r * w + 1]] = r
     choice, backs, moved = [0] * (cp - 1), set(), set()  # a column of pos, split and back_docs: 0 unmoved
     for r in range(cp - 1):
-        if r:
-            k = (r - 1) * w + choice[r - 1]
-            before = (pos[k], (heads[k], tails[k]), inner[r - 1])
-        else:
-            before = (0, None, None)
-        k = (r + 1) * w
-        after = (pos[k], (heads[k], tails[k]), inner[r + 1]) if r < cp - 2 else (None, None, None)
-        later = last_back.get(d[r], -1) > r  # a later cut's back cut, unmoved, falls in d[r]
-        for m in range(1, _SNAP_TRIES + 1):
-            if not ok[r * _SNAP_TRIES + m - 1]:
-                break  # and no later try is within the slack
-            k = r * w + m
-            p, these, split = pos[k], back_docs(k), (heads[k], tails[k])
-            tokens = 0 <= p - before[0] <= take[r] and (after[0] is None or 0 <= after[0] - p <= take[r + 1])
-            nest = (before[2] != d[r] or _nested(before[1], split)) and (after[2] != d[r] or _nested(split, after[1]))
-            if tokens and nest and d[r] not in backs and d[r] not in these and not later and not moved & these:
-                choice[r] = m
-                break
-        backs |= back_docs(r * w + choice[r])
-        if choice[r]:
-            moved.add(d[r])
+        doc = d[r]
+        # a back cut before (as placed) or after (unmoved) falls in the cut's document: no try can move it
+        if doc not in backs and last_back.get(doc, -1) <= r:
+            if r:
+                k = (r - 1) * w + choice[r - 1]
+                before = (pos[k], (heads[k], tails[k]), inner[r - 1])
+            else:
+                before = (0, None, None)
+            k = (r + 1) * w
+            after = (pos[k], (heads[k], tails[k]), inner[r + 1]) if r < cp - 2 else (None, None, None)
+            for m in range(1, _SNAP_TRIES + 1):
+                if not ok[r * _SNAP_TRIES + m - 1]:
+                    break  # and no later try is within the slack
+                k = r * w + m
+                p, left, right, split = pos[k], sides[2 * k], sides[2 * k + 1], (heads[k], tails[k])
+                tokens = 0 <= p - before[0] <= take[r] and (after[0] is None or 0 <= after[0] - p <= take[r + 1])
+                nest = (before[2] != doc or _nested(before[1], split)) and (after[2] != doc or _nested(split, after[1]))
+                if tokens and nest and doc != left and doc != right and left not in moved and right not in moved:
+                    choice[r] = m
+                    moved.add(doc)
+                    break
+        k = r * w + choice[r]
+        backs.add(sides[2 * k])
+        backs.add(sides[2 * k + 1])
     at = [pos[r * w + choice[r]] for r in range(cp - 1)]
     splits = [(at[r], heads[r * w + c], tails[r * w + c]) for r, c in enumerate(choice) if c]
     return torch.tensor([0, *at, at[-1]]), tuple(torch.tensor(c) for c in zip(*splits)) or None

@@ -348,6 +348,36 @@ def peer_bytes(
     return Layer(spec, "hybrid", phases)
 
 
+def exchange_floor(
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    strategy: StrategySpec,
+    heads: Heads,
+    causal: bool,
+    ranks: tuple[int, ...],
+    _memo: dict,
+) -> list[Phase]:
+    """The sparse exchange's K/V phases (forward and backward, ``kv="exchange"``) with the bytes of
+    ``ranks`` alone, the other ranks' rows empty: their rows of the count matrix, from their own reads and
+    every rank's runs, without the others' reads (:func:`cpcompile.cost.timing.floor`: a bound on the layer
+    that :func:`peer_bytes`' whole matrix would price, at a cost per read of ``ranks`` and run).
+    ``cu_seqlens`` on the host, checked; the layout's runs are ``_memo``'s."""
+    cp, key = cp_size, layout_key(strategy)
+    padded = padded_offsets(cu_seqlens, key, cp)
+    runs = memoized(_memo, ("runs", key), lambda: spec_runs(cu_seqlens, padded, key, cp))
+    recv = [[0] * cp] * cp  # rows not counted stay empty (one list, never written)
+    g = heads.kv * (heads.dim + heads.value_dim)
+    for rank in ranks:
+        own = runs[0] == rank
+        pieces = run_pieces(runs[0][own] - rank, runs[1][own], runs[2][own], cu_seqlens, padded)  # its row: 0
+        reader, lo, hi = piece_reads(pieces, 1, cu_seqlens, padded, (-1, 0) if causal else (-1, -1))[:3]
+        reads = with_idle(padded, (reader + rank, lo, hi), cp)
+        row = read_matrix(runs, reads, cp)[rank]
+        recv[rank] = [0 if s == rank else n * g * heads.itemsize for s, n in enumerate(row)]
+    return [Phase("forward", "all-to-all", recv), Phase("backward", "all-to-all", recv)]
+
+
 def head_parallel_options(cp_size: int, q_heads: int) -> tuple[int, ...]:
     """Every ``u > 1`` that divides both ``cp_size`` and ``q_heads``, ascending."""
     return tuple(u for u in range(2, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0)

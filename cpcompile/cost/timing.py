@@ -48,6 +48,7 @@ from cpcompile.cost.comm import (
     Heads,
     Phase,
     check_heads,
+    exchange_floor,
     head_parallel_options,
     layout_key,
     memoized,
@@ -151,14 +152,15 @@ class KernelSpeed:
 LLAMA_8B_TOKEN_NS = 2180.0
 
 
-def phase_times(phase: Phase, topology: Topology, ranks: int | None = None) -> list[float]:
+def phase_times(phase: Phase, topology: Topology, ranks: tuple[int, ...] | None = None) -> list[float]:
     """Microseconds each rank spends in ``phase`` (module docstring), all its ``count`` collectives or steps;
-    ``ranks``: those of the first ``ranks`` alone."""
+    ``ranks``: those ranks' alone, in that order."""
     cp, per_node = len(phase.recv), topology.gpus_per_node
     times = []
     # per rank, exact integers: bytes from its node (consecutive ranks) and from others, its peers and
     # those on its node; list operations, not tensors: a phase of cp squared counts is priced per option
-    for r, row in enumerate(phase.recv[:ranks]):
+    for r in range(cp) if ranks is None else ranks:
+        row = phase.recv[r]
         node = row[r // per_node * per_node : (r // per_node + 1) * per_node]
         intra, inter = sum(node), sum(row) - sum(node)
         peers, near = cp - row.count(0), len(node) - node.count(0)
@@ -429,17 +431,18 @@ class Decision(NamedTuple):
 
 
 def floor(terms_of, option: StrategySpec, pairs: int, topology: Topology, speed: KernelSpeed | None) -> float:
-    """A lower bound on ``option``'s ``as_run`` (microseconds) that needs no layout: its slowest rank's
-    communication where the path's bytes do not depend on the layout (all but the exchange: ``terms_of``
-    gives its phases: rank 0's, which is as cheap for every ``cp``), and the ranks' mean kernel time, a kernel
+    """A lower bound on ``option``'s ``as_run`` (microseconds): the most communication of ranks 0, ``cp // 2``
+    and ``cp - 1`` (``terms_of`` gives the path's phases, whose bytes need no layout but the exchange's; of
+    the exchange, the K/V those ranks receive, :func:`~cpcompile.cost.comm.exchange_floor`), and the ranks'
+    mean kernel time, a kernel
     tile holding at most ``128 x 128`` of the pack's ``pairs`` (query-key pairs). Both bound the layer as run,
     the ring's too (it waits for each step's slowest rank, compute or transfer); shaved by a part in 10**9
     against rounding."""
     speed = KernelSpeed() if speed is None else speed
-    path, phases, heads, backward, cp = terms_of(option)
-    comm = 0.0
-    if path != "exchange":
-        comm = sum(phase_times(p, topology, 1)[0] for p in phases)  # as evaluate() sums rank 0's
+    _, phases, heads, backward, cp = terms_of(option)
+    ranks = tuple(sorted({0, cp // 2, cp - 1}))  # a few ranks' traffic, each summed as evaluate() sums it
+    times = [phase_times(p, topology, ranks) for p in phases]
+    comm = max((sum(t[i] for t in times) for i in range(len(ranks))), default=0.0)
     dims = (heads.dim + heads.value_dim) / 2
     per_tile = speed.forward_ps + (speed.backward_ps if backward else 0.0)
     kernel = pairs / (128 * 128) * per_tile * heads.q * dims / 128 / 1e6 / cp
@@ -496,7 +499,11 @@ def decide(
     pairs = int((lengths * (lengths + 1) // 2 if causal else lengths * lengths).sum())
 
     def terms_of(option: StrategySpec):
-        layer = peer_bytes(cu, cp_size=cp_size, strategy=option, heads=heads, causal=causal, _memo=memo)
+        kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "_memo": memo}
+        if option.kv == "exchange" and option.capacity is None and cp_size > 1:  # its whole matrix is the cost
+            ranks = tuple(sorted({0, cp_size // 2, cp_size - 1}))
+            return "exchange", exchange_floor(cu, strategy=option, ranks=ranks, **kw), heads, True, cp_size
+        layer = peer_bytes(cu, strategy=option, **kw)
         return layer.path, layer.phases, heads, True, cp_size
 
     floors = [floor(terms_of, o, pairs, topology, speed) for o in choices]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpcompile import Strategy, StrategySpec
-from cpcompile.cost.comm import Heads, exchange_matrix, layout_key
+from cpcompile.cost.comm import Heads, exchange_floor, exchange_matrix, layout_key, peer_bytes
 from cpcompile.cost.model import CostModel, RankCosts, _tiles, rank_costs
 from cpcompile.cost.timing import TOPOLOGIES, decide
 from cpcompile.layouts.balanced import _least, window_pairs
@@ -151,6 +151,11 @@ def test_runs_pieces_and_the_exchange_matrix_are_the_layouts():
                 table = torch.zeros(cp, cu.shape[0] - 1, dtype=torch.long)
                 doc = torch.searchsorted(padded[:-1].long(), want[1], right=True) - 1
                 assert torch.equal(read_lengths(pack, causal), table.index_put_((want[0], doc), want[2] - want[1]))
+                if cp > 1:  # decide's floor of the exchange: the ranks' rows of its K/V phases
+                    kw = {"cp_size": cp, "strategy": dataclasses.replace(spec, kv="exchange"), "heads": Heads(4, 2)}
+                    layer = peer_bytes(cu, causal=causal, **kw)
+                    floor = exchange_floor(cu, causal=causal, ranks=tuple(range(cp)), _memo={}, **kw)
+                    assert [p.recv for p in floor] == [p.recv for p in layer.phases[:2]], (cp, cu.tolist(), spec)
 
 
 @pytest.mark.parametrize("heads", [Heads(32, 8), Heads(4, 2, 64, 4)])

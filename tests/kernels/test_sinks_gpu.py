@@ -70,10 +70,15 @@ def test_packed_attention_with_sinks_fa4_bf16(window):
     base = [base_out, *torch.autograd.grad(base_out, plain, dout)]
     plain_want = _reference(q, k, v, dout, cu, None, window)
     native = _native_forward(q, k, v, cu, sinks, window)
-    if native is not None:
-        assert _err(out, want[0]) <= max(2 * _err(native, want[0]), 1e-3), f"out against FA4's own sink, {window}"
+    # FA4's own forward with sinks: its error bounds ours (packed_attention hands FA4 the sinks). On the
+    # non-causal case of the H100 run it is 2.6 times that of the same call without sinks, so the
+    # sink-free error bounds the output only where this FA4 has no sink forward to compare with.
+    own = None if native is None else _err(native, want[0])
+    if own is not None:
+        assert _err(out, want[0]) <= max(2 * own, 1e-3), f"out against FA4's own sink, {window}"
     for name, a, b, base_a, base_b in zip(("out", "dq", "dk", "dv"), got, want, base, plain_want):
-        assert _err(a, b) <= max(2 * _err(base_a, base_b), 1e-3), f"{name} {window}"
+        bound = 2 * max(_err(base_a, base_b), own if name == "out" and own is not None else 0.0)
+        assert _err(a, b) <= max(bound, 1e-3), f"{name} {window}"
         assert _err(a, b) <= 2.5e-2 * b.abs().max().item(), f"{name} {window}"
     assert _err(got[4], want[4]) <= 2.5e-2 * want[4].abs().max().item(), f"dsinks {window}"
 

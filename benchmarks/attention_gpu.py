@@ -26,6 +26,18 @@ cudnn and auto (the default then: FA4 where installed, else cuDNN's forward and 
 backward chosen per call); with the ``fa4`` extra fa4, and FA4's own varlen call on
 whole documents among the single-GPU references (the fastest, where installed).
 It prints its section of ``BENCHMARKS.md``; ``--output FILE`` also writes it there.
+
+Timing and columns: each cell is the median over the packs of a median of 5 timed runs, each queued
+behind an untimed call; with ``--rounds`` the single-GPU calls, and the reference and each rank, are
+timed in rounds in turn (each round starting one later), each their median. Single GPU =
+``cpcompile.packed_attention`` (or torch's ``varlen_attn``, or FA4's own varlen call) on the whole pack;
+efficiency = best single-GPU time / (cp x slowest rank), that reference timed again right before each
+layout's ranks; max/mean = slowest rank over the mean; short = pieces per rank under 128 query rows;
+K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads (exchange; its backward timed
+with the sums of the rows it sends back, not the one adding the rows it gets back to its own);
+communication is not timed. ``[flash]`` torch's varlen flash kernel, ``[cudnn]`` cuDNN's fused attention
+on the ragged pieces, ``[fa4]`` FlashAttention-4, ``[auto]`` FA4 where installed, else cuDNN's forward
+and the backward chosen per call.
 """
 
 from __future__ import annotations
@@ -394,24 +406,13 @@ def table(title: str, rows: list[dict], fits: dict[str, float], ranks: int, back
 
 def intro(tokens: int, source: str, packs: int, rounds: int) -> list[str]:
     """What the tables hold, below the section's header."""
-    repeat = (
-        f"; the single-GPU calls, and the reference and each rank, timed in {rounds} rounds in turn (each round"
-        " starting one later), each their median"
-        if rounds > 1
-        else ""
-    )
+    repeat = f", in {rounds} rounds" if rounds > 1 else ""
     return [
-        f"{tokens} tokens per pack from `{source}`; each cell the median over {packs} packs of a median of 5 timed "
-        f"runs, each queued behind an untimed call{repeat}. Single GPU = `cpcompile.packed_attention` (or torch's "
-        "`varlen_attn`) on the whole pack; efficiency = best single-GPU time / (cp x slowest rank), that reference "
-        "timed again right before each layout's ranks; max/mean = slowest rank over the mean; short = pieces per "
-        "rank under 128 query rows; K/V = the keys a rank's kernel runs on, all (all-gather) or those it reads "
-        "(exchange; its backward timed with the sums of the rows it sends back, not the one adding the rows it "
-        "gets back to its own); communication not timed. `[flash]` torch's varlen flash kernel, `[cudnn]` cuDNN's "
-        "fused attention on the ragged pieces, `[fa4]` FlashAttention-4 (`flash-attn-4`), `[auto]` FA4 where "
-        "installed, else cuDNN's forward and the backward chosen per call. "
-        "Analyses: [docs/attention-kernels.md](docs/attention-kernels.md), "
-        "[docs/measurement.md](docs/measurement.md).",
+        f"{tokens} tokens per pack from `{source}`; medians over {packs} packs of medians of 5 timed runs{repeat}; "
+        "communication not timed. Efficiency = best single-GPU time / (cp x slowest rank); max/mean = slowest rank "
+        "over the mean; short = pieces per rank under 128 query rows; K/V = the keys a rank's kernel runs on "
+        "(all-gathered or exchanged). Definitions: the script's docstring; analyses: "
+        "[docs/attention-kernels.md](docs/attention-kernels.md), [docs/measurement.md](docs/measurement.md).",
         "",
     ]
 

@@ -194,11 +194,9 @@ def intro(args, rows: list[dict], packs: list[torch.Tensor]) -> list[str]:
         f'`attn_implementation="cpcompile"`, the model\'s own loss. {args.packs} packs x {args.tokens} tokens from '
         f"{source} ({docs:.0f} documents on average), `{spec_name(args.spec)}`, cp=1 (one process, no process "
         "group). Step: forward, backward, AdamW"
-        f"{'' if args.cpu_smoke else ' (fused)'}; median of {args.steps} steps, the loop after one step per pack, "
-        f"{args.warmup} warm-up and one untimed step, the trainer after {untimed if untimed else 'its'} untimed "
-        "steps. loop: `benchmarks/e2e.py`'s step (inputs sharded beforehand); trainer: `CPTrainer.train()` "
-        "(shards each step's pack itself; no gradient clipping, no autocast, no nan/inf filter, a step timed from "
-        "one `on_step_end` to the next). Definitions: `benchmarks/trainer.py`'s docstring.",
+        f"{'' if args.cpu_smoke else ' (fused)'}; median of {args.steps} steps after "
+        f"{untimed if untimed else 'the'} untimed ones. loop: `benchmarks/e2e.py`'s step; trainer: "
+        "`CPTrainer.train()` (no clipping, autocast or nan/inf filter). Definitions: the script's docstring.",
         "",
     ]
 

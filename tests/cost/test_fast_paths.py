@@ -17,6 +17,8 @@ from cpcompile.layouts.balanced import _least, window_pairs
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import layout_runs, padded_offsets, piece_marks, run_pieces, spec_runs
 from cpcompile.layouts.reads import read_lengths, read_ranges, with_idle
+from cpcompile.plan import make_plan
+from cpcompile.plan.pieces import layout_of
 
 LAYOUTS = (
     StrategySpec(Strategy.NO_LOAD_BALANCE),
@@ -175,3 +177,12 @@ def test_least_is_the_stable_sorts_first():
         x = torch.randint(0, (3, 50, 1 << 40)[trial % 3], (rows, n), generator=g)
         x[:, :: 1 + trial % 4] = torch.iinfo(torch.long).max  # masked candidates, as balanced's
         assert torch.equal(_least(x, m), torch.argsort(x, dim=1, stable=True)[:, :m])
+
+
+def test_a_plans_layout_is_kept_for_its_exchange():
+    cu = torch.tensor([0, 5, 300, 301, 900], dtype=torch.int32)
+    plan = make_plan(cu, cp_size=4, rank=1, strategy=StrategySpec(Strategy.BALANCED))
+    kept = layout_of(plan.gather_index, 4)  # the layout the plan was made from, not made again
+    assert torch.equal(kept, Pack.build(cu, None, spec=StrategySpec(Strategy.BALANCED), cp_size=4).layout)
+    other = plan.gather_index.clone()  # another tensor of the same values: inverted
+    assert layout_of(other, 4) is not kept and torch.equal(layout_of(other, 4), kept)

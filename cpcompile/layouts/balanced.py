@@ -103,7 +103,12 @@ SNAP_MIN_TOKENS = 8 * (_SNAP_TILES + 1) * TILE
 _SNAP_STEPS = (torch.arange(2 * _SNAP_TILES + 2) - _SNAP_TILES) * TILE  # [K] head or tail moves
 #: Step 4 tries this many of a front cut's candidates, nearest the share first.
 _SNAP_TRIES = 32
+#: Step 3's search tries this many front cuts per rank and round. Without windows the work of ranks
+#: 0..r-1 never falls as their front cut moves on, so every grid finds the same cut; with windows it can
+#: fall, and which crossing the search lands on depends on the grid: windowed packs keep the finer grid
+#: their layouts were measured with (tests/layouts/test_balanced.py checks both).
 _SEARCH_WAYS = 8
+_SEARCH_WAYS_WINDOWED = 64
 #: Step 5: query rows of a backward tile (FlashAttention-4's backward runs ``BWD_ROWS x TILE`` tiles).
 BWD_ROWS = 64
 #: Step 5: what the backward pays per key block a piece reads (loading its keys, writing its dK/dV), in
@@ -250,10 +255,11 @@ def _front_cuts(seq: _Sequence, cp: int, take: torch.Tensor, skip: torch.Tensor,
     wanted = target2.cumsum(0)[:-1, None]
     work2 = int(seq.work2_before[-1])
     lo, hi = torch.full_like(taken, -1), taken.clone()  # invariant: lo is short of the work, hi is not
-    steps = torch.arange(1, _SEARCH_WAYS)
+    ways = _SEARCH_WAYS if seq.windows is None else _SEARCH_WAYS_WINDOWED
+    steps = torch.arange(1, ways)
     while cp > 1 and seq.tokens and int((hi - lo).max()) > 1:
         span = hi - lo
-        grid = lo + (span * steps + _SEARCH_WAYS - 1) // _SEARCH_WAYS  # [cp - 1, ways - 1]
+        grid = lo + (span * steps + ways - 1) // ways  # [cp - 1, ways - 1]
         w = seq.prefix_work2(torch.stack([grid, grid + skip]))
         short = cp * (w[0] + work2 - w[1]) < wanted
         i = short.sum(1, keepdim=True)  # the first grid point with enough work (the count never falls)

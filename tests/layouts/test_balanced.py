@@ -20,7 +20,7 @@ import cpcompile
 from cpcompile import Strategy, StrategySpec
 from cpcompile.batch import _to_documents
 from cpcompile.layouts import balanced
-from cpcompile.layouts.partition import piece_marks
+from cpcompile.layouts.partition import pad_for_cp, piece_marks
 from cpcompile.plan.pieces import max_pieces
 from tests.fixtures import cu_seqlens
 from tests.reference import balanced_brute_force
@@ -338,3 +338,29 @@ def test_balanced_evens_forward_and_backward(seed, cp, docs):
     if not torch.equal(layout, forward_only):  # moved: for less forward + backward work on the busiest rank
         assert int(both.max()) < int(both_before.max())
         assert both.max() / both.double().mean() < both_before.max() / both_before.double().mean()
+
+
+def test_the_cut_search_grid_changes_no_layout(monkeypatch):
+    """Step 3 searches 8 front cuts a round where the work of the ranks before a cut never falls (no
+    windows): any grid finds the same cut, so the layouts equal those of a 64-way search on random packs
+    (1-token and empty documents, padded sizes equal to cp). Windowed packs, where the work can fall as a
+    cut moves on, search on the 64-way grid their layouts were measured with."""
+
+    def layouts(ways, cases):
+        monkeypatch.setattr(balanced, "_SEARCH_WAYS", ways)
+        balanced._runs.clear()
+        return [balanced.balanced_layout(padded, cp, windows) for padded, cp, windows in cases]
+
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for i in range(40):
+        cp = (2, 3, 4, 8)[i % 4]
+        lengths = torch.randint(0, 3, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        lengths = lengths * torch.randint(0, 900, lengths.shape, generator=g) + (lengths == 1)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).int()
+        if cu[-1] > 0:
+            cases.append((pad_for_cp(cu, cp_size=cp, strategy="balanced"), cp, ()))
+    assert all(torch.equal(a, b) for a, b in zip(layouts(8, cases), layouts(64, cases), strict=True))
+    windowed = [(torch.tensor([0, 16], dtype=torch.int32), 16, (3,))]
+    assert layouts(8, windowed)[0][13:].flatten().tolist() == [14, 13, 12]  # the 64-way grid's cut
+    balanced._runs.clear()

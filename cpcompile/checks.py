@@ -191,11 +191,9 @@ def check_scale_and_bound(scale: object, max_seqlen: object) -> None:
     """``scale``: ``None`` or a finite positive number; ``max_seqlen``: ``None`` or an int of at least 1
     (a launch bound: it is never read as a tensor)."""
     if torch.compiler.is_compiling():
-        # While tracing, max_seqlen may be symbolic (inspecting it would specialise it) and the ops' schemas
-        # type it; a constant scale is checked as in eager, so that a NaN never reaches a compiled kernel.
-        max_seqlen = None
-        if isinstance(scale, (torch.SymFloat, torch.SymInt)):
-            scale = None
+        # While tracing, inspecting them would specialise or break the graph: the ops check ``scale`` again
+        # when they run (``attention.api``), so a NaN never reaches a compiled kernel.
+        return
     if scale is not None and (
         isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
     ):

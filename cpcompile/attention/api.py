@@ -130,8 +130,10 @@ def _packed_attention(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = op_window(causal, window_left, window_right)
-    # the offsets' values are checked here, where both an eager call and a compiled graph (a CP group
-    # of one, say, on a batch that shard_batch padded to a capacity) run; the backward op gets the same
+    # the offsets' values (and the scale) are checked here, where both an eager call and a compiled graph
+    # (a CP group of one, say, on a batch that shard_batch padded to a capacity) run; the backward op gets
+    # the same
+    check_scale_and_bound(scale, None)
     _check_pack_of(q, cu_seqlens, cu_seqlens_padded, max_seqlen)
     pieces = _single_device_pieces(q, cu_seqlens, cu_seqlens_padded, max_seqlen, window)
     band = beyond_gpu(window, whole_documents=cu_seqlens_padded is None)
@@ -303,6 +305,7 @@ def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window, soft
     :class:`~cpcompile.plan.exchange.Exchange` (``None``: all-gather) and the kernel keywords;
     ``plan``: ``(gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)``, the last two the pack's
     offsets the plan carries (``None`` where the op was not given them)."""
+    check_scale_and_bound(scale, None)  # a compiled graph's constant scale, unchecked while tracing
     group = resolve_group(group_name)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)  # before any communication
     ex = exchange_plan(*plan, window, group_name, kv)  # kv: StrategySpec.exchange

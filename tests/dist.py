@@ -42,7 +42,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120) -> None:
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        crash = None
+        crash = raised = None
         try:
             mp.start_processes(
                 _worker,
@@ -50,8 +50,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120) -> None:
                 nprocs=world_size,
                 start_method="spawn",
             )
-        except mp.ProcessRaisedException:
-            pass
+        except mp.ProcessRaisedException as e:  # its traceback is on `errors`, unless it raised before fn ran
+            raised = e
         except mp.ProcessExitedException as e:  # killed by a signal or exited non-zero after fn returned
             crash = e
         failures = []
@@ -62,6 +62,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120) -> None:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)) + crashed)
     if crash is not None:
         raise AssertionError(f"a rank crashed after its checks passed (at teardown or exit): {crash}")
+    if raised is not None:  # e.g. the process group's start failed: never a pass
+        raise AssertionError(f"a rank raised outside its test function: {raised}")
 
 
 def assert_matches_summed_over_ranks(loss, want, model, reference, label: str, tolerance: float) -> None:

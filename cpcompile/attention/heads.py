@@ -34,10 +34,11 @@ from cpcompile.attention.common import (
     softmax_scale,
 )
 from cpcompile.attention.plan_op import fake_plan, plan_op
-from cpcompile.attention.sinks import check_fake_sinks, with_sinks
+from cpcompile.attention.sinks import check_fake_sinks
 from cpcompile.cache import per_plan, twinned
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import heads_to_tokens, kv_replication, replicate, sum_replicas, tokens_to_heads
+from cpcompile.kernels.sinks import joined
 from cpcompile.layouts.reads import keys_read
 from cpcompile.plan.pieces import head_step_plan, max_pieces
 from cpcompile.spec import Strategy, StrategySpec
@@ -197,7 +198,7 @@ def _head_attention(q, k, v, gather_index, cu_q, k_start, k_len, group_name, cau
     out, lse = local.forward(*heads)  # [T, Hq/u, D], [T, Hq/u, 1]
     (out,) = tokens_to_heads([out], group)  # [T_local, Hq, D]
     (lse,) = tokens_to_heads([lse], group)  # [T_local, Hq, 1]
-    out, lse = with_sinks((out, lse.squeeze(-1).t()), sinks)
+    out, lse = joined((out, lse.squeeze(-1).t()), sinks)
     return out.contiguous(), lse.contiguous()  # contiguous whatever q's layout, as the fake says
 
 

@@ -32,11 +32,12 @@ from cpcompile.attention.common import (
     register_attention_autograd,
     softmax_scale,
 )
-from cpcompile.attention.sinks import check_fake_sinks, with_sinks
+from cpcompile.attention.sinks import check_fake_sinks
 from cpcompile.cache import per_plan, readable
 from cpcompile.checks import check_device
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.ring import rotate, shift
+from cpcompile.kernels.sinks import joined
 from cpcompile.plan.ring import block_key_ranges, ring_window_plan
 from cpcompile.plan.window import beyond_gpu
 
@@ -169,7 +170,7 @@ def _ring_attention(
         out, lse = (block[0].to(lse_dtype), block[1]) if lse is None else merge(out, lse, *block)
     if lse is None:  # no piece reads a key
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype, device=q.device)
-    out, lse = with_sinks((out, lse), sinks)  # once, on the merged lse: the sink is one more term of every row
+    out, lse = joined((out, lse), sinks)  # once, on the merged lse: the sink is one more term of every row
     # contiguous whatever q's layout (a head-major q, say) and the kernel made of it, as the fake says
     return out.to(q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
 

@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 
 from cpcompile.checks import check_device
-from cpcompile.kernels.sinks import apply, joined
+from cpcompile.kernels.sinks import apply
 
-__all__ = ["apply", "check_fake_sinks", "check_sinks", "grad", "head_slice", "with_sinks"]
+__all__ = ["apply", "check_fake_sinks", "check_sinks", "grad", "head_slice"]
 
 
 def check_sinks(sinks: object, q: torch.Tensor, what: str = "sinks") -> None:
@@ -66,13 +66,6 @@ def check_fake_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
             sinks.dim() == 1 and sinks.shape[0] == q.shape[1],
             lambda: f"sinks {tuple(sinks.shape)} must be [Hq] for q {tuple(q.shape)}",
         )
-
-
-def with_sinks(out_and_lse: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None):
-    """``(out, lse)`` of paths that merge partial results (the ring) with ``sinks`` applied once, after the
-    merge (:func:`~cpcompile.kernels.sinks.apply`), or as they are without sinks. Paths whose rows each come
-    from one kernel call give the sinks to the kernel instead (``AttentionKernel.forward(sinks=)``)."""
-    return joined(out_and_lse, sinks)
 
 
 def grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -19,5 +19,6 @@ def apply(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[to
 
 
 def joined(out_and_lse: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None):
-    """A backend's ``(out, lse)`` with ``sinks`` applied (:func:`apply`), or as they are without sinks."""
+    """``(out, lse)`` with ``sinks`` applied (:func:`apply`), or as they are without sinks: a backend's that
+    does not join them in its kernel, and the ring's and head parallelism's after their merges."""
     return out_and_lse if sinks is None else apply(*out_and_lse, sinks)

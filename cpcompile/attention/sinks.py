@@ -38,6 +38,7 @@ import torch
 
 from cpcompile.checks import check_device
 from cpcompile.kernels.sinks import apply
+from cpcompile.kernels.triton import sink_grad
 
 __all__ = ["apply", "check_fake_sinks", "check_sinks", "grad", "head_slice"]
 
@@ -68,13 +69,21 @@ def check_fake_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
         )
 
 
+@torch.library.custom_op("cpcompile::sinks_grad", mutates_args=())
+def _grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    return sink_grad.grad(dout, out, lse, sinks)
+
+
+@_grad.register_fake
+def _(dout, out, lse, sinks):
+    return sinks.new_empty(sinks.shape)
+
+
 def grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``d sinks [Hq]`` (sinks' dtype) of this call's rows: ``dout``, and ``out``, ``lse`` as :func:`apply`
-    returned them (``lse_final``)."""
-    acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).t()  # [Hq, T]: D' = rowsum(dO * out_final)
-    share = torch.exp(sinks.to(acc)[:, None] - lse)  # 1 - w, the sink's probability; 1 at rows without keys
-    return (-(share * delta).sum(1)).to(sinks.dtype)
+    returned them (``lse_final``). One pass over ``dout`` and ``out`` on CUDA (``kernels.triton.sink_grad``),
+    in an op: the autograd functions that call it are traced under torch.compile."""
+    return _grad(dout, out, lse, sinks)
 
 
 def head_slice(sinks: torch.Tensor | None, index: int, parts: int) -> torch.Tensor | None:

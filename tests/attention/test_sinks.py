@@ -81,6 +81,13 @@ def test_sink_math_at_rows_without_keys():
     assert torch.allclose(sink_ops.grad(dout, got, final, sinks), want)
 
 
+def test_opcheck_sinks_grad():
+    g = torch.Generator().manual_seed(4)
+    dout, out = torch.randn(2, 5, 3, 8, generator=g)
+    lse, sinks = torch.randn(3, 5, generator=g) + 1, torch.randn(3, generator=g)
+    opcheck(torch.ops.cpcompile.sinks_grad.default, (dout, out, lse, sinks))
+
+
 def test_opcheck_packed_attention_with_sinks():
     cu, cu_p, q, k, v, _ = attention_case([3, 9, 4], padded_lengths=[4, 10, 6], dtype=torch.float64)
     sinks = _sinks(4).requires_grad_()

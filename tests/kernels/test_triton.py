@@ -1,6 +1,7 @@
 """The kernels' Triton helpers, on CPU through their torch fallbacks and on CUDA.
 
-``dead_rows`` against masks built by hand, ``sum_rows`` against loops over the layers.
+``dead_rows`` against masks built by hand, ``sum_rows`` against loops over the layers, ``sink_grad``
+against the sum written out in float64.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompile.kernels.triton import dead_rows, sum_rows
+from cpcompile.kernels.triton import dead_rows, sink_grad, sum_rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 
@@ -70,3 +71,21 @@ def test_sum_rows_kernel_adds_each_keys_rows_over_layers_and_column_blocks():
     assert torch.equal(out.cpu()[some], want[some]) and (out.cpu()[rest] == 7).all()
     rounded = torch.empty(keys, 12, 128, dtype=torch.bfloat16, device="cuda")  # float32 sums, rounded once
     assert torch.equal(sum_rows.sum_rows(partial.cuda(), index.cuda(), rows, rounded).cpu(), want.bfloat16())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+@pytest.mark.parametrize(("rows", "heads", "dim"), [(0, 2, 64), (1, 3, 64), (300, 8, 128), (70, 4, 192)])
+def test_sink_grad_sums_each_heads_rows(device, rows, heads, dim):
+    """Partial blocks of rows, a head dim that is no power of two, no rows at all, and ``dout`` strided
+    (a slice of a wider tensor) as a backward may hand it."""
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(rows, heads, dim + 16, generator=g).to(torch.bfloat16)[..., :dim]
+    out = torch.randn(rows, heads, dim, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=g)
+    lse = torch.logaddexp(torch.randn(heads, rows, generator=g), sinks[:, None])
+    lse[:, : rows // 3] = sinks[:, None]  # rows that see no keys: the sink's probability is 1
+    share = torch.exp(sinks.double()[:, None] - lse.double())
+    want = -(share * (dout.double() * out.double()).sum(-1).t()).sum(1)
+    got = sink_grad.grad(dout.to(device), out.to(device), lse.to(device), sinks.to(device))
+    assert got.dtype == sinks.dtype and got.device.type == device
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4)

@@ -40,6 +40,7 @@ import torch
 
 from cpcompile.attention import packed_attention
 from cpcompile.batch import ShardedBatch, shard_batch
+from cpcompile.cache import upload
 from cpcompile.checks import check_cu_seqlens, data_checks_enabled
 from cpcompile.cost.comm import Heads
 from cpcompile.cost.timing import Topology
@@ -521,5 +522,7 @@ def shard_flattened_batch(
     inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
     if "labels" in tensors:
         inputs["shift_labels"] = inputs["labels"]  # the loss reads shift_labels; labels only switch it on
-        inputs["num_items_in_batch"] = (tensors["labels"] != IGNORE_INDEX).sum().to(cu.device)
+        # counted on the host and uploaded without waiting for the stream, as shard_batch uploads the rest: a
+        # blocking copy would make the host wait for the GPU's previous step before this one's first launch
+        inputs["num_items_in_batch"] = upload((tensors["labels"] != IGNORE_INDEX).sum(), cu.device)
     return inputs, sharded

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
+from cpcompile.cache import upload
 from cpcompile.cost.comm import Heads
 from cpcompile.cost.timing import check_topology, options
 from cpcompile.integrations import hf as cphf
@@ -208,9 +209,14 @@ class CPTrainerMixin:
         return loader
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """The Trainer's count of labelled tokens, taken on the labels as CP shifts them (inside each document)."""
-        if self.cp_config.cp_size > 1:
-            batch_samples = [_with_shift_labels(b) for b in batch_samples]
+        """The Trainer's count of labelled tokens, taken on the labels as the step's loss reads them (shifted
+        inside each document, :meth:`shard_inputs`), uploaded to ``device`` without a host sync.
+
+        The Trainer counts on the loader's (host) batches and moves the count with a blocking copy, which waits
+        for the GPU to finish the previous step: the host's work up to this step's first launch (the Trainer's
+        bookkeeping, the pack's sharding and planning) would then leave the GPU idle. Here the labels it counts
+        are on ``device`` already (pinned, ``non_blocking``), so the count is a kernel queued behind that step."""
+        batch_samples = [_with_shift_labels(b, device) for b in batch_samples]
         return super()._get_num_items_in_batch(batch_samples, device)
 
     def _track_num_input_tokens(self, inputs):
@@ -267,14 +273,18 @@ class CPTrainerMixin:
         return super().prediction_step(*args, **kwargs)
 
 
-def _with_shift_labels(batch: dict) -> dict:
-    """``batch`` with ``shift_labels`` (next-token labels inside each document), which the Trainer counts."""
-    if batch.get("labels") is None or "shift_labels" in batch:
+def _with_shift_labels(batch: dict, device: torch.device) -> dict:
+    """``batch`` with ``shift_labels`` (next-token labels inside each document) on ``device``, which the Trainer
+    counts (:meth:`CPTrainerMixin._get_num_items_in_batch`); the batch's other tensors stay where they are."""
+    if batch.get("labels") is None:
         return batch
-    cu = batch.get("cu_seq_lens_q")
-    if cu is None:
-        cu = cphf.flattened_cu_seqlens(batch["position_ids"])
-    return {**batch, "shift_labels": cphf.shift_labels(batch["labels"], cu)}
+    labels = batch.get("shift_labels")
+    if labels is None:
+        cu = batch.get("cu_seq_lens_q")
+        if cu is None:
+            cu = cphf.flattened_cu_seqlens(batch["position_ids"])
+        labels = cphf.shift_labels(batch["labels"], cu)
+    return {**batch, "shift_labels": upload(labels, device) if labels.device.type == "cpu" else labels}
 
 
 def _with_model_windows(strategy: StrategyLike, windows: tuple[int, ...]) -> StrategyLike:

@@ -202,6 +202,27 @@ def test_config_and_batches_cp_cannot_take_are_refused(tmp_path):
         trainer.shard_inputs({**flattened, "token_type_ids": torch.zeros_like(flattened["input_ids"])})
 
 
+def test_the_step_count_of_labelled_tokens_is_the_losss_at_any_cp_size(tmp_path):
+    """The count the Trainer normalises the loss by is taken on the labels the loss reads (shifted inside each
+    document, as ``shard_inputs`` gives them) also at cp=1: a pack whose labels do not mask each document's first
+    token (the stock Trainer counts ``labels[..., 1:]``, which then counts across documents) counts its tokens
+    minus one per document; a ``DataCollatorWithFlattening`` pack counts what the stock Trainer counts."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = cpt.CPTrainer(model=tiny_llama(), args=args, train_dataset=documents(), cp=1)
+    stock = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=documents())
+    flattened = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(documents()[:3])
+    raw = {**flattened, "labels": flattened["input_ids"]}  # every token labelled, document starts included
+    tokens, docs = flattened["input_ids"].shape[1], flattened["cu_seq_lens_q"].shape[0] - 1
+    cpu = torch.device("cpu")
+    assert int(trainer._get_num_items_in_batch([raw], cpu)) == tokens - docs
+    assert int(stock._get_num_items_in_batch([raw], cpu)) == tokens - 1
+    assert int(trainer._get_num_items_in_batch([flattened], cpu)) == int(
+        stock._get_num_items_in_batch([flattened], cpu)
+    )
+    local, _ = trainer.shard_inputs(raw)
+    assert int((local["shift_labels"] != -100).sum()) == tokens - docs
+
+
 def test_auto_with_a_topology_is_told_the_windows_and_room_for_its_graphs(tmp_path):
     """``auto`` on a sliding-window model weighs the windows (never head parallelism, which attention refuses
     under windows); with a topology the trainer raises Dynamo's recompile limit to hold a graph per option;

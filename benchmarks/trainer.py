@@ -13,8 +13,10 @@ same packs two ways, one after the other, each from a fresh model:
    off (``logging_nan_inf_filter=False``: the filter reads each step's loss on the host, a sync after which
    the GPU idles while the host prepares the next step; docs/trainers.md), the Trainer's other defaults
    included (in recent transformers, the gradient norm it logs, computed every step even without
-   clipping). The Trainer shards each step's pack itself (``CPTrainerMixin.training_step``), inside its
-   step time.
+   clipping: one read of every gradient, the GPU work the trainer does beyond the loop's). The Trainer
+   shards each step's pack itself (``CPTrainerMixin.training_step``), inside its step: with no host sync
+   in the step, the host does it while the GPU still runs the step before, as the loop's sharding
+   beforehand is off the GPU's path.
 
 Both run at cp=1: a world of one process, no process group (``CPConfig(cp_size=1)``: the CP trainer's data,
 loss and compilation path with nothing to communicate). The fake process group that ``e2e.py`` uses to time
@@ -27,8 +29,12 @@ sharded and no DDP wraps the model; a trainer "rank 0 of cp=8" on it would not b
 Reported per side: step ms (median of ``--steps`` steps back to back, each from the end of the step before:
 the loop's by ``e2e.step_times``, the trainer's by a ``TrainerCallback`` recording a CUDA event at each
 ``on_step_end``, which follows the optimizer step and ``zero_grad``), tokens/s per GPU, MFU (``e2e.py``'s
-definition: 6 x matmul params x tokens + causal attention, over 989 TFLOP/s), graphs compiled, peak memory;
-and trainer / loop, the ratio of their tokens/s. Warm-up: the loop runs one step per pack, ``--warmup`` steps
+definition: 6 x matmul params x tokens + causal attention, over 989 TFLOP/s), graphs compiled, peak memory,
+host syncs per step (where the host waits for the GPU, which then idles until the host's next launch: the
+loop's counted in the profile of one step as ``e2e.py`` counts them; the trainer's, the operations that
+``torch.cuda.set_sync_debug_mode("warn")`` flags over the timed steps, divided by their number; 0 is what
+keeps the host's per-step work, the Trainer's and the sharding, off the GPU's time); and trainer / loop,
+the ratio of their tokens/s. Warm-up: the loop runs one step per pack, ``--warmup`` steps
 and one untimed step; the trainer at least as many untimed steps, a whole number of passes over the packs,
 so both time the packs in the same order from the first.
 
@@ -41,9 +47,11 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import re
 import statistics
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +66,8 @@ from cpcompile.advisor.advise import length_sampler, positive_int, spec_name  # 
 from cpcompile.testing import hf_llama  # noqa: E402
 
 HEADING = "## Trainer integration (benchmarks/trainer.py)"
+#: What ``torch.cuda.set_sync_debug_mode("warn")`` says at each operation that makes the host wait for the GPU.
+SYNC_WARNING = "called a synchronizing CUDA operation"
 SMOKE = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, tokens=256, packs=2, steps=2,
              warmup=0)  # fmt: skip
 
@@ -112,7 +122,8 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
     untimed = len(packs) * math.ceil((len(packs) + args.warmup + 1) / len(packs))  # whole passes over the packs
 
     class StepEnds(TrainerCallback):
-        """A mark at the end of every optimizer step; peak memory counted from the last untimed one."""
+        """A mark at the end of every optimizer step; peak memory and host syncs counted from the last untimed
+        one to the last step's (before the Trainer logs it: its loss is read on the host once per logging)."""
 
         def __init__(self):
             self.marks = []
@@ -121,6 +132,9 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
             self.marks.append(e2e.mark(cuda))
             if cuda and len(self.marks) == untimed:
                 torch.cuda.reset_peak_memory_stats()
+                torch.cuda.set_sync_debug_mode("warn")
+            if cuda and len(self.marks) == total:
+                torch.cuda.set_sync_debug_mode(0)
 
     class InOrder(CPTrainer):
         """The packs in the dataset's order, as the loop takes them (the Trainer's default sampler shuffles)."""
@@ -154,7 +168,13 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
             callbacks=[ends],
             cp=CPConfig(cp_size=1, strategy=args.spec, inner=args.inner, regional=args.regional),
         )
-        trainer.train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message=SYNC_WARNING)
+            trainer.train()
+    syncs = [w for w in caught if re.match(SYNC_WARNING, str(w.message))]
+    for w in caught:  # the others, as they would have been shown
+        if w not in syncs:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if cuda:
         torch.cuda.synchronize()
     marks = ends.marks[untimed - 1 :]
@@ -166,17 +186,18 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
     flops = statistics.mean(e2e.pack_flops(cu, params, args) for cu in packs)
     graphs = counters["stats"]["unique_graphs"]
     return dict(side="trainer", ms=statistics.median(times), flops=flops, params=params, graphs=graphs, peak=peak,
-                untimed=untimed)  # fmt: skip
+                untimed=untimed, syncs=len(syncs) / args.steps if cuda else None)  # fmt: skip
 
 
 def row_cells(row: dict, tokens: int, loop: dict | None) -> str:
     if row.get("missing"):
-        return f"| {row['side']} | not run: {row['missing']} |" + " |" * 5
+        return f"| {row['side']} | not run: {row['missing']} |" + " |" * 6
     s = row["ms"] / 1e3
     ratio = "1" if row is loop else f"{loop['ms'] / row['ms']:.3f}" if loop else "-"
     peak = "-" if row["peak"] is None else f"{row['peak']:.1f}"
+    syncs = "-" if row.get("syncs") is None else f"{row['syncs']:g}"
     cells = [row["side"], f"{row['ms']:.1f}", f"{tokens / s:,.0f}", f"{row['flops'] / s / e2e.PEAK_FLOPS:.3f}",
-             ratio, row["graphs"], peak]  # fmt: skip
+             ratio, row["graphs"], peak, syncs]  # fmt: skip
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -221,7 +242,7 @@ def main() -> None:
         trainer = measure_trainer(args, packs, device)
         release(device)
     rows = [loop, trainer]
-    columns = "run|step ms|tokens/s per GPU|MFU|tokens/s vs loop|graphs|peak GiB".split("|")
+    columns = "run|step ms|tokens/s per GPU|MFU|tokens/s vs loop|graphs|peak GiB|host syncs per step".split("|")
     table = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     table += [row_cells(r, args.tokens, loop) for r in rows]
     lines = [*header(HEADING), *intro(args, rows, packs), *table]

@@ -45,6 +45,7 @@ section says why the trainer did not, nothing is written to ``--output``, and th
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import math
 import re
@@ -172,6 +173,8 @@ def measure_trainer(args, packs: list[torch.Tensor], device: torch.device) -> di
             warnings.filterwarnings("always", message=SYNC_WARNING)
             trainer.train()
     syncs = [w for w in caught if re.match(SYNC_WARNING, str(w.message))]
+    for site, n in collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs).most_common():
+        print(f"  host sync in the timed steps: {n} x {site}", file=sys.stderr, flush=True)
     for w in caught:  # the others, as they would have been shown
         if w not in syncs:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

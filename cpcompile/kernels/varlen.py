@@ -257,8 +257,9 @@ class VarlenKernel:
         ends = cu_k[:, :-1] + used_k
         torch._assert_async((ends <= cu_k[:, 1:]).all(), "pieces' key ranges overlap or fall within a layer")
         launch = (max_q, max_k, causal, scale, *mask)  # mask: (window, softcap)
-        # in turn, on the capture's stream: other streams would have to be forked and joined in the graph
-        dq, dks, dvs = self._layer_calls(dout, q, k, v, out, lse, calls, layers, launch, False)
+        # side by side, as outside a graph: a capture records the side stream's work as a branch of the graph
+        # (forked from the capture's stream and joined back into it, its memory from the graph's pool)
+        dq, dks, dvs = self._layer_calls(dout, q, k, v, out, lse, calls, layers, launch, True)
         dq = dead_rows.zero(dq, dead_rows.live_rows(cu_q, k_len, q.shape[0]))
         if grads is not None and grads.partial:
             return dq, *(KeyPartials(partial, calls.index, layers * n) for partial in (dks, dvs))

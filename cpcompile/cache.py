@@ -51,7 +51,10 @@ Under a CUDA graph capture (a captured CP step: docs/cuda-graphs.md) nothing is 
 looked up: a capture records kernels, not host work, so a value found on the host would be
 the one replayed for every later pack. Derivations then run on the device in the capture
 (:func:`capturing`), and an upload from the host, which would replay the captured pack's
-values, raises.
+values, raises. Within one capture that a :class:`cpcompile.CapturedStep` makes
+(:func:`within_capture`), a derivation made on the device is kept until that capture ends: the
+kernels that made it are recorded once and rerun at every replay, before every layer that reads
+it, as outside a graph a step's plan is derived once for all its layers.
 """
 
 from __future__ import annotations
@@ -129,6 +132,38 @@ NOT_CAPTURED = (torch.Tag.cudagraph_unsafe,)
 
 
 _uncached = threading.local()
+
+
+class _Scope:
+    """The derivations kept while a :class:`cpcompile.CapturedStep` captures (:func:`within_capture`):
+    ``(fn, key) -> (result, arguments)``, for every thread (the autograd engine runs the captured backward
+    on a thread of its own); ``None`` outside such a capture."""
+
+    entries: dict | None = None
+    lock = threading.Lock()
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def within_capture():
+    """Within, while the current stream captures a CUDA graph (entered inside the capture, so that what
+    it keeps is freed before the capture ends, as the graph's other temporaries are): :func:`per_plan`
+    keeps what it derives on the device, whatever :func:`uncached` says, until the end, and holds its
+    argument tensors meanwhile, so that no other tensor takes their memory and key. Each layer of a
+    captured step then reads the derivations of the first: their kernels are recorded once and rerun at
+    every replay from the plan slots' new values, before the layers that read them. For a capture of
+    one whole step (:class:`cpcompile.CapturedStep`), not for cudagraph trees', whose parts' first
+    calls run without a capture in the graphs' pool, where nothing may outlive a call."""
+    if _SCOPE.entries is not None:
+        raise RuntimeError("cpcompile.cache.within_capture: one capture at a time")
+    _SCOPE.entries = {}
+    try:
+        yield
+    finally:
+        with _SCOPE.lock:
+            _SCOPE.entries = None
 
 
 @contextlib.contextmanager
@@ -223,7 +258,8 @@ def per_plan(fn):
     not in CUDA tensors, whose values are never read here (module docstring). Inference tensors have
     no version counter, and CUDA graph replays' outputs (:func:`replayed`) change with the same
     version: calls with them are not cached, nor calls while a CUDA graph is captured
-    (:func:`capturing`: each capture derives its own, on the device). ``fn`` must not communicate:
+    (:func:`capturing`: each capture derives its own, on the device; a :class:`cpcompile.CapturedStep`'s
+    capture keeps it for its other layers, :func:`within_capture`). ``fn`` must not communicate:
     which entries a rank keeps depends on when it frees tensors, so ranks would not
     miss alike.
     """
@@ -231,6 +267,8 @@ def per_plan(fn):
 
     @functools.wraps(fn)
     def wrapper(*args):
+        if _SCOPE.entries is not None and capturing():
+            return _in_capture(fn, args)
         uncacheable = getattr(_uncached, "on", False) or capturing()
         if uncacheable or any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
             return fn(*args)
@@ -242,6 +280,21 @@ def per_plan(fn):
         return result
 
     return wrapper
+
+
+def _in_capture(fn, args: tuple):
+    """``fn(*args)``, kept for the rest of the capture under way (:func:`within_capture`)."""
+    key = (fn, tuple(_key(a) for a in args))
+    with _SCOPE.lock:
+        entries = _SCOPE.entries
+        found = None if entries is None else entries.get(key)
+    if found is not None:
+        return found[0]
+    result = fn(*args)
+    with _SCOPE.lock:
+        if _SCOPE.entries is not None:  # the arguments held too: no other tensor takes their memory and key
+            _SCOPE.entries.setdefault(key, (result, args))
+    return result
 
 
 # --- host twins -----------------------------------------------------------------------

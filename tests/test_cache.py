@@ -22,7 +22,9 @@ from cpcompile.cache import (
     token,
     twin,
     twinned,
+    uncached,
     upload,
+    within_capture,
 )
 from cpcompile.plan.pieces import step_plan
 
@@ -215,6 +217,42 @@ def test_a_cuda_graph_replays_outputs_are_never_known_by_their_memory():
         torch._C._remove_cached_tensor(out)
         enabled(False)
     assert total(out) == 13 and total(out) == 13 and len(calls) == 4  # an ordinary tensor again: cached
+
+
+def test_a_captured_steps_capture_derives_each_plan_once_for_its_layers(monkeypatch):
+    """In a CUDA graph capture nothing is cached across calls (each capture derives its own, on the
+    device), except within the capture of a whole step (``within_capture``, a CapturedStep's): there the
+    first layer's derivation serves the others, whatever ``uncached`` says (the captured ops run in it),
+    until the capture ends. Simulated on CPU: ``capturing`` made true."""
+    import cpcompile.cache as cache
+
+    calls = []
+
+    @per_plan
+    def derived(x, n):
+        calls.append(n)
+        return x * n
+
+    monkeypatch.setattr(cache, "capturing", lambda: True)
+    x = torch.arange(4)
+    with uncached():
+        assert derived(x, 2) is not derived(x, 2) and calls == [2, 2]  # a capture of cudagraph trees' part
+    derived(x, 2)
+    assert calls == [2, 2, 2]  # nor outside uncached: nothing kept in a capture by default
+    with within_capture(), uncached():
+        first = derived(x, 2)
+        assert derived(x, 2) is first and derived(x[:], 2) is first and calls == [2, 2, 2, 2]  # the next layers
+        assert torch.equal(derived(x, 3), x * 3) and calls[-1] == 3  # another argument
+        x.add_(1)  # written in the capture: derived again
+        assert torch.equal(derived(x, 2), x * 2) and len(calls) == 6
+        with pytest.raises(RuntimeError, match="one capture at a time"):
+            with within_capture():
+                pass
+    derived(x, 2)
+    assert len(calls) == 7  # the capture's derivations went with it
+    monkeypatch.setattr(cache, "capturing", lambda: False)
+    with within_capture():  # not capturing (a CapturedStep's warm-up runs without one): the per-plan cache
+        assert derived(x, 5) is derived(x, 5)
 
 
 def _refilled_packs(docs: int, dtype=np.int32):

@@ -16,9 +16,11 @@ of the bucket (docs/cuda-graphs.md). What it gives up for that:
   writes every dK/dV row into new buffers of the capture rather than the read rows into kept ones;
 - no window (a window's keys come from ``window_keys``, not captured yet), no head parallelism.
 
-Nothing derived from the plan is cached across calls (``cache.uncached``): each capture derives
+Nothing derived from the plan is cached across captures (``cache.uncached``): each capture derives
 its own on the device, and cudagraph trees' first call of a part, run in the graphs' memory pool
-without a capture, may leave nothing alive there. The plan op (``cp_plan``) stays outside the
+without a capture, may leave nothing alive there. Within the one capture of a whole step that a
+:class:`cpcompile.CapturedStep` makes, the first layer's derivations serve the others
+(``cache.within_capture``), as a step's plan derivations do outside a graph. The plan op (``cp_plan``) stays outside the
 capture, on the host, once per step: the compiler places it at the start of the graph
 (``passes.shard_attention``), so that the rest of the forward is one captured part, and its device
 tensors are the capture's inputs, copied in at each replay.

@@ -25,6 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
+from cpcompile.cache import within_capture
 from cpcompile.plan.pieces import every_rank_plan
 from cpcompile.plan.slots import ACTIVE, PlanSlots, location
 from cpcompile.spec import current_spec
@@ -172,7 +173,8 @@ class CapturedStep:
         bucket.slots.capture(static, layers)
         ACTIVE.slots = bucket.slots
         try:
-            with torch.cuda.graph(graph, pool=bucket.pool):
+            # each layer's captured attention reads the plan's device derivations the first one made
+            with torch.cuda.graph(graph, pool=bucket.pool), within_capture():
                 out = self._step(*pytree.tree_unflatten(static, spec))
         finally:
             ACTIVE.slots = None

@@ -309,10 +309,11 @@ def test_cp_attention_and_a_compiled_model_on_packs_padded_to_a_capacity():
 
 
 def test_every_op_but_the_captured_pair_is_kept_out_of_cuda_graphs():
-    """Every cpcompile op but ``cp_attention_captured`` and its backward carries torch's
-    ``cudagraph_unsafe`` tag: the plan and attention ops read their tensors' values on the host (a
+    """Every cpcompile op but ``cp_attention_captured`` and its backward, and ``sinks_grad``, carries
+    torch's ``cudagraph_unsafe`` tag: the plan and attention ops read their tensors' values on the host (a
     captured call would replay the pack it was captured on), so inductor's graph partitions leave
-    them out of any CUDA graph (docs/cuda-graphs.md); the captured pair reads nothing on the host."""
+    them out of any CUDA graph (docs/cuda-graphs.md); the captured pair reads nothing on the host, nor
+    does the sinks' gradient (one kernel over its inputs, of their shapes)."""
     import cpcompile.layouts.balanced_op  # noqa: F401  (registered where balanced first lays out a pack)
 
     tag = torch.Tag.cudagraph_unsafe
@@ -320,7 +321,8 @@ def test_every_op_but_the_captured_pair_is_kept_out_of_cuda_graphs():
     packets = {n: p for n, p in packets.items() if isinstance(p, torch._ops.OpOverloadPacket)}
     assert {"cp_plan", "cp_attention", "cp_attention_backward", "packed_attention", "ag_gemm"} <= set(packets)
     untagged = {f"{n}.{o}" for n, p in packets.items() for o in p.overloads() if tag not in getattr(p, o).tags}
-    assert untagged == {"cp_attention_captured.default", "cp_attention_captured_backward.default"}, untagged
+    captured = {"cp_attention_captured.default", "cp_attention_captured_backward.default", "sinks_grad.default"}
+    assert untagged == captured, untagged
 
 
 class TorchCompileMode(FakeGroupTestCase):

@@ -89,3 +89,29 @@ def test_sink_grad_sums_each_heads_rows(device, rows, heads, dim):
     got = sink_grad.grad(dout.to(device), out.to(device), lse.to(device), sinks.to(device))
     assert got.dtype == sinks.dtype and got.device.type == device
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+@pytest.mark.parametrize("layout", ["strided sinks", "expanded sinks", "token-major lse", "bf16 sinks", "no dims"])
+def test_sink_grad_reads_every_layout_its_inputs_come_in(device, layout):
+    """Inputs of any strides (a sink shared by every head, ``expand``-ed; ``sinks`` a strided view; ``lse`` a
+    transposed ``[T, Hq]`` buffer), made on the device (``to`` would copy them contiguous), sinks in bf16 (the
+    gradient in their dtype), and ``Dv = 0``: each as the sum written out in float64."""
+    g = torch.Generator().manual_seed(5)
+    rows, heads, dim = 70, 4, 0 if layout == "no dims" else 48
+    dout, out = (torch.randn(rows, heads, dim, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(2 * heads, generator=g).to(device)
+    sinks = sinks[::2] if layout == "strided sinks" else sinks[:heads]
+    if layout == "expanded sinks":
+        sinks = sinks[:1].expand(heads)
+    elif layout == "bf16 sinks":
+        sinks = sinks.to(torch.bfloat16)
+    lse = torch.logaddexp(torch.randn(heads, rows, generator=g).to(device), sinks.float()[:, None])
+    if layout == "token-major lse":
+        lse = lse.t().contiguous().t()
+    share = torch.exp(sinks.double()[:, None] - lse.double())
+    want = -(share * (dout.double() * out.double()).sum(-1).t()).sum(1)
+    got = sink_grad.grad(dout, out, lse, sinks)
+    assert got.dtype == sinks.dtype and got.device.type == device
+    tolerance = dict(rtol=1e-2, atol=1e-2) if sinks.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.double(), want, **tolerance)

@@ -37,11 +37,12 @@ if triton is not None:
     @triton.jit
     def _partials(
         dout, out, lse, sinks, partial, num_rows, width,
-        dout_t, dout_h, out_t, out_h, lse_h, lse_t,
+        dout_t, dout_h, out_t, out_h, lse_h, lse_t, sinks_h,
         rows_per: tl.constexpr, block_d: tl.constexpr,
     ):  # fmt: skip
         # program (block b of rows_per rows, head h): partial[h, b] = -sum_t exp(sinks[h] - lse[h, t]) * D'[t, h]
-        b, h = tl.program_id(0), tl.program_id(1)
+        # (offsets in int64: a head-major dout's or lse's h * stride may pass 2**31)
+        b, h = tl.program_id(0), tl.program_id(1).to(tl.int64)
         rows = b * rows_per + tl.arange(0, rows_per)
         inside = rows < num_rows
         cols = tl.arange(0, block_d)
@@ -51,7 +52,7 @@ if triton is not None:
         o = tl.load(out + r * out_t + h * out_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         delta = tl.sum(do * o, axis=1)  # [rows_per]
         row_lse = tl.load(lse + h * lse_h + rows.to(tl.int64) * lse_t, mask=inside, other=0.0)
-        share = tl.exp(tl.load(sinks + h).to(tl.float32) - row_lse)
+        share = tl.exp(tl.load(sinks + h * sinks_h).to(tl.float32) - row_lse)
         total = tl.sum(tl.where(inside, share * delta, 0.0), axis=0)
         tl.store(partial + h * tl.num_programs(0) + b, -total)
 
@@ -74,14 +75,14 @@ def grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.
     if not _served(dout, out, lse):
         return reference(dout, out, lse, sinks)
     num_rows, heads, width = out.shape
-    block_d = triton.next_power_of_2(width)
+    block_d = triton.next_power_of_2(max(width, 1))  # Dv = 0: a block of masked columns, dot products 0
     rows_per = max(1, _ELEMENTS // block_d)
     blocks = max(1, triton.cdiv(num_rows, rows_per))
     partial = torch.empty(heads, blocks, dtype=torch.float32, device=out.device)
     with torch.cuda.device(out.device):  # launched on that device's current stream
         _partials[(blocks, heads)](
             dout, out, lse, sinks, partial, num_rows, width,
-            dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), sinks.stride(0),
             rows_per=rows_per, block_d=block_d,
         )  # fmt: skip
     return partial.sum(1).to(sinks.dtype)

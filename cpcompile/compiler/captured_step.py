@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
 from cpcompile.cache import within_capture
-from cpcompile.plan.pieces import every_rank_plan
+from cpcompile.plan.pieces import every_rank_key_ranges
 from cpcompile.plan.slots import ACTIVE, PlanSlots, location
 from cpcompile.spec import current_spec
 
@@ -62,10 +62,10 @@ def pack_layers(calls: dict) -> int:
     """The layers of pieces over one key that a pack's plans need on the rank that needs the most, at least 1
     (``calls``: its plan op calls, ``PlanSlots.calls``). A captured attention backward runs one kernel call
     per layer, each over every key and query row however few pieces it has, so a pack needing one runs in a
-    graph of one. The count is every rank's: each rank makes the others' plans from the global offsets on the
-    host (``plan.pieces.every_rank_plan``, no communication), so that all ranks replay the graph of one count,
-    captured on the same call (a rank holding the head and the tail of a cut document needs two where its
-    peers need one)."""
+    graph of one. The count is every rank's: each rank lays the pack out and finds every rank's pieces' key
+    ranges on the host (``plan.pieces.every_rank_key_ranges``, no communication), so that all ranks replay
+    the graph of one count, captured on the same call (a rank holding the head and the tail of a cut
+    document needs two where its peers need one)."""
     need = 1
     for (make, _), args in calls.items():
         if make is not step_plan_in_layers:  # the attention plan (``cp_plan``); other plans are not captured
@@ -74,8 +74,11 @@ def pack_layers(calls: dict) -> int:
         bound.apply_defaults()
         given = dict(bound.arguments)
         del given["rank"], given["layers"]
-        for plan in every_rank_plan(**given):
-            need = max(need, layers_needed(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full)[0])
+        rank, k_start, *k_lens = every_rank_key_ranges(**given)
+        for r in rank.unique().tolist():
+            mine = rank == r  # its pieces that see keys, each given one query row: layers count key ranges
+            ones = torch.arange(int(mine.sum()) + 1)
+            need = max(need, layers_needed(ones, k_start[mine], *(k[mine] for k in k_lens))[0])
     return need
 
 

@@ -34,7 +34,7 @@ from cpcompile.cache import on_host, per_plan, upload
 from cpcompile.checks import check_cp, check_int, check_offsets
 from cpcompile.cost.model import auto_candidates, resolve_auto
 from cpcompile.layouts.pack import Pack
-from cpcompile.layouts.partition import piece_marks
+from cpcompile.layouts.partition import layout_runs, piece_marks, run_pieces
 from cpcompile.spec import Strategy, StrategyLike, StrategySpec, resolve_strategy
 
 
@@ -263,15 +263,21 @@ def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_siz
     return AttentionPlan(*(upload(t, cu_seqlens.device) for t in make(cu, padded, strategy=spec, **kw)))
 
 
-def every_rank_plan(
+def every_rank_key_ranges(
     cu_seqlens, cu_seqlens_padded, num_tokens, cp_size: int, strategy: str, stripe_size: int, windows=(), capacity=()
-) -> list[AttentionPlan]:  # fmt: skip
-    """Every rank's :func:`step_plan` of a pack (the arguments after ``rank``'s place as its), on the host:
-    the pack laid out once. What a rank derives from its peers' pieces without communication (the layers
-    of pieces a captured step's graph is chosen by, ``compiler.captured_step.pack_layers``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Every rank's pieces that see keys, of a pack (the arguments after ``rank``'s place as :func:`step_plan`'s),
+    on the host: ``(rank, k_start, k_len_causal, k_len_full)``, each ``[P]`` int64, the fields of the ranks'
+    plans for those pieces, in no particular order. From the layout's runs (no value per token, where
+    :func:`step_plan` marks a rank's tokens): what a rank derives from its peers' pieces without communication
+    (the layers of pieces a captured step's graph is chosen by, ``compiler.captured_step.pack_layers``)."""
     cu, padded, spec = _host_spec(cu_seqlens, cu_seqlens_padded, strategy, stripe_size, windows, capacity)
-    requested, pack = pack_of(cu, padded, cp_size, spec, num_tokens)
-    return [_rank_plan(pack, requested, cu, rank) for rank in range(cp_size)]
+    _, pack = pack_of(cu, padded, cp_size, spec, num_tokens)
+    row, _, length, doc, pos, real = run_pieces(*layout_runs(pack.layout), cu, pack.cu_seqlens_padded)
+    live = real & (length > 0)  # as a plan's: a real piece (its rows, pieces of padding see no keys)
+    d = doc[live]
+    real_len = (cu[1:] - cu[:-1]).long()
+    return row[live], pack.cu_seqlens_padded.long()[d], (pos + length)[live], real_len[d]
 
 
 @per_plan

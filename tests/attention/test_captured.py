@@ -11,6 +11,7 @@ run (captures, replays, equal losses) is ``benchmarks/cuda_graphs.py`` (``tests/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from unittest import mock
 
@@ -348,6 +349,34 @@ def test_a_captured_backward_runs_the_layers_its_capturing_step_was_told():
     # balanced cuts the long document into rank 0's head and tail: rank 1 needs one layer, the pack two,
     # so that both ranks replay the graph of two
     assert counts([1, 300], "balanced") == ([2, 1], 2)
+
+
+def test_a_packs_count_of_layers_is_every_ranks_plans_most_on_random_packs():
+    """``pack_layers`` (every rank's pieces from the layout's runs) against each rank's own plan made token by
+    token (``step_plan``, ``layers_needed``), on random packs of every kind, every layout, cp 2-8, with and
+    without a capacity bucket and a window."""
+    from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
+    from cpcompile.compiler.captured_step import pack_layers
+    from cpcompile.plan.pieces import plan_extras, step_plan
+
+    rng = random.Random(11)
+    for case in range(120):
+        cp, kind = rng.choice([2, 3, 4, 8]), KINDS[case % len(KINDS)]
+        lengths = random_pack(rng, cp, kind)
+        spec = StrategySpec(rng.choice(["balanced", "dual_chunk_swap", "striped", "no_load_balance"]))
+        if case % 3 == 1 and spec.strategy.value == "balanced":  # windows shape balanced's layout alone
+            spec = StrategySpec(spec.strategy, windows=(rng.randint(1, 8),))
+        cu = cu_seqlens(lengths)
+        if case % 4 == 2:  # a bucket of more tokens and documents, as shard_batch pads a pack to it
+            spec = dataclasses.replace(spec, capacity=cpcompile.layouts.capacity_for([cu], cp_size=cp, strategy=spec))
+            tokens = {"x": torch.zeros(int(cu[-1]))}
+            batch = cpcompile.shard_batch(tokens, cu, cp_size=cp, rank=0, strategy=spec)
+            cu, padded = batch.cu_seqlens, batch.cu_seqlens_padded
+        else:
+            padded = cpcompile.layouts.pad_for_cp(cu, cp_size=cp, strategy=spec)
+        args = (cu, padded, int(padded[-1]), cp, 0, spec.strategy.value, spec.stripe_size, *plan_extras(spec))
+        own = [layers_needed(*step_plan(*args[:4], r, *args[5:])[1:5])[0] for r in range(cp)]
+        assert pack_layers({(step_plan_in_layers, None): args}) == max(1, *own), (lengths, cp, spec)
 
 
 def test_a_captured_step_knows_inputs_by_memory_and_plans_from_any_thread():

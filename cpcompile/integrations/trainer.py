@@ -275,8 +275,13 @@ class CPTrainerMixin:
 
 def _with_shift_labels(batch: dict, device: torch.device) -> dict:
     """``batch`` with ``shift_labels`` (next-token labels inside each document) on ``device``, which the Trainer
-    counts (:meth:`CPTrainerMixin._get_num_items_in_batch`); the batch's other tensors stay where they are."""
-    if batch.get("labels") is None:
+    counts (:meth:`CPTrainerMixin._get_num_items_in_batch`); the batch's other tensors stay where they are. A
+    batch that is not flattened comes back as it is: the Trainer counts it, and :meth:`CPTrainerMixin.shard_inputs`
+    then refuses it, saying why (it has no documents to shift inside)."""
+    unflattened = batch.get("attention_mask") is not None or (
+        "cu_seq_lens_q" not in batch and "position_ids" not in batch
+    )
+    if batch.get("labels") is None or unflattened:
         return batch
     labels = batch.get("shift_labels")
     if labels is None:

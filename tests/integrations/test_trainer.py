@@ -202,6 +202,20 @@ def test_config_and_batches_cp_cannot_take_are_refused(tmp_path):
         trainer.shard_inputs({**flattened, "token_type_ids": torch.zeros_like(flattened["input_ids"])})
 
 
+def test_a_padded_batch_is_refused_by_the_step_not_by_the_count_of_its_tokens(tmp_path):
+    """The Trainer counts a step's labelled tokens before the step: a padded batch (``attention_mask``, no
+    ``position_ids``) reaches ``shard_inputs``, which says what to use, rather than failing in the count."""
+
+    def padded(docs):
+        batch = transformers.DataCollatorWithPadding(tokenizer())(docs)
+        return {**batch, "labels": batch["input_ids"]}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    trainer = cpt.CPTrainer(model=tiny_llama(), args=args, train_dataset=documents(4), data_collator=padded, cp=1)
+    with pytest.raises(ValueError, match="the batch has an attention_mask"):
+        trainer.train()
+
+
 def test_the_step_count_of_labelled_tokens_is_the_losss_at_any_cp_size(tmp_path):
     """The count the Trainer normalises the loss by is taken on the labels the loss reads (shifted inside each
     document, as ``shard_inputs`` gives them) also at cp=1: a pack whose labels do not mask each document's first

@@ -523,6 +523,8 @@ def shard_flattened_batch(
     if "labels" in tensors:
         inputs["shift_labels"] = inputs["labels"]  # the loss reads shift_labels; labels only switch it on
         # counted on the host and uploaded without waiting for the stream, as shard_batch uploads the rest: a
-        # blocking copy would make the host wait for the GPU's previous step before this one's first launch
-        inputs["num_items_in_batch"] = upload((tensors["labels"] != IGNORE_INDEX).sum(), cu.device)
+        # blocking copy would make the host wait for the GPU's previous step before this one's first launch (a
+        # batch already on the device is counted there)
+        count = (tensors["labels"] != IGNORE_INDEX).sum()
+        inputs["num_items_in_batch"] = upload(count, cu.device) if count.device.type == "cpu" else count
     return inputs, sharded

@@ -247,6 +247,18 @@ def test_shard_keeps_global_metadata():
     assert inputs["position_ids"][0].tolist() == full[sharded.indices].tolist()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_a_batch_on_the_device_is_sharded_there_with_its_label_count():
+    """A batch already on the GPU (no ``device``): its labelled tokens counted there, as on the host (an upload
+    takes host tensors: it pins them)."""
+    host = flattened_batch([7, 5], seed=1)
+    batch = {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in host.items()}
+    inputs, _ = cphf.shard_flattened_batch(batch, cp_size=2, rank=1, strategy="dual_chunk_swap")
+    count = inputs["num_items_in_batch"]
+    assert count.device == batch["input_ids"].device and int(count) == 7 - 1 + 5 - 1
+
+
 def test_auto_with_a_topology_decides_from_the_models_heads():
     from cpcompile.cost.comm import Heads
     from cpcompile.cost.timing import resolve

@@ -283,7 +283,11 @@ def per_plan(fn):
 
 
 def _in_capture(fn, args: tuple):
-    """``fn(*args)``, kept for the rest of the capture under way (:func:`within_capture`)."""
+    """``fn(*args)``, kept for the rest of the capture under way (:func:`within_capture`); not kept with
+    inference tensors among ``args`` (no version counter to key them by: a step captured under
+    ``torch.inference_mode``)."""
+    if any(isinstance(a, torch.Tensor) and a.is_inference() for a in args):
+        return fn(*args)
     key = (fn, tuple(_key(a) for a in args))
     with _SCOPE.lock:
         entries = _SCOPE.entries

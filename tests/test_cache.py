@@ -250,6 +250,10 @@ def test_a_captured_steps_capture_derives_each_plan_once_for_its_layers(monkeypa
                 pass
     derived(x, 2)
     assert len(calls) == 7  # the capture's derivations went with it
+    with within_capture(), torch.inference_mode():  # a step captured under inference mode: nothing to key by
+        plan = torch.arange(4)
+        assert torch.equal(derived(plan, 2), plan * 2) and torch.equal(derived(plan, 2), plan * 2)
+    assert len(calls) == 9
     monkeypatch.setattr(cache, "capturing", lambda: False)
     with within_capture():  # not capturing (a CapturedStep's warm-up runs without one): the per-plan cache
         assert derived(x, 5) is derived(x, 5)

@@ -216,7 +216,7 @@ def test_a_padded_batch_is_refused_by_the_step_not_by_the_count_of_its_tokens(tm
         trainer.train()
 
 
-def test_the_step_count_of_labelled_tokens_is_the_losss_at_any_cp_size(tmp_path):
+def test_the_step_count_of_labelled_tokens_is_the_loss_count_at_any_cp_size(tmp_path):
     """The count the Trainer normalises the loss by is taken on the labels the loss reads (shifted inside each
     document, as ``shard_inputs`` gives them) also at cp=1: a pack whose labels do not mask each document's first
     token (the stock Trainer counts ``labels[..., 1:]``, which then counts across documents) counts its tokens

@@ -111,12 +111,18 @@ def layers_needed(cu_q, k_start, k_len_causal, k_len_full) -> tuple[int, bool]:
     in start order). On the host twins; once per plan."""
     cu_q, k_start, *lens = readable(cu_q, k_start, k_len_causal, k_len_full)
     q_len = cu_q[1:] - cu_q[:-1]
+    return key_layers(k_start, *(torch.where(q_len > 0, k_len, 0) for k_len in lens))
+
+
+def key_layers(k_start: torch.Tensor, *k_lens: torch.Tensor) -> tuple[int, bool]:
+    """:func:`layers_needed` of key ranges ``[k_start, k_start + k_len)`` (``[P]`` each, on the host; a range
+    of no key reads nothing), one ``k_len`` per mask: the most ranges over one key, and whether the ranges
+    that read keys have starts that never fall, and ends that never fall in start order."""
     need, ordered = 0, True
-    for k_len in lens:
-        live = torch.where(q_len > 0, k_len, 0)
-        layer, proper = scratch.layers(k_start, live)
-        starts = k_start[live > 0]
-        need = max(need, int(layer.max()) + 1 if bool((live > 0).any()) else 0)
+    for k_len in k_lens:
+        layer, proper = scratch.layers(k_start, k_len)
+        starts = k_start[k_len > 0]
+        need = max(need, int(layer.max()) + 1 if starts.numel() else 0)
         ordered = ordered and bool((starts[1:] >= starts[:-1]).all()) and bool(proper)
     return need, ordered
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from cpcompile.attention.plan_op import layers_needed, step_plan_in_layers
+from cpcompile.attention.plan_op import key_layers, step_plan_in_layers
 from cpcompile.cache import within_capture
 from cpcompile.plan.pieces import every_rank_key_ranges
 from cpcompile.plan.slots import ACTIVE, PlanSlots, location
@@ -75,10 +75,9 @@ def pack_layers(calls: dict) -> int:
         given = dict(bound.arguments)
         del given["rank"], given["layers"]
         rank, k_start, *k_lens = every_rank_key_ranges(**given)
-        for r in rank.unique().tolist():
-            mine = rank == r  # its pieces that see keys, each given one query row: layers count key ranges
-            ones = torch.arange(int(mine.sum()) + 1)
-            need = max(need, layers_needed(ones, k_start[mine], *(k[mine] for k in k_lens))[0])
+        # each rank's keys moved past the others' (the full mask's ranges reach furthest): one count over all
+        span = int((k_start + k_lens[-1]).max()) + 1 if rank.numel() else 0
+        need = max(need, key_layers(rank * span + k_start, *k_lens)[0])
     return need
 
 

@@ -430,6 +430,12 @@ class Decision(NamedTuple):
     times: list[StepTime | None]
 
 
+def floor_ranks(cp: int) -> tuple[int, ...]:
+    """The ranks whose traffic :func:`floor` bounds a layer by: 0, ``cp // 2`` and ``cp - 1``, each once (any
+    rank's traffic bounds the slowest rank's from below; a few keep the bound cheap)."""
+    return tuple(sorted({0, cp // 2, cp - 1}))
+
+
 def floor(terms_of, option: StrategySpec, pairs: int, topology: Topology, speed: KernelSpeed | None) -> float:
     """A lower bound on ``option``'s ``as_run`` (microseconds): the most communication of ranks 0, ``cp // 2``
     and ``cp - 1`` (``terms_of`` gives the path's phases, whose bytes need no layout but the exchange's; of
@@ -440,7 +446,7 @@ def floor(terms_of, option: StrategySpec, pairs: int, topology: Topology, speed:
     against rounding."""
     speed = KernelSpeed() if speed is None else speed
     _, phases, heads, backward, cp = terms_of(option)
-    ranks = tuple(sorted({0, cp // 2, cp - 1}))  # a few ranks' traffic, each summed as evaluate() sums it
+    ranks = floor_ranks(cp)  # a few ranks' traffic, each summed as evaluate() sums it
     times = [phase_times(p, topology, ranks) for p in phases]
     comm = max((sum(t[i] for t in times) for i in range(len(ranks))), default=0.0)
     dims = (heads.dim + heads.value_dim) / 2
@@ -501,8 +507,8 @@ def decide(
     def terms_of(option: StrategySpec):
         kw = {"cp_size": cp_size, "heads": heads, "causal": causal, "_memo": memo}
         if option.kv == "exchange" and option.capacity is None and cp_size > 1:  # its whole matrix is the cost
-            ranks = tuple(sorted({0, cp_size // 2, cp_size - 1}))
-            return "exchange", exchange_floor(cu, strategy=option, ranks=ranks, **kw), heads, True, cp_size
+            phases = exchange_floor(cu, strategy=option, ranks=floor_ranks(cp_size), **kw)
+            return "exchange", phases, heads, True, cp_size
         layer = peer_bytes(cu, strategy=option, **kw)
         return layer.path, layer.phases, heads, True, cp_size
 

@@ -120,6 +120,37 @@ def in_turn(steps: list, rounds: int) -> list[float]:
     return [statistics.median(column) for column in zip(*timings)]
 
 
+#: Kinds of GPU kernel a rank's call runs, by a part of the kernel's name (first match), for ``--profile``.
+KERNEL_KINDS = (
+    ("preprocess", "backward pre"),
+    ("postprocess", "backward post"),
+    ("backward", "backward"),
+    ("forward", "forward"),
+    ("sum_rows", "send pass (sum_rows)"),
+    ("fill", "zero fills"),
+)
+
+
+def kernel_time_by_kind(fn, calls: int = 3) -> dict[str, float]:
+    """GPU milliseconds per call of ``fn()`` by kind of kernel (:data:`KERNEL_KINDS`; ``other``), from
+    ``torch.profiler`` over ``calls`` calls after one untimed: where a rank's time goes beside one GPU's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.lower()
+            kind = next((k for part, k in KERNEL_KINDS if part in name), "other")
+            kinds[kind] = kinds.get(kind, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
+    return dict(sorted(kinds.items(), key=lambda item: -item[1]))
+
+
 def kernel_step(
     kernel, q, k, v, plan, window, max_seqlen, backward: bool, max_seqlen_q=None, read=None, rank=0, softcap=0.0,
     sinks=None,
@@ -251,6 +282,7 @@ def measure(
     dims: tuple[int, int] = (128, 128),
     softcap: float = 0.0,
     sinks: bool = False,
+    profile: bool = False,
 ) -> tuple[list[dict], dict]:
     """Table rows, and per kernel timed ``(predicted cost, measured ms)`` of every rank for the cost model check;
     ``window``: the left side of a sliding window ``(window, 0)`` (-1: causal); ``strategies``: the layouts timed
@@ -258,8 +290,9 @@ def measure(
     turn, medians kept; ``capacities``: each layout also timed on the pack padded to a capacity bucket of that
     many times its tokens (and 8 more documents), as ``shard_batch`` pads it; ``forward_even``: balanced also
     laid out by its forward work alone (:func:`forward_even_balance`); ``dims``: the query/key and value head
-    dims; ``softcap``: logit soft-capping (0: none); ``sinks``: learnable sinks ``[hq]`` in every call. Kernels
-    that cannot run the variant are left out."""
+    dims; ``softcap``: logit soft-capping (0: none); ``sinks``: learnable sinks ``[hq]`` in every call;
+    ``profile``: each layout's slowest rank's kernel time by kind against one GPU's over ``cp``, printed
+    (:func:`kernel_time_by_kind`). Kernels that cannot run the variant are left out."""
     (d, dv), dev = dims, "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -340,6 +373,13 @@ def measure(
             attention = predicted.cost - cpcompile.cost.CostModel().token_cost * predicted.tokens
             samples[name] += zip((attention if backward else predicted.tiles).tolist(), per_rank)
             slowest = max(per_rank)
+            if profile:
+                one = {k: ms / cp for k, ms in kernel_time_by_kind(best).items()}
+                rank = per_rank.index(slowest)
+                mine = kernel_time_by_kind(steps[rank])
+                print(f"kernel ms by kind, cp={cp} {spec.strategy.value} [{name}], rank {rank}: "
+                      + ", ".join(f"{k} {ms:.3f} (one GPU / cp {one.get(k, 0.0):.3f})" for k, ms in mine.items()),
+                      file=sys.stderr, flush=True)  # fmt: skip
             rows.append(
                 {
                     "what": f"cp={cp} {spec.strategy.value}"
@@ -445,6 +485,9 @@ def main() -> None:
                         "docs/measurement.md)")  # fmt: skip
     parser.add_argument("--capacity", type=float, nargs="+", default=[], help="each layout also on the pack padded "
                         "to capacity buckets of these multiples of its tokens")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="print each layout's slowest rank's GPU time by kind "
+                        "of kernel (forward, backward and its pre- and postprocessing, the send pass, zero fills) "
+                        "against one GPU's over cp, from torch.profiler (stderr, not in the section)")  # fmt: skip
     parser.add_argument("--forward-even", action="store_true", help="balanced also laid out by its forward work "
                         "alone (steps 0-4, docs/balanced-layout.md) beside the default")  # fmt: skip
     parser.add_argument("--heads", type=pair, nargs="+", default=[(32, 8), (16, 16)], metavar="HQ/HKV",
@@ -486,6 +529,7 @@ def main() -> None:
                     args.head_dims,
                     args.softcap,
                     args.sinks,
+                    args.profile,
                 )
                 per_pack.append(rows)
                 for name, pairs in pack_samples.items():

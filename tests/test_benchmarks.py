@@ -97,8 +97,8 @@ def test_no_test_imports_a_benchmark_script():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_attention_gpu_takes_the_variants_switches_and_refuses_without_cuda(tmp_path):
-    """``--heads``, ``--head-dims`` and ``--softcap`` (the MLA and soft-capping rows) parse, bad values are
-    named, and without CUDA the script refuses after parsing them."""
+    """``--heads``, ``--head-dims``, ``--softcap`` (the MLA and soft-capping rows) and ``--profile`` parse, bad
+    values are named, and without CUDA the script refuses after parsing them."""
 
     def run(*args):
         script = ROOT / "benchmarks" / "attention_gpu.py"
@@ -110,7 +110,8 @@ def test_attention_gpu_takes_the_variants_switches_and_refuses_without_cuda(tmp_
             timeout=300,
         )
 
-    mla = run("--heads", "128/128", "--head-dims", "192/128", "--softcap", "50", "--kernels", "fa4", "--cp", "8")
+    mla = run("--heads", "128/128", "--head-dims", "192/128", "--softcap", "50", "--kernels", "fa4", "--cp", "8",
+              "--profile")  # fmt: skip
     assert mla.returncode == 2 and "needs a CUDA GPU" in mla.stderr, mla.stderr
     bad = run("--heads", "32/8", "12/5")  # each run starts Python and imports torch: one of the checks
     assert bad.returncode == 2 and "--heads 12/5: the query heads must be a multiple of" in bad.stderr, bad.stderr

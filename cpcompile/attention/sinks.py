@@ -76,6 +76,17 @@ def _grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch
 
 @_grad.register_fake
 def _(dout, out, lse, sinks):
+    # the shapes the kernel reads by (its grid and strides come from out): a traced graph that gave it
+    # others fails here, not in the kernel
+    torch._check(
+        dout.shape == out.shape and out.dim() == 3,
+        lambda: f"sinks_grad: dout {tuple(dout.shape)} and out {tuple(out.shape)} must both be [T, Hq, Dv]",
+    )
+    torch._check(
+        lse.dim() == 2 and lse.shape[0] == out.shape[1] and lse.shape[1] == out.shape[0],
+        lambda: f"sinks_grad: lse {tuple(lse.shape)} must be [Hq, T] for out {tuple(out.shape)}",
+    )
+    check_fake_sinks(out, sinks)
     return sinks.new_empty(sinks.shape)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 import cpcompile
@@ -86,6 +87,16 @@ def test_opcheck_sinks_grad():
     dout, out = torch.randn(2, 5, 3, 8, generator=g)
     lse, sinks = torch.randn(3, 5, generator=g) + 1, torch.randn(3, generator=g)
     opcheck(torch.ops.cpcompile.sinks_grad.default, (dout, out, lse, sinks))
+    # its fake refuses the shapes the kernel could not read by, as a traced graph would give them
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (dout, out, lse, sinks)]
+        for bad, message in (
+            ((fake[0][:4], *fake[1:]), "dout .* and out .* must both be"),
+            ((fake[0], fake[1], fake[2].t(), fake[3]), r"lse \(5, 3\) must be \[Hq, T\]"),
+            ((*fake[:3], fake[3][:2]), "sinks"),
+        ):
+            with pytest.raises(RuntimeError, match=message):
+                torch.ops.cpcompile.sinks_grad(*bad)
 
 
 def test_opcheck_packed_attention_with_sinks():

@@ -337,6 +337,7 @@ def measure(
     rows = [{"what": f"single GPU {what}", "ms": ms, "tflops": flops / ms / 1e9} for what, ms in single_ms.items()]
     best = singles[min(single_ms, key=single_ms.get)]
     samples = {name: [] for name in measured}
+    single_kinds = None  # with ``profile``: one GPU's kernel time by kind, profiled at the first layout
     for cp, (spec, factor, even), name in ((cp, spec, name) for cp in cps for spec in specs for name in measured):
         with forward_even_balance(even):
             layout_cu = cu
@@ -374,7 +375,9 @@ def measure(
             samples[name] += zip((attention if backward else predicted.tiles).tolist(), per_rank)
             slowest = max(per_rank)
             if profile:
-                one = {k: ms / cp for k, ms in kernel_time_by_kind(best).items()}
+                if single_kinds is None:  # one GPU's call is the same for every layout: profiled once
+                    single_kinds = kernel_time_by_kind(best)
+                one = {k: ms / cp for k, ms in single_kinds.items()}
                 rank = per_rank.index(slowest)
                 mine = kernel_time_by_kind(steps[rank])
                 print(f"kernel ms by kind, cp={cp} {spec.strategy.value} [{name}], rank {rank}: "

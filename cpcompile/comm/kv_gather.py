@@ -6,7 +6,7 @@ attention over group i can run while group i+1 is in flight. K and V go in separ
 collectives, so that nothing copies them into one buffer first. The backward's dK/dV
 sums are written by the kernel straight into kept buffers in the gathered order
 (:func:`grad_buffers`) and reduce-scattered from there. Whether pipelining by head
-groups pays is measured in docs/communication.md (so far it does not: 1 is the default).
+groups pays is measured in docs/communication.md (on 2 GPUs it does not, so 1 is the default).
 """
 
 from __future__ import annotations

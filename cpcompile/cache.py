@@ -44,8 +44,9 @@ Nothing else is found through a tensor: what a derivation needs beyond a plan te
 travels as values (the plan carries the pack it was made from: ``plan.pieces.AttentionPlan``).
 This module holds the two tensor-keyed tables, each with its key and lifetime stated: the
 :func:`per_plan` caches (key: :func:`_key` of the argument tensors, and the values of CPU ones;
-an entry lives until one of its tensors is freed, at most :data:`ENTRIES` per function) and the host
-twins (key: the uploaded tensor's :func:`_key`; an entry lives as long as the uploaded tensor).
+an entry lives until one of its tensors is freed, at most :data:`ENTRIES` per function; a caller
+that makes a result together with its arguments may put it there first, ``fn.remember``) and the
+host twins (key: the uploaded tensor's :func:`_key`; an entry lives as long as the uploaded tensor).
 
 Under a CUDA graph capture (a captured CP step: docs/cuda-graphs.md) nothing is cached or
 looked up: a capture records kernels, not host work, so a value found on the host would be
@@ -264,21 +265,40 @@ def per_plan(fn):
     miss alike.
     """
     cache = _Cache(ENTRIES)
+    made = _Cache(ENTRIES)  # results put by :func:`remember`, found by key alone
+
+    def cacheable(args) -> bool:
+        if getattr(_uncached, "on", False) or capturing():
+            return False
+        return not any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args)
 
     @functools.wraps(fn)
     def wrapper(*args):
         if _SCOPE.entries is not None and capturing():
             return _in_capture(fn, args)
-        uncacheable = getattr(_uncached, "on", False) or capturing()
-        if uncacheable or any(isinstance(a, torch.Tensor) and (a.is_inference() or replayed(a)) for a in args):
+        if not cacheable(args):
             return fn(*args)
-        key, values = tuple(_key(a) for a in args), _values_of(args)  # values: before fn reads them
+        key = tuple(_key(a) for a in args)
+        hit, result = made.get(key)
+        if hit:
+            return result
+        values = _values_of(args)  # before fn reads them
         hit, result = cache.get(key, values)
         if not hit:
             result = fn(*args)
             cache.put(key, [a for a in args if isinstance(a, torch.Tensor)], result, values)
         return result
 
+    def remember(*args, result) -> None:
+        """Keep ``result`` as ``fn(*args)``, for a caller that made both together (a plan's gather index
+        from the layout that is its inverse), so that calls find it instead of deriving it again. Such
+        arguments are new tensors that must then change only through torch, as an upload's twin: the
+        entry is found by their key alone (no values kept or compared, which would cost as much as
+        deriving it), and goes, as a call's, when one of them is freed."""
+        if cacheable(args) and not any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+            made.put(tuple(_key(a) for a in args), [a for a in args if isinstance(a, torch.Tensor)], result)
+
+    wrapper.remember = remember
     return wrapper
 
 

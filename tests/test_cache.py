@@ -52,6 +52,29 @@ def test_per_plan_builds_once_for_the_same_plan_tensors():
     assert len(calls) == 7  # inference tensors carry no version: never cached
 
 
+def test_a_remembered_result_is_found_by_its_arguments_memory_alone():
+    calls = []
+
+    @per_plan
+    def inverse(x):
+        calls.append(1)
+        return torch.argsort(x)
+
+    x = torch.tensor([2, 0, 1])
+    made = torch.tensor([1, 2, 0])  # made together with x, as a plan's layout with its gather index
+    inverse.remember(x, result=made)
+    assert inverse(x) is made and inverse(x[:]) is made and not calls  # a view of the same memory too
+    assert torch.equal(inverse(x.clone()), made) and len(calls) == 1  # equal values, another tensor: derived
+    x.add_(0)  # a write through torch: the version moves on, the remembered result is not found
+    assert inverse(x) is not made and len(calls) == 2
+    y, kept = torch.tensor([0, 1]), torch.tensor([0, 1])
+    inverse.remember(y, result=kept)
+    ref = weakref.ref(kept)
+    del y, kept
+    gc.collect()
+    assert ref() is None  # the entry went with its argument
+
+
 def test_per_plan_knows_views_by_memory_and_keeps_plans_while_they_live():
     calls = []
 

@@ -21,9 +21,7 @@ that, and so needs no communication.
 
 from __future__ import annotations
 
-import collections
 import functools
-import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -133,32 +131,13 @@ def _gather_index(layout: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.shape[0], device=flat.device))
 
 
+@per_plan
 def layout_of(gather_index: torch.Tensor, cp_size: int) -> torch.Tensor:
     """``[cp, T_local]`` int64: every rank's physical positions, each row ascending: the inverse of
-    ``gather_index`` ``[T]`` (:func:`_gather_index`: all-gathered rows are rank-major); the layout itself
-    where the plan was made from it lately (:func:`_made_from`)."""
-    kept = _LAYOUTS.get(id(gather_index))
-    if kept is not None and kept[0]() is gather_index and kept[1].shape[0] == cp_size:
-        return kept[1]
+    ``gather_index`` ``[T]`` (:func:`_gather_index`: all-gathered rows are rank-major). A plan made on
+    the host puts the layout it was made from here (``layout_of.remember``): the exchange's plan reads
+    it, and inverting the index would make it again (T values, per plan)."""
     return _gather_index(gather_index).view(cp_size, gather_index.shape[0] // cp_size)
-
-
-#: The layout of the latest plan's gather index, by the index's id (and a reference to it, which must
-#: still be the same tensor): the exchange's plan reads the layout, which inverting the index would
-#: make again (a tensor of the pack's T tokens). A plan's tensors never change once made. One: each
-#: kept layout holds T values of host memory.
-_LAYOUTS: collections.OrderedDict = collections.OrderedDict()
-LAYOUTS_KEPT = 1
-
-
-def _made_from(gather_index: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
-    """``gather_index``, remembered as the inverse of ``layout`` (:func:`layout_of`) where made on the host."""
-    if gather_index.device.type == "cpu" and not _tracing():
-        _LAYOUTS[id(gather_index)] = (weakref.ref(gather_index), layout)
-        _LAYOUTS.move_to_end(id(gather_index))
-        while len(_LAYOUTS) > LAYOUTS_KEPT:
-            _LAYOUTS.popitem(last=False)
-    return gather_index
 
 
 def check_plan_arguments(cu_seqlens, cu_seqlens_padded, cp_size, rank, num_tokens, *, per_rank: bool = True) -> None:
@@ -203,7 +182,9 @@ def _rank_plan(pack: Pack, requested: StrategySpec, cu_seqlens: torch.Tensor, ra
     """Rank ``rank``'s plan of ``pack`` (:func:`pack_of`)."""
     layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
     t_local = layout.shape[1]
-    gather_index = _made_from(_gather_index(layout), layout)
+    gather_index = _gather_index(layout)
+    if not _tracing():
+        layout_of.remember(gather_index, layout.shape[0], result=layout)
 
     doc, pos, real, new_piece = piece_marks(layout[rank], cu_seqlens, cu_seqlens_padded)  # [T_local] each
     real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]

@@ -22,7 +22,7 @@ without a capture, may leave nothing alive there. Within the one capture of a wh
 :class:`cpcompile.CapturedStep` makes, the first layer's derivations serve the others
 (``cache.within_capture``), as a step's plan derivations do outside a graph. The plan op (``cp_plan``) stays outside the
 capture, on the host, once per step: the compiler places it at the start of the graph
-(``passes.shard_attention``), so that the rest of the forward is one captured part, and its device
+(``compiler.shard_attention``), so that the rest of the forward is one captured part, and its device
 tensors are the capture's inputs, copied in at each replay.
 The ranks' agreement (``comm.groups.agree``, where enabled) runs in calls outside a capture (the
 first, eager, step), not in the capture.

@@ -7,7 +7,7 @@ between groups, the ranks at the same place (``j, u + j, ...``) run ``cp_attenti
 all-gather path over the group's pieces (``plan.make_hybrid_plan``); the mirror all-to-all
 returns the output. Each step is an op with its own autograd, so the backward is theirs:
 exact, with dK/dV of the copies summed by the autograd of ``replicate``. The compiler
-inserts the same ops (``passes.shard_attention``), fed by one ``cpcompile::cp_hybrid_plan``.
+inserts the same ops (``compiler.shard_attention``), fed by one ``cpcompile::cp_hybrid_plan``.
 """
 
 from __future__ import annotations

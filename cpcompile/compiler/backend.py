@@ -90,7 +90,7 @@ def _with_inductor_options(compile_inner: Backend, inner, mode: str | None = Non
     return (functools.partial(compile_fx, config_patches=patches) if patches else compile_inner), cudagraphs
 
 
-#: The ops that lay out a pack over the ranks (``passes.shard_attention``), as ``str(node.target)`` begins.
+#: The ops that lay out a pack over the ranks (``compiler.shard_attention``), as ``str(node.target)`` begins.
 _PLAN_OPS = ("cpcompile.cp_plan.", "cpcompile.cp_hybrid_plan.", "cpcompile.cp_head_plan.")
 
 
@@ -189,7 +189,7 @@ def _guard_on_suppress_errors() -> None:
 def _check_recompile_room() -> None:
     """Refuse the last graph Dynamo would compile of a function (``torch._dynamo.config.recompile_limit``):
     past it Dynamo runs the function eagerly, where packed attention attends within each rank's own tokens,
-    silently wrong under CP (or an error that does not say why). Each strategy (with its comm, windows and
+    silently wrong under CP (or an error that does not say why). Each strategy (with its K/V path, windows and
     capacity) compiles a graph of its own, and some shape changes do too, so a training loop can reach the
     limit; refusing the last graph keeps every call of the function compiled."""
     from torch._guards import CompileContext
@@ -202,7 +202,7 @@ def _check_recompile_room() -> None:
             f"cpcompile: this would be graph {count + 1} that torch.compile makes of one function, and "
             f"torch._dynamo.config.recompile_limit is {limit}: past the limit Dynamo runs the function eagerly, "
             "where packed attention attends within each rank's own tokens (wrong under context parallelism). "
-            "Each strategy (its comm, windows and capacity) compiles a graph of its own, as do some shape "
+            "Each strategy (its K/V path, windows and capacity) compiles a graph of its own, as do some shape "
             "changes (TORCH_LOGS=recompiles lists them); strategy='auto' decided with a topology "
             "(shard_batch(topology=...)) can pick any of len(cpcompile.cost.timing.options(cp_size, heads)) specs, "
             "a graph each. Raise the limit before the first compile "

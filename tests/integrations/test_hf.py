@@ -152,7 +152,7 @@ def test_compiled_cp_training_matches_single_device():
 
 def _count_graphs_over_packs(rank: int, world: int, packs: int) -> None:
     """Forward and backward of a Llama over ``packs`` random packs (1-12 documents of 1-24 tokens,
-    1-token documents included), each decoder layer compiled on its own (as the README's GPU job
+    1-token documents included), each decoder layer compiled on its own (as docs/guide.md's GPU job
     runs it): one graph for all layers and packs."""
     rng = random.Random(7)
     lengths = [[rng.choice([1, rng.randint(2, 24)]) for _ in range(rng.randint(1, 12))] for _ in range(packs)]

@@ -348,14 +348,10 @@ def _cp_attention(
 
 
 @_cp_attention.register_fake
-def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, *config,
-      q_pos=None, cu_seqlens=None, cu_seqlens_padded=None, sinks=None, softcap=0.0):  # fmt: skip
+def _(q, k, v, gather_index, cu_q, k_start, k_len, group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name,
+      kv_exchange, kv_chunks, q_pos=None, window_left=-1, window_right=-1, cu_seqlens=None, cu_seqlens_padded=None,
+      sinks=None, softcap=0.0):  # fmt: skip
     check_fake_qkv(q, k, v)
-    named = {"q_pos": q_pos, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded, "sinks": sinks}
-    # after kernel_name, kv_exchange, kv_chunks: those given by position
-    q_pos, cu_seqlens, cu_seqlens_padded, sinks = (
-        config[i] if len(config) > i else named[n] for i, n in zip((3, 6, 7, 8), named)
-    )
     check_device(q, gather_index=gather_index, cu_q=cu_q, k_start=k_start, k_len=k_len, q_pos=q_pos)
     check_device(q, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, sinks=sinks)
     check_fake_sinks(q, sinks)

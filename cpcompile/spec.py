@@ -1,8 +1,10 @@
-"""Load-balancing strategies and the active-strategy context.
+"""What a CP step is told to do, and the block that tells it.
 
-The strategy decides which physical tokens each CP rank holds. Data loaders
-(``shard_batch``) and attention (``cp_attention``, the compiler pass) must agree on
-it, so both read the same active value from :func:`strategy` unless one is passed.
+:class:`StrategySpec` carries every choice of a step: the layout (:class:`Strategy`: which
+physical tokens each CP rank holds), how K/V move (``kv``, with head parallelism), the kernel,
+windows and a capacity. Data loaders (``shard_batch``) and attention (``cp_attention``, the
+compiler pass) must agree on it, so both read the same active value from :func:`strategy` unless
+one is passed.
 
 Under CP there is no default layout for attention: on a group of more than one rank it raises
 unless the layout is given (an argument, or a ``with strategy(...)`` block); ``shard_batch``'s
@@ -38,7 +40,7 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-#: What the all-gather path's op is told of the sparse exchange (``plan.exchange.SETTINGS``) for
+#: What the all-gather path's op is told of the sparse exchange (``cost.comm.SETTINGS``) for
 #: each way of moving K/V that brings every rank its rows at once (``StrategySpec.kv``).
 _EXCHANGE = {"auto": "auto", "all_gather": "never", "exchange": "always"}
 
@@ -167,7 +169,7 @@ class StrategySpec:
 
     @property
     def exchange(self) -> str:
-        """The all-gather path's sparse exchange setting (``plan.exchange.SETTINGS``): ``"never"``
+        """The all-gather path's sparse exchange setting (``cost.comm.SETTINGS``): ``"never"``
         where ``kv`` does not take that path."""
         return _EXCHANGE.get(self.kv, "never")
 

@@ -580,7 +580,7 @@ def rewrite_packed_attention(
                 else:  # windows and capacity only where set: graphs without them stay as they were
                     extras = [list(x) for x in plan_extras(spec)]
                     target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *extras)
-                # the ranks agree on the pack in the plan op: see ops.cp_plan.agree_on_plan
+                # the ranks agree on the pack in the plan op: see attention.plan_op.agree_on_plan
                 plan_args = (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args)
                 plan = insert(target, plan_args, target._opname, m.node, {"group_name": group_name})
                 plans[key] = [

@@ -186,8 +186,7 @@ class Phase(NamedTuple):
 
 
 class Layer(NamedTuple):
-    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path, its phases, and per rank
-    the local rows the plan reads (for copies)."""
+    """What :func:`peer_bytes` found: the spec (``auto`` resolved), the path and its phases."""
 
     spec: StrategySpec
     path: str

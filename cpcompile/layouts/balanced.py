@@ -65,8 +65,8 @@ tiles and it counts pairs (``s = 1``).
    document.
    Back cuts, in light documents, move by tokens only: they are not put on tiles.
 5. Where step 4 runs: the backward. A rank's kernel runs a forward and a backward, and the backward
-   costs more than ``BACKWARD_PER_PAIR`` times the forward's tiles where a rank's pieces read more key
-   blocks than their tiles suggest: a piece reads its document's keys from the start, so a tail (or
+   costs more than ``BACKWARD_PER_PAIR_HALVES / 2`` times the forward's tiles where a rank's pieces read
+   more key blocks than their tiles suggest: a piece reads its document's keys from the start, so a tail (or
    middle) piece of a long document pays for every key block before it (and the backward's
    ``BWD_ROWS``-row tiles waste less on a partial block than the forward's). Each rank's overhead
    (:func:`backward_overhead`, summed over its pieces) is priced on the layout of steps 0-4, and steps
@@ -113,9 +113,12 @@ _SEARCH_WAYS_WINDOWED = 64
 BWD_ROWS = 64
 #: Step 5: what the backward pays per key block a piece reads (loading its keys, writing its dK/dV), in
 #: backward tiles (docs/attention-kernels.md, "Where the per-rank gap is": between the two head layouts'
-#: fits). A pair's backward costs ``BACKWARD_PER_PAIR = 5 / 2`` of its forward (the cost model's FLOP split,
-#: ``cpcompile.advisor.comm_model.comm_pairs``; ``cpcompile.cost.timing.KernelSpeed`` fits about as much).
+#: fits).
 KEY_BLOCK = 3
+#: Step 5: a pair's backward costs this many halves of its forward, 5 / 2 (the cost model's FLOP split,
+#: ``cpcompile.advisor.comm_model.comm_pairs``; ``cpcompile.cost.timing.KernelSpeed`` fits about as much);
+#: counted in halves so that the work stays integer.
+BACKWARD_PER_PAIR_HALVES = 5
 #: Step 5 re-cuts at most this many times, keeping the layout whose busiest rank's forward + backward work
 #: is least among those whose busiest rank's forward is within 1 / FORWARD_SLACK of steps 0-4's.
 BACKWARD_PASSES = 3
@@ -472,8 +475,8 @@ def free_padding(cu_padded: torch.Tensor, cu_real: torch.Tensor) -> tuple[torch.
 
 def backward_overhead(offset: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Of a piece of ``rows`` query rows, its first ``offset`` tokens into its document (int64 ``[P]``
-    each): its forward tiles' area, and what its backward costs beyond ``BACKWARD_PER_PAIR`` times that,
-    in attention pairs of the forward (``[P]`` int64 each; step 5): the backward's ``BWD_ROWS x TILE``
+    each): its forward tiles' area, and what its backward costs beyond that times ``BACKWARD_PER_PAIR_HALVES
+    / 2``, in attention pairs of the forward (``[P]`` int64 each; step 5): the backward's ``BWD_ROWS x TILE``
     tiles against the forward's ``TILE x TILE`` ones, and ``KEY_BLOCK`` per key block the piece reads,
     from its document's start."""
     blocks = (rows + BWD_ROWS - 1) // BWD_ROWS  # [P] query blocks of the backward
@@ -483,8 +486,7 @@ def backward_overhead(offset: torch.Tensor, rows: torch.Tensor) -> tuple[torch.T
     bwd = torch.zeros_like(rows).index_add_(0, piece, (end + TILE - 1) // TILE) * (BWD_ROWS * TILE)
     fwd = causal_tiles(rows, offset) * (TILE * TILE)
     key_blocks = torch.where(rows > 0, (offset + rows + TILE - 1) // TILE, 0)  # an empty run reads nothing
-    # BACKWARD_PER_PAIR = 5 / 2: in halves, so that everything stays integer
-    return fwd, (5 * (bwd - fwd + key_blocks * KEY_BLOCK * BWD_ROWS * TILE) + 1) // 2
+    return fwd, (BACKWARD_PER_PAIR_HALVES * (bwd - fwd + key_blocks * KEY_BLOCK * BWD_ROWS * TILE) + 1) // 2
 
 
 def _host_runs(
@@ -548,15 +550,16 @@ def _host_runs(
 
     seg, doc, run_first, run_len = cut(target2)
     if backward and on_tiles and seq.tokens and cp > 1:  # step 5
+        zero_offsets = torch.zeros_like(dealt_len)
 
         def priced(seg: torch.Tensor, run_first: torch.Tensor, run_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """Per rank ``[cp]``: twice its forward + backward work (7 / 2 its forward tiles' area and the
-            backward's overhead), and its forward tiles' area."""
+            """Per rank ``[cp]``: twice its forward + backward work (its forward tiles' area, that times
+            ``BACKWARD_PER_PAIR_HALVES / 2``, and the backward's overhead), and its forward tiles' area."""
             fwd, over = backward_overhead(torch.cat([run_first, zero_offsets]), torch.cat([run_len, dealt_len]))
             ranks, per_rank = torch.cat([seg // 2, dealt_rank]), torch.zeros(cp, dtype=torch.long)
-            return per_rank.index_add(0, ranks, 7 * fwd + 2 * over), per_rank.index_add(0, ranks, fwd)
+            both = (2 + BACKWARD_PER_PAIR_HALVES) * fwd + 2 * over
+            return per_rank.index_add(0, ranks, both), per_rank.index_add(0, ranks, fwd)
 
-        zero_offsets = torch.zeros_like(dealt_len)
         best = (seg, doc, run_first, run_len)
         cost, fwd = priced(seg, run_first, run_len)
         least, moved = int(cost.max()), target2

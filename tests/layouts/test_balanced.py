@@ -292,7 +292,7 @@ def test_backward_overhead_by_hand():
 
 def _forward_backward(padded: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per rank, counted token by token from its pieces: its forward tiles' area, and twice its forward +
-    backward work (``BACKWARD_PER_PAIR`` = 5/2 per pair of the backward's 64 x 128 tiles, and ``KEY_BLOCK``
+    backward work (``BACKWARD_PER_PAIR_HALVES`` / 2 = 5/2 per pair of the backward's 64 x 128 tiles, and ``KEY_BLOCK``
     backward tiles per key block a piece reads from its document's start)."""
     doc, pos, _, start = piece_marks(layout, padded, padded)
     fwd, both = [], []

@@ -316,8 +316,8 @@ def place(grad: torch.Tensor, k_start: torch.Tensor, k_len: torch.Tensor, key_or
     gives its sums: rows in ``key_order``, and with ``out``, written there at the rows of the
     keys that the pieces (``k_start``, ``k_len`` ``[P]``) read, the others kept. Without
     ``out`` it stays in ``grad``'s dtype: each key's gradient is one piece's, with nothing to
-    add (a float32 copy cost two passes over dK/dV, a tenth of a single-device backward
-    with 16 K/V heads: docs/attention-kernels.md, "FlashAttention-4")."""
+    add (a float32 copy would be two more passes over dK/dV: docs/attention-kernels.md,
+    "FlashAttention-4")."""
     if out is None:
         return grad if key_order is None else grad[key_order]
     rows, src = _placement(k_start, k_len, grad.shape[0], key_order)

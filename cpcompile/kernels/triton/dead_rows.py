@@ -9,9 +9,8 @@ every row for rows that are few or none (balanced pads less than ``cp`` tokens).
 cuDNN's forward also leaves those rows' statistics unwritten, and writes them
 token-major (``[Tq, Hq]``) where the kernels' ``lse`` is ``[Hq, Tq]``.
 :func:`finish` transposes them, with ``-inf`` for dead rows, and zeroes the dead
-output rows in the same kernel, where a ``-inf`` fill, the zeroing and a transpose
-were three small kernels, each after a gap on the GPU. What they cost:
-docs/attention-kernels.md, "Rows that see no keys".
+output rows in the same kernel: one launch, not a fill, a zeroing and a transpose
+each waiting behind the last (docs/attention-kernels.md, "Rows that see no keys").
 """
 
 from __future__ import annotations

@@ -29,9 +29,7 @@ import torch.distributed as dist
 
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import agree
-
-#: How the TP rings move chunks on CUDA (``backend(tp_comm=...)``): symmetric memory or NCCL p2p.
-TRANSPORTS = ("symm_mem", "p2p")
+from cpcompile.config import TP_COMMS, check_choice
 
 
 class CapacityBuffers:
@@ -134,8 +132,7 @@ def _enter_ring(ring: TpRing, x: torch.Tensor, call: dict[str, object]) -> dict:
 
 
 def _copy_engine(pg: dist.ProcessGroup, t: torch.Tensor, transport: str) -> bool:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    check_choice("transport", transport, TP_COMMS)
     return transport == "symm_mem" and t.is_cuda and dist.get_backend(pg) == "nccl"
 
 

@@ -52,6 +52,7 @@ from cpcompile.attention.api import op_extras, op_window
 from cpcompile.attention.captured import LAYERS, capturable
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, kv_replication
+from cpcompile.config import check_choice
 from cpcompile.plan.pieces import AttentionPlan, max_piece_len, plan_extras
 from cpcompile.plan.window import UNBANDED, check_window
 from cpcompile.spec import StrategySpec, check_head_parallel
@@ -123,9 +124,7 @@ class UnsupportedAttentionError(ValueError):
 
 
 def check_unsupported(value: object) -> str:
-    if value not in UNSUPPORTED:
-        raise ValueError(f"unsupported must be one of {UNSUPPORTED}, got {value!r}")
-    return value
+    return check_choice("unsupported", value, UNSUPPORTED)
 
 
 def _overload(target) -> torch._ops.OpOverload | None:

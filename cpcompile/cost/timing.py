@@ -44,6 +44,7 @@ import torch
 
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
+from cpcompile.config import check_choice
 from cpcompile.cost.comm import (
     Heads,
     Phase,
@@ -254,8 +255,7 @@ def layer_terms(
     """The terms of :func:`predict_time`, computed once (the plans): :func:`evaluate` prices them.
 
     ``_memo``: a dict that options of one pack share (:func:`decide`): packs, costs and ring steps by layout."""
-    if passes not in PASSES:
-        raise ValueError(f"passes must be one of {PASSES}, got {passes!r}")
+    check_choice("passes", passes, PASSES)
     heads = check_heads(heads)
     cu = _host("cu_seqlens", cu_seqlens)
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal}

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from cpcompile.cache import refuse_capture
-from cpcompile.config import KERNELS
+from cpcompile.config import KERNELS, check_choice
 from cpcompile.kernels import contract, reference
 from cpcompile.kernels.contract import AttentionKernel, BackwardOptions, KeyGrads, Pieces
 
@@ -54,8 +54,8 @@ def select(
     FA4 cannot run the call), and ``None`` takes FA4 where it runs the call, else ``reference``, with a
     warning that says why.
     """
-    if name is not None and name not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    if name is not None:
+        check_choice("kernel", name, KERNELS)
     refuse_capture("attention")
     if name == "reference":
         return reference

@@ -23,6 +23,7 @@ import torch
 
 from cpcompile.cache import on_host, per_plan, twinned, upload
 from cpcompile.comm.groups import resolve_group
+from cpcompile.config import check_choice
 from cpcompile.cost.comm import SETTINGS, use_exchange
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import layout_runs
@@ -123,9 +124,7 @@ def exchange_plan(
     Without the pack's offsets (``None``: an op called without them, as the hybrid's is) the
     all-gather is used for ``"auto"``, and ``"always"`` is an error.
     """
-    if choice not in SETTINGS:
-        raise ValueError(f"kv_exchange must be one of {SETTINGS}, got {choice!r}")
-    if choice == "never":
+    if check_choice("kv_exchange", choice, SETTINGS) == "never":
         return None
     if cu_seqlens is None or cu_seqlens_padded is None:
         if choice == "always":

@@ -160,8 +160,10 @@ def layer_bytes(
     kw = {"cu_seqlens_padded": cu_seqlens_padded, "causal": causal}
     layer = peer_bytes(cu, cp_size=cp_size, strategy=spec, heads=heads, **kw)
 
-    def received(passes: str) -> torch.Tensor:
-        return torch.tensor([sum(sum(p.recv[r]) for p in layer.phases if p.passes == passes) for r in range(cp_size)])
+    def received(direction: str) -> torch.Tensor:
+        return torch.tensor(
+            [sum(sum(p.recv[r]) for p in layer.phases if p.direction == direction) for r in range(cp_size)]
+        )
 
     return LayerBytes(received("forward"), received("backward"), _PATHS[layer.path])
 
@@ -179,7 +181,7 @@ class Phase(NamedTuple):
     """One collective (or ring steps) of a pass: ``recv[r][s]`` bytes rank ``r`` receives from ``s`` (lists, or
     a sequence of them)."""
 
-    passes: str  # "forward" or "backward"
+    direction: str  # the pass it belongs to: "forward" or "backward"
     kind: str  # "all-to-all", "gather" (a ring collective over ``peers``), or "ring" (one block per step)
     recv: Sequence[list[int]]
     count: int = 1  # collectives of this shape (their latency)

@@ -280,7 +280,7 @@ def layer_terms(
     b, a = heads.itemsize, heads.acc_itemsize
     f = kv_replication(heads.q, heads.kv, u) if u > 1 else 1
     kv_row = heads.kv * f // u * (heads.dim + heads.value_dim)  # elements of a K and a V row of the rank's heads
-    phases = [p for p in layer.phases if p.passes == "forward" or backward]
+    phases = [p for p in layer.phases if p.direction == "forward" or backward]
     row_bytes = b + (b + a if backward else 0)  # K/V copied; in the backward again, and their dK/dV sums
     copied = []
     for r in range(cp):
@@ -356,7 +356,7 @@ def evaluate(terms: LayerTerms, topology: Topology = H200, speed: KernelSpeed | 
         shares = [[t / max(sum(row), 1) for t in row] for row in terms.ring_tiles]
         as_run = sum(max(max(c * shares[r][i], m / cp) for r, (c, m) in enumerate(both)) for i in range(cp))
         # the backward's last dK/dV block travels to its owner after the last step, hidden behind nothing
-        tail = [p for p in terms.phases if p.passes == "backward" and p.count == cp]
+        tail = [p for p in terms.phases if p.direction == "backward" and p.count == cp]
         as_run += max((t / p.count for p in tail for t in phase_times(p, topology)), default=0.0)
     return StepTime(terms.spec, terms.path, compute, comm, received, as_run, max(max(c, m) for c, m in both))
 

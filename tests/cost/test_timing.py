@@ -50,7 +50,7 @@ def test_peer_bytes_add_up_to_layer_bytes(spec, heads, path, kv):
     names = {"all-to-all": "heads", "all-to-all + all-gather": "hybrid"}
     assert layer.path == names.get(want.path, want.path)
     for passes, total in (("forward", want.forward), ("backward", want.backward)):
-        got = [sum(sum(p.recv[r]) for p in layer.phases if p.passes == passes) for r in range(4)]
+        got = [sum(sum(p.recv[r]) for p in layer.phases if p.direction == passes) for r in range(4)]
         assert got == total.tolist(), (spec, passes)
     assert all(p.recv[r][r] == 0 for p in layer.phases for r in range(4))  # nothing from itself
 
@@ -77,7 +77,7 @@ def _count_ring(rank: int, world: int) -> None:
         torch.autograd.grad(out, local, batch.tensors["dout"])
         layer = peer_bytes(cu, cp_size=world, strategy=RING, heads=heads)
         assert layer.path == "ring"
-        want = [sum(sum(p.recv[rank]) for p in layer.phases if p.passes == s) for s in ("forward", "backward")]
+        want = [sum(sum(p.recv[rank]) for p in layer.phases if p.direction == s) for s in ("forward", "backward")]
         assert [forward, received[0]] == want, f"rank {rank}: {[forward, received[0]]} against {want}"
         assert {s for p in layer.phases for s, n in enumerate(p.recv[rank]) if n} == {(rank - 1) % world}
 

@@ -45,7 +45,7 @@ import torch
 
 from cpcompile.checks import check_cp, check_int
 from cpcompile.comm.heads import kv_replication
-from cpcompile.cost.model import _host, resolve_auto
+from cpcompile.cost.model import host_values, resolve_auto
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import layout_runs, padded_offsets, run_pieces, spec_runs
 from cpcompile.layouts.reads import piece_reads, read_matrix, with_idle
@@ -130,7 +130,7 @@ def layer_arguments(cu_seqlens, cp_size: int, strategy: StrategyLike, heads):
     :func:`peer_bytes`): ``cu_seqlens`` on the host, the strategy with ``auto`` resolved."""
     check_cp(cp_size)
     heads = check_heads(heads)
-    cu = _host("cu_seqlens", cu_seqlens)
+    cu = host_values("cu_seqlens", cu_seqlens)
     return cu, resolve_auto(resolve_strategy(strategy), cu, cp_size=cp_size), heads
 
 
@@ -283,7 +283,7 @@ def peer_bytes(
     cu, spec, heads = layer_arguments(cu_seqlens, cp_size, strategy, heads)
     u, cp = spec.head_parallel, cp_size
     check_head_parallel(u, cp, heads.q)
-    padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
+    padded = None if cu_seqlens_padded is None else host_values("cu_seqlens_padded", cu_seqlens_padded)
     _memo = _memo if padded is None else None
     key = layout_key(spec)
     if padded is not None or spec.capacity is not None:  # laid out, which checks them against the layout

@@ -113,7 +113,9 @@ class RankCosts(NamedTuple):
         return int(self.cost.max())
 
 
-def _host(name: str, t: torch.Tensor) -> torch.Tensor:
+def host_values(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (the pack's offsets, argument ``name``) copied to the host to read its values (a host sync on
+    CUDA). ``ValueError`` while tracing, where there are no values to read."""
     if is_fake(t) or torch.compiler.is_compiling():
         raise ValueError(
             f"{name} values are needed to predict costs or resolve strategy 'auto', and they are not "
@@ -171,9 +173,9 @@ def rank_costs(
     (:func:`cpcompile.layouts.partition.layout_runs`), if a caller has them (then no pack is needed).
 
     Counted per piece, from the layout's runs: nothing per token but the one pass that finds the runs."""
-    cu = _host("cu_seqlens", cu_seqlens)
+    cu = host_values("cu_seqlens", cu_seqlens)
     spec = resolve_auto(spec, cu, cp_size=cp_size, model=model)
-    padded = None if cu_seqlens_padded is None else _host("cu_seqlens_padded", cu_seqlens_padded)
+    padded = None if cu_seqlens_padded is None else host_values("cu_seqlens_padded", cu_seqlens_padded)
     u = spec.head_parallel
     if pack is None and runs is None:  # laid out here, which checks given offsets against the layout
         pack = Pack.build(cu, padded, spec=spec, cp_size=cp_size)
@@ -333,7 +335,7 @@ def _fitting(cu_seqlens: torch.Tensor, cp_size: int, capacity, model: CostModel 
     """``auto``'s candidates under which the pack fits ``capacity`` (its token count a multiple of what the
     layout pads to, the pack's padding within it): a pack that fits one of them is not refused for
     another that ``auto`` would have picked without the capacity."""
-    cu, fitting, reasons = _host("cu_seqlens", cu_seqlens), [], []  # on the host the fit is checked by value
+    cu, fitting, reasons = host_values("cu_seqlens", cu_seqlens), [], []  # on the host the fit is checked by value
     for candidate in auto_candidates(model):
         try:
             padded_offsets(cu, dataclasses.replace(candidate, capacity=capacity), cp_size)

@@ -55,7 +55,7 @@ from cpcompile.cost.comm import (
     memoized,
     peer_bytes,
 )
-from cpcompile.cost.model import CostModel, _host, auto_candidates, rank_costs, resolve_auto
+from cpcompile.cost.model import CostModel, auto_candidates, host_values, rank_costs, resolve_auto
 from cpcompile.layouts.balanced import causal_tiles
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import padded_offsets, piece_marks, spec_runs
@@ -257,7 +257,7 @@ def layer_terms(
     ``_memo``: a dict that options of one pack share (:func:`decide`): packs, costs and ring steps by layout."""
     check_choice("passes", passes, PASSES)
     heads = check_heads(heads)
-    cu = _host("cu_seqlens", cu_seqlens)
+    cu = host_values("cu_seqlens", cu_seqlens)
     kw = {"cp_size": cp_size, "heads": heads, "causal": causal}
     layer = peer_bytes(cu, strategy=strategy, _memo=_memo, **kw)
     spec, cp, u = layer.spec, cp_size, layer.spec.head_parallel
@@ -489,7 +489,7 @@ def decide(
             it out); their ``times`` are ``None``. The runtime's ``auto`` prunes (:func:`resolve`).
     """
     check_cp(cp_size)
-    cu = _host("cu_seqlens", cu_seqlens)
+    cu = host_values("cu_seqlens", cu_seqlens)
     choices = options(cp_size, heads, paths) if choices is None else tuple(choices)
     if not choices:
         raise ValueError(f"paths={paths} leave no option at cp_size={cp_size} with {heads.q} query heads")
@@ -587,7 +587,7 @@ def resolve(
         return spec
     if cp_size == 1 or spec.capacity is not None:  # one rank moves nothing; a capacity: the layouts that fit it
         return resolve_auto(spec, cu_seqlens, cp_size=cp_size)
-    cu = _host("cu_seqlens", cu_seqlens)
+    cu = host_values("cu_seqlens", cu_seqlens)
     key = (cu.to(torch.int64).numpy().tobytes(), cp_size, heads, given, topology, speed, spec.kv, spec.head_parallel)
     key += (spec.windows,)
     if key in _decisions:

@@ -25,7 +25,7 @@ from cpcompile.cost.model import resolve_auto
 from cpcompile.cost.timing import H200, Topology, resolve
 from cpcompile.layouts.pack import Pack
 from cpcompile.layouts.partition import all_partition_indices
-from cpcompile.plan.pieces import head_step_plan, hybrid_step_plan, plan_extras, step_plan
+from cpcompile.plan.pieces import spec_step_plan
 from cpcompile.spec import (
     ShardedFor,
     Strategy,
@@ -277,13 +277,7 @@ def _to_device(sharded: ShardedBatch, device: torch.device) -> ShardedBatch:
     tensors = {name: move(pin(t)) for name, t in sharded.tensors.items()}
     spec, cp = sharded.spec, sharded.cp_size
     # the plan compiled calls make (cp_plan, cp_head_plan or cp_hybrid_plan: cu_seqlens alone), here, not in the step
-    layout = (spec.strategy.value, spec.stripe_size)
-    if spec.head_parallel == cp:
-        head_step_plan(cu, None, cp * sharded.indices.shape[0], cp, *layout)
-    elif spec.head_parallel > 1:  # the hybrid: the rank's head group's pieces (cp_hybrid_plan)
-        hybrid_step_plan(cu, None, cp * sharded.indices.shape[0], cp, spec.head_parallel, sharded.rank, *layout)
-    else:
-        step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, *layout, *plan_extras(spec))
+    spec_step_plan(cu, None, cp * sharded.indices.shape[0], cp, sharded.rank, spec)
     return dataclasses.replace(
         sharded, tensors=tensors, cu_seqlens=cu, cu_seqlens_padded=cu_padded, indices=move(pin(sharded.indices))
     )

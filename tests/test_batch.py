@@ -290,11 +290,11 @@ def test_auto_decided_with_a_topology_inside_an_auto_block_is_refused():
 def test_the_hybrid_batch_makes_the_hybrid_plan_ahead(monkeypatch):
     """``shard_batch(..., device=...)`` makes the plan compiled calls ask for: ``cp_hybrid_plan``'s for the
     hybrid (``1 < u < cp``), ``cp_head_plan``'s for pure head parallelism."""
-    from cpcompile import batch as batch_module
+    from cpcompile.plan import pieces
 
     made = []
-    monkeypatch.setattr(batch_module, "hybrid_step_plan", lambda *a: made.append(("hybrid", a[2:])))
-    monkeypatch.setattr(batch_module, "head_step_plan", lambda *a: made.append(("heads", a[2:])))
+    monkeypatch.setattr(pieces, "hybrid_step_plan", lambda *a: made.append(("hybrid", a[2:])))
+    monkeypatch.setattr(pieces, "head_step_plan", lambda *a: made.append(("heads", a[2:])))
     cu = torch.tensor([0, 1, 8, 8, 20, 23], dtype=torch.int32)
     for u in (2, 4):
         spec = cpcompile.StrategySpec("dual_chunk_swap", kv="heads", head_parallel=u)

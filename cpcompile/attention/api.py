@@ -48,15 +48,7 @@ from cpcompile.checks import (
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.config import DEFAULTS, KERNELS, check_choice
 from cpcompile.plan.exchange import exchange_plan
-from cpcompile.plan.pieces import (
-    AttentionPlan,
-    head_step_plan,
-    hybrid_step_plan,
-    max_piece_len,
-    plan_extras,
-    plan_of,
-    step_plan,
-)
+from cpcompile.plan.pieces import AttentionPlan, max_piece_len, plan_extras, plan_of, spec_step_plan, step_plan
 from cpcompile.plan.ring import RingPlan, block_key_ranges, ring_plan_of, ring_window_plan
 from cpcompile.plan.window import UNBANDED, beyond_gpu, is_causal, resolve_window, window_keys
 from cpcompile.spec import (
@@ -105,8 +97,8 @@ def kernel_keywords(q, scale, window, softcap: float = 0.0) -> dict:
 
 
 def op_extras(sinks=None, softcap: float = 0.0) -> dict:
-    """An op's ``sinks`` and ``softcap`` keywords, each where it is on (none where off: the ops' defaults,
-    so that graphs and calls without them read as before)."""
+    """An op's ``sinks`` and ``softcap`` keywords, each only where it is on: off, the op's default applies,
+    so a call without them is one op call (one graph node), however the caller said off (``None``, 0)."""
     return ({} if sinks is None else {"sinks": sinks}) | ({"softcap": softcap} if softcap else {})
 
 
@@ -484,12 +476,7 @@ def cp_attention(
         if spec.head_parallel > 1:
             if plan is not None:
                 raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
-            layout = (spec.strategy.value, spec.stripe_size)  # auto: resolved in the plan, alike on every rank
-            if spec.head_parallel == cp:
-                made = head_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, *layout)
-            else:
-                args = (q.shape[0] * cp, cp, spec.head_parallel, rank, *layout)
-                made = hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)
+            made = spec_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, rank, spec)
         elif plan is None:
             tokens = q.shape[0] * cp
             if spec.kv == "ring" and window in UNBANDED:
@@ -497,8 +484,7 @@ def cp_attention(
                     cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
                 )
             else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
-                args = (cp, rank, spec.strategy.value, spec.stripe_size, *plan_extras(spec))
-                made = step_plan(cu_seqlens, cu_seqlens_padded, tokens, *args)
+                made = spec_step_plan(cu_seqlens, cu_seqlens_padded, tokens, cp, rank, spec)
             if max_seqlen is not None:
                 bound = max_piece_len(spec, cp, max_seqlen)
         else:

@@ -21,14 +21,10 @@ from cpcompile.checks import agreement_enabled, check_offsets, rows_are_real
 from cpcompile.comm.groups import agree_on, digest, resolve_group
 from cpcompile.kernels.metadata import scratch
 from cpcompile.layouts.partition import check_capacity_documents
-from cpcompile.plan.pieces import AttentionPlan, max_pieces, step_plan
+from cpcompile.plan.pieces import AttentionPlan, max_pieces, op_spec, step_plan
 from cpcompile.plan.slots import note_plan, plan_in_capture
 from cpcompile.plan.window import narrow_keys
-from cpcompile.spec import Strategy, StrategySpec, current_rows
-
-
-def _spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategySpec:
-    return StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
+from cpcompile.spec import current_rows
 
 
 def plan_op(name: str, make, parameters: str):
@@ -74,7 +70,7 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
         # strategy block in force when the compiled step runs says whose they are (its batch); offsets
         # that are no pack name that first. Not in a backward: a checkpointed layer's plan op runs again
         # there, after the block, for the rows its forward checked.
-        spec = _spec(bound["strategy"], bound["stripe_size"], bound.get("windows", ()), bound.get("capacity", ()))
+        spec = op_spec(bound["strategy"], bound["stripe_size"], bound.get("windows", ()), bound.get("capacity", ()))
         if group is not None and torch._C._current_graph_task_id() == -1:
             check_offsets(bound["cu_seqlens"], bound.get("cu_seqlens_padded"))
             rows, _ = current_rows()
@@ -179,7 +175,7 @@ def _(
     group_name="",
     calls=None,
 ):
-    spec = _spec(strategy, stripe_size, windows, capacity)
+    spec = op_spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)
     if spec.capacity is not None:
         tokens = spec.capacity.tokens

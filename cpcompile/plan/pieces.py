@@ -180,30 +180,31 @@ def plan_of(cu_seqlens, cu_seqlens_padded=None, *, cp_size: int, rank: int, stra
 
 def _rank_plan(pack: Pack, requested: StrategySpec, cu_seqlens: torch.Tensor, rank: int) -> AttentionPlan:
     """Rank ``rank``'s plan of ``pack`` (:func:`pack_of`)."""
-    layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
-    t_local = layout.shape[1]
+    layout = pack.layout
     gather_index = _gather_index(layout)
     if not _tracing():
         layout_of.remember(gather_index, layout.shape[0], result=layout)
+    num_pieces = max_pieces(requested, cu_seqlens.shape[0] - 1, layout.shape[1])
+    return _pieces_plan(layout[rank], num_pieces, gather_index, cu_seqlens, pack.cu_seqlens_padded)
 
-    doc, pos, real, new_piece = piece_marks(layout[rank], cu_seqlens, cu_seqlens_padded)  # [T_local] each
+
+def _pieces_plan(positions, num_pieces, gather_index, cu_seqlens, cu_seqlens_padded) -> AttentionPlan:
+    """The plan whose queries are the tokens at physical ``positions`` ``[N]`` (a rank's, or its head
+    group's, in their order), cut into pieces in ``num_pieces`` slots, keys read through ``gather_index``."""
+    n = positions.shape[0]
+    doc, pos, real, new_piece = piece_marks(positions, cu_seqlens, cu_seqlens_padded)  # [N] each
     real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
-    cu_p = cu_seqlens_padded.long()
-
-    num_pieces = max_pieces(requested, cu_seqlens.shape[0] - 1, t_local)
-    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_local).squeeze(1)  # [P]
-    cu_q = torch.cat([starts, starts.new_full((1,), t_local)])  # [P + 1]
+    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=n).squeeze(1)  # [P]
+    cu_q = torch.cat([starts, starts.new_full((1,), n)])  # [P + 1]
     q_len = cu_q[1:] - cu_q[:-1]
-    first = starts.clamp(max=t_local - 1)  # empty trailing slots read a valid row, then get no keys
+    first = starts.clamp(max=n - 1)  # empty trailing slots read a valid row, then get no keys
     live = (q_len > 0) & real[first]
-    k_len_causal = torch.where(live, pos[first] + q_len, 0)
-    k_len_full = torch.where(live, real_len[doc[first]], 0)
     return AttentionPlan(
         gather_index=gather_index,
         cu_q=cu_q.to(torch.int32),
-        k_start=cu_p[doc[first]].to(torch.int32),
-        k_len_causal=k_len_causal.to(torch.int32),
-        k_len_full=k_len_full.to(torch.int32),
+        k_start=cu_seqlens_padded.long()[doc[first]].to(torch.int32),
+        k_len_causal=torch.where(live, pos[first] + q_len, 0).to(torch.int32),
+        k_len_full=torch.where(live, real_len[doc[first]], 0).to(torch.int32),
         **_offsets(cu_seqlens, cu_seqlens_padded),
     )
 
@@ -220,8 +221,9 @@ def _offsets(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> dict[
 
 def plan_extras(spec: StrategySpec) -> tuple:
     """The arguments after ``stripe_size`` that :func:`step_plan` (and the ``cp_plan`` op) take for
-    ``spec``: its windows, then its capacity, each only where set, so that calls without them
-    stay as they were (and the plans made ahead of the step are found by the same arguments)."""
+    ``spec``: its windows, then its capacity, each only where set: a spec without them then makes the
+    op call of the schema's defaults, and the same :func:`step_plan` arguments (its ``per_plan`` key)
+    wherever its plan is made, so that a plan made ahead of the step is the one the step finds."""
     if spec.capacity is not None:
         return tuple(spec.windows), tuple(spec.capacity)
     return (tuple(spec.windows),) if spec.windows else ()
@@ -232,8 +234,12 @@ def _host_spec(cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, w
     ``None`` where not given) and the spec of a plan op's arguments."""
     padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
     cu, *padded = on_host(cu_seqlens, *padded)
-    spec = StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
-    return cu, (padded[0] if padded else None), spec
+    return cu, (padded[0] if padded else None), op_spec(strategy, stripe_size, windows, capacity)
+
+
+def op_spec(strategy: str, stripe_size: int, windows=(), capacity=()) -> StrategySpec:
+    """The :class:`StrategySpec` of a plan op's layout arguments (``()``: no windows, no capacity)."""
+    return StrategySpec(Strategy(strategy), stripe_size, windows=tuple(windows), capacity=tuple(capacity) or None)
 
 
 def _made_on_host(make, cu_seqlens, cu_seqlens_padded, strategy: str, stripe_size: int, windows=(), capacity=(), **kw):
@@ -365,29 +371,12 @@ def hybrid_plan_of(
 ) -> AttentionPlan:
     """:func:`make_hybrid_plan` of offsets a public entry checked."""
     requested, pack = pack_of(cu_seqlens, cu_seqlens_padded, cp_size, strategy, num_tokens)
-    layout, cu_seqlens_padded = pack.layout, pack.cu_seqlens_padded
-    u = head_parallel
-    gather_index = _gather_index(layout)
+    layout, u = pack.layout, head_parallel
     s = rank // u
     positions = layout[s * u : (s + 1) * u].reshape(-1)  # [u * T_local]: the group's tokens, member by member
-    t_group = positions.shape[0]
-    doc, pos, real, new_piece = piece_marks(positions, cu_seqlens, cu_seqlens_padded)
-    real_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     # slots for whatever auto picks, as make_plan's, so that the sizes do not depend on values
-    num_pieces = torch.sym_min(t_group, u * max_pieces(requested, cu_seqlens.shape[0] - 1, layout.shape[1]))
-    starts = torch.nonzero_static(new_piece, size=num_pieces, fill_value=t_group).squeeze(1)
-    cu_q = torch.cat([starts, starts.new_full((1,), t_group)])
-    q_len = cu_q[1:] - cu_q[:-1]
-    first = starts.clamp(max=t_group - 1)
-    live = (q_len > 0) & real[first]
-    return AttentionPlan(
-        gather_index=gather_index,
-        cu_q=cu_q.to(torch.int32),
-        k_start=cu_seqlens_padded.long()[doc[first]].to(torch.int32),
-        k_len_causal=torch.where(live, pos[first] + q_len, 0).to(torch.int32),
-        k_len_full=torch.where(live, real_len[doc[first]], 0).to(torch.int32),
-        **_offsets(cu_seqlens, cu_seqlens_padded),
-    )
+    num_pieces = torch.sym_min(positions.shape[0], u * max_pieces(requested, cu_seqlens.shape[0] - 1, layout.shape[1]))
+    return _pieces_plan(positions, num_pieces, _gather_index(layout), cu_seqlens, pack.cu_seqlens_padded)
 
 
 @per_plan
@@ -404,3 +393,24 @@ def hybrid_step_plan(
     """:func:`make_hybrid_plan` once per step, made on the host and uploaded (as :func:`step_plan`)."""
     kw = {"cp_size": cp_size, "head_parallel": head_parallel, "rank": rank, "num_tokens": num_tokens}
     return _made_on_host(hybrid_plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
+
+
+def spec_step_plan(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    num_tokens: int,
+    cp_size: int,
+    rank: int,
+    spec: StrategySpec,
+) -> AttentionPlan:
+    """The step plan attention of ``spec`` runs from on rank ``rank`` (the plan op a compiled call
+    makes, ``compiler.shard_attention``): :func:`head_step_plan` where ``spec.head_parallel`` is
+    ``cp_size``, :func:`hybrid_step_plan` where it is between 1 and ``cp_size``, else :func:`step_plan`
+    (``auto`` resolved in the plan, alike on every rank)."""
+    layout = (spec.strategy.value, spec.stripe_size)
+    if spec.head_parallel == 1:
+        return step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, *layout, *plan_extras(spec))
+    if spec.head_parallel == cp_size:
+        return head_step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, *layout)
+    args = (num_tokens, cp_size, spec.head_parallel, rank, *layout)  # the rank's head group's pieces
+    return hybrid_step_plan(cu_seqlens, cu_seqlens_padded, *args)

@@ -144,8 +144,8 @@ def _(
     causal,
     scale,
     kernel_name=None,
-    left=-1,
-    right=-1,
+    window_left=-1,
+    window_right=-1,
     sinks=None,
     softcap=0.0,
 ):
@@ -182,7 +182,8 @@ def _packed_attention_backward(
 
 
 @_packed_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None, *window):
+def _(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens_padded, max_seqlen, causal, scale, kernel_name=None,
+      window_left=-1, window_right=-1, softcap=0.0):  # fmt: skip
     return dense_grads(q, k, v)
 
 
@@ -241,11 +242,11 @@ def packed_attention(
     kernel = DEFAULTS.kernel if kernel is None else check_choice("kernel", kernel, KERNELS)
     args = (q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen, is_causal(window), scale, kernel)
     window_args = () if window in UNBANDED else window
-    named = op_extras(sinks, softcap)
-    return torch.ops.cpcompile.packed_attention(*args, *window_args, **named)[0]
+    extras = op_extras(sinks, softcap)
+    return torch.ops.cpcompile.packed_attention(*args, *window_args, **extras)[0]
 
 
-def _check_not_sharded(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+def _check_not_sharded(q: torch.Tensor) -> None:
     """Raise where ``q`` holds one rank's share of a CP batch: single-device attention over it would attend
     within the rank's share alone. The batch: the strategy block's (entered with it, else the last
     ``shard_batch`` made in it); a share is its rank's row count (a block's batch may sit beside a
@@ -269,7 +270,7 @@ def _check_pack_of(q: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded,
     of ``q`` covered (by ``cu_seqlens``, or by ``cu_seqlens_padded`` where given), ``max_seqlen`` a
     bound, and ``q`` not one rank's share of a CP batch."""
     check_offsets(cu_seqlens, cu_seqlens_padded)
-    _check_not_sharded(q, cu_seqlens)
+    _check_not_sharded(q)
     if cu_seqlens_padded is None:
         _check_token_count("cu_seqlens", cu_seqlens, q.shape[0])
     else:
@@ -500,25 +501,25 @@ def cp_attention(
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
     # by name: the ops' arguments before them keep their defaults
-    sink = op_extras(sinks, softcap)
+    extras = op_extras(sinks, softcap)
     if 1 < spec.head_parallel < cp:
         kw = {"causal": causal, "scale": scale, "max_seqlen": max_seqlen, "kernel": spec.kernel}
         return hybrid.hybrid_attention(q, k, v, plan, pg, spec.head_parallel, sinks=sinks, softcap=softcap, **kw)
     if spec.head_parallel > 1:
         args = (q, k, v, *plan[:3], plan.k_len(causal), pg.group_name, causal, scale, max_seqlen, spec.kernel)
-        return torch.ops.cpcompile.cp_head_attention(*args, **sink)[0]
+        return torch.ops.cpcompile.cp_head_attention(*args, **extras)[0]
     if spec.kv == "ring" and isinstance(plan, RingPlan):
         args = (q, k, v, plan.cu_q, plan.k_start, plan.k_len(causal), pg.group_name, causal, scale)
-        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, spec.kernel, **sink)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, max_seqlen, max_seqlen_q, spec.kernel, **extras)[0]
     k_start, k_len, q_pos = window_keys(*plan.pieces, window)
     if spec.kv == "ring":  # a window: the ring's key ranges and positions of the windowed pieces
         ranges = ring_window_plan(plan.gather_index, k_start, k_len, cp)
         args = (q, k, v, plan.cu_q, *ranges[:2], pg.group_name, causal, scale, max_seqlen, max_seqlen_q)
-        return torch.ops.cpcompile.cp_ring_attention(*args, spec.kernel, q_pos, ranges[2], *window, **sink)[0]
+        return torch.ops.cpcompile.cp_ring_attention(*args, spec.kernel, q_pos, ranges[2], *window, **extras)[0]
     args = (q, k, v, plan.gather_index, plan.cu_q, k_start, k_len, pg.group_name, causal, scale)
     kv = (spec.kernel, spec.exchange, spec.kv_chunks, None if causal else q_pos)
     pack = (plan.cu_seqlens, plan.cu_seqlens_padded)  # for the sparse exchange
-    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack, **sink)[0]
+    return torch.ops.cpcompile.cp_attention(*args, max_seqlen, max_seqlen_q, *kv, *window, *pack, **extras)[0]
 
 
 def _call_record(
@@ -624,9 +625,9 @@ def _live_pieces(plan):
     return plan._replace(**kept)
 
 
-def _first_difference(made: torch.Tensor, given: torch.Tensor, name: str = "cu_seqlens") -> str:
+def _first_difference(plan_offsets: torch.Tensor, call_offsets: torch.Tensor, name: str = "cu_seqlens") -> str:
     """Where the plan's offsets ``name`` and the call's part, in a few words (a pack may hold thousands)."""
-    if made.shape != given.shape:
-        return f"the plan's pack holds {made.shape[0] - 1} document(s), {name} {given.shape[0] - 1}"
-    i = int((made != given.to(made.dtype)).nonzero()[0, 0])
-    return f"{name}[{i}] is {int(given[i])}, the plan's {int(made[i])}"
+    if plan_offsets.shape != call_offsets.shape:
+        return f"the plan's pack holds {plan_offsets.shape[0] - 1} document(s), {name} {call_offsets.shape[0] - 1}"
+    i = int((plan_offsets != call_offsets.to(plan_offsets.dtype)).nonzero()[0, 0])
+    return f"{name}[{i}] is {int(call_offsets[i])}, the plan's {int(plan_offsets[i])}"

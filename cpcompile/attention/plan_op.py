@@ -171,7 +171,7 @@ def _(
     stripe_size,
     windows=(),
     capacity=(),
-    _=0,
+    layers=0,
     group_name="",
     calls=None,
 ):

@@ -169,6 +169,7 @@ def _(dout, k, v, group_name):
 
 
 _PLAN = 4  # gather_index, cu_q, k_start, k_len
+_NAMES = [a.name for a in _cp_attention_split._opoverload._schema.arguments]
 
 
 def _setup_context(ctx, inputs, output):
@@ -179,7 +180,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *plan, q_pos, sinks)
     ctx.args = (group_name, causal, scale, max_seqlen, max_seqlen_q, kernel_name)
     ctx.window = (*window[1:], softcap)  # the backward op's window_left, window_right, softcap
-    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
@@ -199,9 +199,11 @@ def _backward(ctx, dout, _dlse):
     dk, dv = (None if p is None else wait(p).to(x.dtype) for p, x in zip(pending, (k, v)))
     # the op returned (out_final, lse_final) with sinks, which the kernel's backward above needs (attention.sinks)
     # by its place: needs_input_grad may leave out the trailing arguments that were not passed (softcap)
-    need = sinks is not None and ctx.needs_input_grad[ctx.num_inputs - 2]
-    dsinks = sinks_grad(dout, out, lse, sinks) if need else None
-    return dq, dk, dv, *(None,) * (ctx.num_inputs - 5), dsinks, None  # sinks, then softcap
+    n, at = len(ctx.needs_input_grad), _NAMES.index("sinks")
+    grads = [dq, dk, dv] + [None] * (n - 3)
+    if sinks is not None and at < n and ctx.needs_input_grad[at]:
+        grads[at] = sinks_grad(dout, out, lse, sinks)
+    return tuple(grads)
 
 
 _cp_attention_split.register_autograd(_backward, setup_context=_setup_context)

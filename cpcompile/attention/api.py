@@ -471,25 +471,7 @@ def cp_attention(
         check_head_parallel(spec.head_parallel, cp, q.shape[1])
         # q/k/v are this rank's rows of spec's layout (a plan says which rank it is for, not whose rows q holds)
         check_rows(cu_seqlens, cp, rank, spec, rows, required=rows_are_real(pg))
-        made, bound = plan, max_seqlen  # a plan from the caller may be of any strategy: the safe bound
-        if spec.head_parallel > 1 and window not in UNBANDED:
-            raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
-        if spec.head_parallel > 1:
-            if plan is not None:
-                raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
-            made = spec_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, rank, spec)
-        elif plan is None:
-            tokens = q.shape[0] * cp
-            if spec.kv == "ring" and window in UNBANDED:
-                made = ring_plan_of(
-                    cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens
-                )
-            else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
-                made = spec_step_plan(cu_seqlens, cu_seqlens_padded, tokens, cp, rank, spec)
-            if max_seqlen is not None:
-                bound = max_piece_len(spec, cp, max_seqlen)
-        else:
-            _check_plan(plan, spec.kv, window, q.shape[0], cp, rank, cu_seqlens, cu_seqlens_padded, spec)
+        made, bound = _plan_for_call(plan, spec, window, q, cu_seqlens, cu_seqlens_padded, max_seqlen, cp, rank)
         return spec, window, made, bound
 
     def record(prepared) -> dict[str, object]:
@@ -498,6 +480,35 @@ def cp_attention(
 
     spec, window, plan, max_seqlen_q = agree_on(pg, agreement_enabled(pg, q), prepare, record)
     softcap = check_softcap(softcap)  # checked in prepare: a float, 0.0 for none
+    return _run_cp_op(q, k, v, plan, pg, spec, window, scale, max_seqlen, max_seqlen_q, sinks, softcap)
+
+
+def _plan_for_call(plan, spec, window, q, cu_seqlens, cu_seqlens_padded, max_seqlen, cp: int, rank: int):
+    """``(plan, max_seqlen_q)`` a ``cp_attention`` call runs from: the caller's ``plan``, checked
+    (:func:`_check_plan`), else the step plan of ``spec`` (:func:`spec_step_plan`), or the ring's without
+    a window; and the bound on a piece's query rows (``max_seqlen`` for a caller's plan, which may be of
+    any strategy: the safe bound)."""
+    if spec.head_parallel > 1:
+        if window not in UNBANDED:
+            raise ValueError(f"window_size={window} is not supported with head_parallel > 1: use head_parallel=1")
+        if plan is not None:
+            raise ValueError("plan is not accepted with head_parallel > 1: the head-parallel plan is made here")
+        return spec_step_plan(cu_seqlens, cu_seqlens_padded, q.shape[0] * cp, cp, rank, spec), max_seqlen
+    if plan is not None:
+        _check_plan(plan, spec.kv, window, q.shape[0], cp, rank, cu_seqlens, cu_seqlens_padded, spec)
+        return plan, max_seqlen
+    tokens = q.shape[0] * cp
+    if spec.kv == "ring" and window in UNBANDED:
+        made = ring_plan_of(cu_seqlens, cu_seqlens_padded, cp_size=cp, rank=rank, strategy=spec, num_tokens=tokens)
+    else:  # once per step: every layer's call shares it (a host sync at most, on GPUs)
+        made = spec_step_plan(cu_seqlens, cu_seqlens_padded, tokens, cp, rank, spec)
+    return made, None if max_seqlen is None else max_piece_len(spec, cp, max_seqlen)
+
+
+def _run_cp_op(q, k, v, plan, pg, spec, window, scale, max_seqlen, max_seqlen_q, sinks, softcap: float) -> torch.Tensor:
+    """The op of ``spec``'s path (head-parallel, hybrid, ring, all-gather or exchange) over ``plan``:
+    ``cp_attention``'s output ``[T_local, Hq, Dv]``."""
+    cp = pg.size()
     # the window decides, on every path: causal=False with window_size=(-1, 0) is causal attention
     causal = is_causal(window)
     # by name: the ops' arguments before them keep their defaults

@@ -221,9 +221,9 @@ def _offsets(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> dict[
 
 def plan_extras(spec: StrategySpec) -> tuple:
     """The arguments after ``stripe_size`` that :func:`step_plan` (and the ``cp_plan`` op) take for
-    ``spec``: its windows, then its capacity, each only where set: a spec without them then makes the
-    op call of the schema's defaults, and the same :func:`step_plan` arguments (its ``per_plan`` key)
-    wherever its plan is made, so that a plan made ahead of the step is the one the step finds."""
+    ``spec``: its windows, then its capacity, each only where set: without them the ``cp_plan`` call is
+    the one of the schema's defaults, and :func:`step_plan`'s ``per_plan`` key its first seven arguments
+    wherever this function builds the call."""
     if spec.capacity is not None:
         return tuple(spec.windows), tuple(spec.capacity)
     return (tuple(spec.windows),) if spec.windows else ()

@@ -83,6 +83,7 @@ of a rank's ranges); there are ``2 * (cp - 1)`` cuts in all.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -548,33 +549,10 @@ def _host_runs(
         ends = torch.stack([front[1:], back[:-1]], 1).reshape(-1)
         return seq.runs(starts, ends, splits)
 
-    seg, doc, run_first, run_len = cut(target2)
-    if backward and on_tiles and seq.tokens and cp > 1:  # step 5
-        zero_offsets = torch.zeros_like(dealt_len)
-
-        def priced(seg: torch.Tensor, run_first: torch.Tensor, run_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """Per rank ``[cp]``: twice its forward + backward work (its forward tiles' area, that times
-            ``BACKWARD_PER_PAIR_HALVES / 2``, and the backward's overhead), and its forward tiles' area."""
-            fwd, over = backward_overhead(torch.cat([run_first, zero_offsets]), torch.cat([run_len, dealt_len]))
-            ranks, per_rank = torch.cat([seg // 2, dealt_rank]), torch.zeros(cp, dtype=torch.long)
-            both = (2 + BACKWARD_PER_PAIR_HALVES) * fwd + 2 * over
-            return per_rank.index_add(0, ranks, both), per_rank.index_add(0, ranks, fwd)
-
-        best = (seg, doc, run_first, run_len)
-        cost, fwd = priced(seg, run_first, run_len)
-        least, moved = int(cost.max()), target2
-        fwd_cap = int(fwd.max()) * (FORWARD_SLACK + 1) // FORWARD_SLACK  # the forward may not get slower
-        for _ in range(BACKWARD_PASSES):
-            if bool((cost == cost[0]).all()):
-                break
-            # each rank's share of the forward work moves by its distance from the mean forward + backward
-            # work, priced as that: 2 cp (mean - cost_r) / 2 / (7 / 2), exact in int64
-            moved = moved + 2 * (int(cost.sum()) - cp * cost) // 7
-            runs = cut(moved)
-            cost, fwd = priced(runs[0], runs[2], runs[3])
-            if int(cost.max()) < least and int(fwd.max()) <= fwd_cap:
-                best, least = runs, int(cost.max())
-        seg, doc, run_first, run_len = best
+    if backward and on_tiles and seq.tokens and cp > 1:
+        seg, doc, run_first, run_len = _even_backward(cut, target2, dealt_rank, dealt_len, cp)
+    else:
+        seg, doc, run_first, run_len = cut(target2)
     run_rank = torch.cat([seg // 2, dealt_rank, pad_rank])
     run_start = torch.cat([cu[rest[doc]] + run_first, cu[dealt], pad_start])
     run_len = torch.cat([run_len, dealt_len, pad_len])
@@ -582,6 +560,45 @@ def _host_runs(
     run_rank, run_start, run_len = run_rank[keep], run_start[keep], run_len[keep]
     sort = torch.argsort(run_rank * (total + 1) + run_start)  # rank-major, then physical order
     return run_rank[sort], run_start[sort], run_len[sort]
+
+
+def _even_backward(
+    cut: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    target2: torch.Tensor,
+    dealt_rank: torch.Tensor,
+    dealt_len: torch.Tensor,
+    cp: int,
+) -> tuple[torch.Tensor, ...]:
+    """Step 5: the runs ``cut(target)`` gives (steps 3-4 for a target of twice the work per rank
+    ``[cp + 1]``, ``target2`` the forward's) for the target whose busiest rank's forward + backward work is
+    least, among ``BACKWARD_PASSES`` re-cuts whose busiest rank's forward stays within ``1 / FORWARD_SLACK``
+    of the first cut's. ``dealt_rank``, ``dealt_len`` ``[S]``: the whole short documents steps 1-2 dealt."""
+    zero_offsets = torch.zeros_like(dealt_len)
+
+    def priced(runs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per rank ``[cp]``: twice its forward + backward work (its forward tiles' area, that times
+        ``BACKWARD_PER_PAIR_HALVES / 2``, and the backward's overhead), and its forward tiles' area."""
+        seg, _, run_first, run_len = runs
+        fwd, over = backward_overhead(torch.cat([run_first, zero_offsets]), torch.cat([run_len, dealt_len]))
+        ranks, per_rank = torch.cat([seg // 2, dealt_rank]), torch.zeros(cp, dtype=torch.long)
+        both = (2 + BACKWARD_PER_PAIR_HALVES) * fwd + 2 * over
+        return per_rank.index_add(0, ranks, both), per_rank.index_add(0, ranks, fwd)
+
+    best = cut(target2)
+    cost, fwd = priced(best)
+    least, moved = int(cost.max()), target2
+    fwd_cap = int(fwd.max()) * (FORWARD_SLACK + 1) // FORWARD_SLACK  # the forward may not get slower
+    for _ in range(BACKWARD_PASSES):
+        if bool((cost == cost[0]).all()):
+            break
+        # each rank's share of the forward work moves by its distance from the mean forward + backward
+        # work, priced as that: 2 cp (mean - cost_r) / 2 / ((2 + BACKWARD_PER_PAIR_HALVES) / 2), exact in int64
+        moved = moved + 2 * (int(cost.sum()) - cp * cost) // (2 + BACKWARD_PER_PAIR_HALVES)
+        runs = cut(moved)
+        cost, fwd = priced(runs)
+        if int(cost.max()) < least and int(fwd.max()) <= fwd_cap:
+            best, least = runs, int(cost.max())
+    return best
 
 
 def _deal_padding(cu: torch.Tensor, free: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -287,6 +287,22 @@ def test_auto_decided_with_a_topology_inside_an_auto_block_is_refused():
         assert cpcompile.shard_batch(x, cu, cp_size=4, rank=0).spec.kv == "auto"
 
 
+@pytest.mark.parametrize("spec", [cpcompile.StrategySpec("balanced"), cpcompile.StrategySpec("balanced", windows=(4, -1))])
+def test_the_step_finds_the_plan_the_batch_made_ahead(spec):
+    """The ``cp_plan`` op's function, with the arguments a compiled call gives it (windows and capacity
+    at their schema defaults where the spec has none), returns the plan ``shard_batch(..., device=...)``
+    made, not a second one."""
+    from cpcompile.attention.plan_op import step_plan_in_layers
+    from cpcompile.plan.pieces import plan_extras, spec_step_plan
+
+    cu = torch.tensor([0, 1, 8, 8, 20, 23], dtype=torch.int32)
+    b = cpcompile.shard_batch({"x": torch.arange(23)}, cu, cp_size=4, rank=2, strategy=spec, device="cpu")
+    tokens = 4 * b.indices.shape[0]
+    ahead = spec_step_plan(b.cu_seqlens, None, tokens, 4, 2, spec)
+    extras = dict(zip(("windows", "capacity"), plan_extras(spec)))
+    assert step_plan_in_layers(b.cu_seqlens, None, tokens, 4, 2, "balanced", 1, **extras) is ahead
+
+
 def test_the_hybrid_batch_makes_the_hybrid_plan_ahead(monkeypatch):
     """``shard_batch(..., device=...)`` makes the plan compiled calls ask for: ``cp_hybrid_plan``'s for the
     hybrid (``1 < u < cp``), ``cp_head_plan``'s for pure head parallelism."""

@@ -40,7 +40,7 @@ from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import heads_to_tokens, kv_replication, replicate, sum_replicas, tokens_to_heads
 from cpcompile.kernels.sinks import joined
 from cpcompile.layouts.reads import keys_read
-from cpcompile.plan.pieces import head_step_plan, max_pieces
+from cpcompile.plan.pieces import head_step_plan, max_pieces, op_spec
 from cpcompile.spec import Strategy, StrategySpec
 
 #: :func:`cpcompile.plan.pieces.head_step_plan` as an op: ``(gather_index [T], cu_q [P + 1], k_start,
@@ -55,7 +55,7 @@ cp_head_plan = plan_op(
 
 @cp_head_plan.register_fake
 def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, strategy, stripe_size, group_name="", calls=None):
-    check_fake_tokens(num_tokens, cp_size, StrategySpec(Strategy(strategy), stripe_size))
+    check_fake_tokens(num_tokens, cp_size, op_spec(strategy, stripe_size))
     pieces = max_pieces(StrategySpec(Strategy.NO_LOAD_BALANCE), cu_seqlens.shape[0] - 1, num_tokens)
     return fake_plan(cu_seqlens, num_tokens, pieces)
 

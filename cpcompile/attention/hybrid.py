@@ -20,8 +20,7 @@ from cpcompile.attention.sinks import head_slice
 from cpcompile.checks import agreement_enabled
 from cpcompile.comm.groups import resolve_group
 from cpcompile.comm.heads import head_groups, heads_to_tokens, kv_replication, replicate, tokens_to_heads
-from cpcompile.plan.pieces import AttentionPlan, hybrid_step_plan, max_pieces
-from cpcompile.spec import Strategy, StrategySpec
+from cpcompile.plan.pieces import AttentionPlan, hybrid_step_plan, max_pieces, op_spec
 
 #: the step named in the backward's agreement
 _BACKWARD = "backward of head_all_to_all (the hybrid's)"
@@ -116,7 +115,7 @@ def _(
     group_name="",
     calls=None,
 ):
-    spec = StrategySpec(Strategy(strategy), stripe_size)
+    spec = op_spec(strategy, stripe_size)
     check_fake_tokens(num_tokens, cp_size, spec)
     t_local = num_tokens // cp_size
     pieces = torch.sym_min(t_local * head_parallel, head_parallel * max_pieces(spec, cu_seqlens.shape[0] - 1, t_local))

@@ -135,14 +135,20 @@ def _check_capturable(gm: torch.fx.GraphModule, spec) -> None:
         )
 
 
-def _guard_on_strategy() -> None:
-    """Make the graph being compiled valid only while the current strategy is active."""
+def _guard_equals(module: str, attribute: str) -> None:
+    """Make the graph being compiled valid only while ``module.attribute`` equals its value now. The
+    module is read from ``sys.modules``: a package may re-export another object under the module's
+    name (``cpcompile`` re-exports a function named ``strategy``)."""
     from torch._dynamo.guards import GuardBuilder, install_guard
     from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource
 
-    # sys.modules[...]: the package re-exports a function named ``strategy``
-    module = DictGetItemSource(AttrSource(ImportSource("sys"), "modules"), "cpcompile.spec")
-    install_guard(AttrSource(module, "guard_key").make_guard(GuardBuilder.EQUALS_MATCH))
+    source = DictGetItemSource(AttrSource(ImportSource("sys"), "modules"), module)
+    install_guard(AttrSource(source, attribute).make_guard(GuardBuilder.EQUALS_MATCH))
+
+
+def _guard_on_strategy() -> None:
+    """Make the graph being compiled valid only while the current strategy is active."""
+    _guard_equals("cpcompile.spec", "guard_key")
 
 
 def _refuse_suppressed_errors(gm: torch.fx.GraphModule, group) -> Callable | None:
@@ -179,11 +185,7 @@ def _refuse_suppressed_errors(gm: torch.fx.GraphModule, group) -> Callable | Non
 
 def _guard_on_suppress_errors() -> None:
     """Make the graph being compiled valid only while ``torch._dynamo.config.suppress_errors`` is as now."""
-    from torch._dynamo.guards import GuardBuilder, install_guard
-    from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource
-
-    config = DictGetItemSource(AttrSource(ImportSource("sys"), "modules"), "torch._dynamo.config")
-    install_guard(AttrSource(config, "suppress_errors").make_guard(GuardBuilder.EQUALS_MATCH))
+    _guard_equals("torch._dynamo.config", "suppress_errors")
 
 
 def _check_recompile_room() -> None:

@@ -503,10 +503,11 @@ def rewrite_packed_attention(
     hybrid = 1 < spec.head_parallel < cp_size
     order = {n: i for i, n in enumerate(graph.nodes)}
 
-    def early(m: AttentionMatch) -> fx.Node:
-        """The node before which a captured call's plan goes: the first after its inputs."""
-        inputs = [n for n in (m.cu_seqlens, m.cu_seqlens_padded) if isinstance(n, fx.Node)]
-        point = max(inputs, key=order.__getitem__).next if inputs else next(iter(graph.nodes))
+    def first_after(*inputs) -> fx.Node:
+        """The first node after ``inputs`` that is not a placeholder (the graph's first, where none of
+        them is a node)."""
+        nodes = [n for n in inputs if isinstance(n, fx.Node)]
+        point = max(nodes, key=order.__getitem__).next if nodes else next(iter(graph.nodes))
         while point.op == "placeholder":
             point = point.next
         return point
@@ -535,24 +536,17 @@ def rewrite_packed_attention(
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
 
-    def transfers_from(m: AttentionMatch) -> fx.Node:
-        """Where a split call's all-gathers start (and its plan, if it is the first, is made before them,
-        so that its agreement runs before any collective): the first node after K, V and the offsets."""
-        inputs = [n for n in (m.k, m.v, m.cu_seqlens, m.cu_seqlens_padded) if isinstance(n, fx.Node)]
-        point = max(inputs, key=order.__getitem__).next
-        while point.op == "placeholder":
-            point = point.next
-        return point
-
     for m in matches:
         captured_call = in_capture(m)
         split = overlap_kv and not (heads or captured_call or spec.kv == "ring")
-        plan_at = transfers_from(m) if split else m.node
+        # a split call's all-gathers start right after K, V and the offsets, and its plan (if it is the
+        # first) is made before them, so that its agreement runs before any collective
+        plan_at = first_after(m.k, m.v, m.cu_seqlens, m.cu_seqlens_padded) if split else m.node
         with graph.inserting_before(m.node):
             key = (m.cu_seqlens, m.cu_seqlens_padded)
             if key not in plans and captured_call:  # the token count is a constant: no node reads q
                 tokens = m.q.meta["example_value"].shape[0] * cp_size
-                with graph.inserting_before(early(m)):
+                with graph.inserting_before(first_after(m.cu_seqlens, m.cu_seqlens_padded)):
                     plan = insert(
                         torch.ops.cpcompile.cp_plan.default,
                         (m.cu_seqlens, m.cu_seqlens_padded, tokens, cp_size, rank, spec.strategy.value,
@@ -565,27 +559,25 @@ def rewrite_packed_attention(
                         insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
                     ]
             if key not in plans:
-                graph_point = graph.inserting_before(plan_at)
-                graph_point.__enter__()
-                # T = local tokens x cp: symbolic, so one graph serves every batch size (k's: made before q may be)
-                local = insert(torch.ops.aten.sym_size.int, (m.k if split else m.q, 0), "local_tokens")
-                tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
-                layout = (spec.strategy.value, spec.stripe_size)
-                if hybrid:  # the rank's head group's pieces
-                    target = torch.ops.cpcompile.cp_hybrid_plan.default
-                    plan_args = (cp_size, spec.head_parallel, rank, *layout)
-                elif heads:  # the same plan on every rank: the layout's order, whole documents
-                    target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
-                else:  # windows and capacity only where set: graphs without them stay as they were
-                    extras = [list(x) for x in plan_extras(spec)]
-                    target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *extras)
-                # the ranks agree on the pack in the plan op: see attention.plan_op.agree_on_plan
-                plan_args = (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args)
-                plan = insert(target, plan_args, target._opname, m.node, {"group_name": group_name})
-                plans[key] = [
-                    insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
-                ]
-                graph_point.__exit__(None, None, None)
+                with graph.inserting_before(plan_at):
+                    # T = local tokens x cp: symbolic, so one graph serves every batch size (k's: made before q may be)
+                    local = insert(torch.ops.aten.sym_size.int, (m.k if split else m.q, 0), "local_tokens")
+                    tokens = insert(operator.mul, (local, cp_size), "cp_tokens")
+                    layout = (spec.strategy.value, spec.stripe_size)
+                    if hybrid:  # the rank's head group's pieces
+                        target = torch.ops.cpcompile.cp_hybrid_plan.default
+                        plan_args = (cp_size, spec.head_parallel, rank, *layout)
+                    elif heads:  # the same plan on every rank: the layout's order, whole documents
+                        target, plan_args = torch.ops.cpcompile.cp_head_plan.default, (cp_size, *layout)
+                    else:  # windows and capacity only where set: a spec without them calls the op with its defaults
+                        extras = [list(x) for x in plan_extras(spec)]
+                        target, plan_args = torch.ops.cpcompile.cp_plan.default, (cp_size, rank, *layout, *extras)
+                    # the ranks agree on the pack in the plan op: see attention.plan_op.agree_on_plan
+                    plan_args = (m.cu_seqlens, m.cu_seqlens_padded, tokens, *plan_args)
+                    plan = insert(target, plan_args, target._opname, m.node, {"group_name": group_name})
+                    plans[key] = [
+                        insert(operator.getitem, (plan, i), field) for i, field in enumerate(AttentionPlan._fields)
+                    ]
             gather_index, cu_q, k_start, k_len_causal, k_len_full, pack_cu, pack_padded = plans[key]
             k_len = k_len_causal if m.causal else k_len_full
             q_pos = None

@@ -293,7 +293,7 @@ def _check_token_count(name: str, cu: torch.Tensor, expected: int) -> None:
 # --- cp_attention ------------------------------------------------------------------
 
 
-def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window, softcap):
+def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv_exchange, window, softcap):
     """What both directions of ``cp_attention`` run with: the group, the kernel, the plan's
     :class:`~cpcompile.plan.exchange.Exchange` (``None``: all-gather) and the kernel keywords;
     ``plan``: ``(gather_index, k_start, k_len, cu_seqlens, cu_seqlens_padded)``, the last two the pack's
@@ -301,7 +301,7 @@ def _cp_call(q, v, plan: tuple, group_name, scale, kernel_name, kv, window, soft
     check_scale_and_bound(scale, None)  # a compiled graph's constant scale, unchecked while tracing
     group = resolve_group(group_name)
     kern = kernels.select(q, kernel_name, band=beyond_gpu(window), v=v, softcap=softcap)  # before any communication
-    ex = exchange_plan(*plan, window, group_name, kv)  # kv: StrategySpec.exchange
+    ex = exchange_plan(*plan, window, group_name, kv_exchange)  # StrategySpec.exchange
     return group, kern, ex, kernel_keywords(q, scale, window, softcap)
 
 

@@ -58,11 +58,11 @@ EXCHANGE_AT = 0.75
 SETTINGS = ("auto", "always", "never")
 
 
-def use_exchange(counts: list[list[int]], t_local: int, choice: str = "auto") -> bool:
+def use_exchange(counts: list[list[int]], t_local: int, kv_exchange: str = "auto") -> bool:
     """Whether to exchange, from ``counts[r][s]`` (rows rank r reads from rank s): the
     same answer on every rank, since every rank holds the whole matrix."""
-    if choice != "auto":
-        return choice == "always"
+    if kv_exchange != "auto":
+        return kv_exchange == "always"
     cp = len(counts)
     received = [sum(row) - row[r] for r, row in enumerate(counts)]
     sent = [sum(counts[r][s] for r in range(cp)) - counts[s][s] for s in range(cp)]

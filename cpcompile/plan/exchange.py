@@ -106,28 +106,28 @@ def exchange_plan(
     cu_seqlens_padded: torch.Tensor | None,
     window: tuple[int, int],
     group_name: str,
-    choice: str,
+    kv_exchange: str,
 ):
     """The :class:`Exchange` of this rank's pieces (``k_start``, ``k_len`` ``[P]``, physical keys
     under ``window``, ``(left, right)``) of the pack of ``cu_seqlens`` and ``cu_seqlens_padded``
     (``[B + 1]`` int32, an :class:`~cpcompile.plan.pieces.AttentionPlan`'s) laid out as ``gather_index``
-    ``[T]`` says, or ``None`` where the all-gather is used; ``choice``: one of ``cost.comm.SETTINGS``
+    ``[T]`` says, or ``None`` where the all-gather is used; ``kv_exchange``: one of ``cost.comm.SETTINGS``
     (``StrategySpec.exchange``).
 
     No communication: the plan carries the whole pack, which every rank holds alike, so each rank
     derives every rank's reads itself (:func:`make_exchange`), and all reach the same answer to
     :func:`~cpcompile.cost.comm.use_exchange`. Made once per plan and window (``per_plan``) on the host, from the plan's
     host twins where it has them (:func:`cpcompile.plan.pieces.step_plan`), else from a copy (one
-    host sync), and uploaded with twins. Ranks must agree on ``choice``: the spec's ``kv`` is one of what
+    host sync), and uploaded with twins. Ranks must agree on ``kv_exchange``: the spec's ``kv`` is one of what
     ranks compare where they check agreement (``checks.agreement_enabled``: always on gloo).
 
     Without the pack's offsets (``None``: an op called without them, as the hybrid's is) the
     all-gather is used for ``"auto"``, and ``"always"`` is an error.
     """
-    if check_choice("kv_exchange", choice, SETTINGS) == "never":
+    if check_choice("kv_exchange", kv_exchange, SETTINGS) == "never":
         return None
     if cu_seqlens is None or cu_seqlens_padded is None:
-        if choice == "always":
+        if kv_exchange == "always":
             raise ValueError(
                 "kv='exchange' needs the pack's offsets (the plan's cu_seqlens and cu_seqlens_padded): "
                 "every rank's reads follow from the pack"
@@ -139,7 +139,7 @@ def exchange_plan(
     cu, padded, k_start, k_len = on_host(cu_seqlens, cu_seqlens_padded, k_start, k_len)
     layout, runs = _layout(gather_index, cp)
     pack = Pack(layout, cu, padded)
-    ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window, runs), rank, choice, runs)
+    ex = make_exchange(k_start, k_len, pack, read_ranges(pack, window, runs), rank, kv_exchange, runs)
     if ex is None:
         return None
     return ex._replace(
@@ -163,7 +163,7 @@ def make_exchange(
     pack: Pack,
     reads: tuple[torch.Tensor, ...],
     rank: int,
-    choice: str,
+    kv_exchange: str,
     runs: tuple[torch.Tensor, ...] | None = None,
 ) -> Exchange | None:
     """Rank ``rank``'s :class:`Exchange` (or ``None``: the all-gather) for its pieces ``k_start``,
@@ -182,7 +182,7 @@ def make_exchange(
     cp, t_local = layout.shape
     reader, lo, hi = with_idle(pack.cu_seqlens_padded, reads, cp)
     matrix = read_matrix(layout_runs(layout) if runs is None else runs, (reader, lo, hi), cp)
-    if not use_exchange(matrix, t_local, choice):
+    if not use_exchange(matrix, t_local, kv_exchange):
         return None
     recv_counts = [0 if s == rank else matrix[rank][s] for s in range(cp)]
     send_counts = [0 if r == rank else matrix[r][rank] for r in range(cp)]

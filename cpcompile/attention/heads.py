@@ -54,7 +54,7 @@ cp_head_plan = plan_op(
 
 
 @cp_head_plan.register_fake
-def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, strategy, stripe_size, group_name="", calls=None):
+def _(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, strategy, stripe_size, group_name="", calls=None, dims=None):
     check_fake_tokens(num_tokens, cp_size, op_spec(strategy, stripe_size))
     pieces = max_pieces(StrategySpec(Strategy.NO_LOAD_BALANCE), cu_seqlens.shape[0] - 1, num_tokens)
     return fake_plan(cu_seqlens, num_tokens, pieces)

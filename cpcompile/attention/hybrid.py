@@ -114,6 +114,7 @@ def _(
     stripe_size,
     group_name="",
     calls=None,
+    dims=None,
 ):
     spec = op_spec(strategy, stripe_size)
     check_fake_tokens(num_tokens, cp_size, spec)

@@ -32,28 +32,32 @@ def plan_op(name: str, make, parameters: str):
     returning the plan's seven tensors; ``parameters``: its schema's parameter list, given as a
     string so that the op is ``make`` itself rather than a function restating its parameters.
 
-    The op takes the keywords ``group_name`` and ``calls`` too (the compiler pass gives them: the CP
-    group, and per attention call the plan feeds what it does: its op, mask, whether its backward runs,
-    constant shapes, dtype, scale, kernel); where a group is given, its ranks agree on the plan and the
-    calls, once per step (:func:`agree_on_plan`)."""
+    The op takes the keywords ``group_name``, ``calls`` and ``dims`` too (the compiler pass gives them: the
+    CP group; per attention call the plan feeds what it does: its op, mask, whether its backward runs,
+    constant shapes, dtype, scale, kernel; and the calls' heads and head dims that are symbolic, which
+    ``calls`` cannot write down); where a group is given, its ranks agree on the plan and the calls, once
+    per step (:func:`agree_on_plan`)."""
     outputs = ", ".join(["Tensor"] * len(AttentionPlan._fields))
-    schema = f"({parameters}, *, str group_name='', str[]? calls=None) -> ({outputs})"
+    schema = f"({parameters}, *, str group_name='', str[]? calls=None, SymInt[]? dims=None) -> ({outputs})"
 
-    def run(*args, group_name="", calls=None):
+    def run(*args, group_name="", calls=None, dims=None):
         args = tuple(tuple(a) if isinstance(a, list) else a for a in args)  # int[] as tuples: per_plan keys on values
         if capturing():  # a CUDA graph replays no host work: the plan comes from a CapturedStep's slot
             return plan_in_capture(make, args)
-        plan = agree_on_plan(name, make, args, group_name, tuple(calls or ()))
+        plan = agree_on_plan(name, make, args, group_name, tuple(calls or ()), tuple(dims or ()))
         note_plan(make, args, plan)
         return plan
 
     return torch.library.custom_op(f"cpcompile::{name}", run, mutates_args=(), schema=schema, tags=NOT_CAPTURED)
 
 
-def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+def agree_on_plan(
+    name: str, make, args: tuple, group_name: str, calls: tuple[str, ...], dims: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, ...]:
     """``make(*args)``; where the ranks of group ``group_name`` agree (``checks.agreement_enabled``),
     each shares its failure, or its arguments but ``rank`` (``cu_seqlens`` by digest) and, per
-    attention call the plan feeds, its mask and whether its backward runs (``calls``), before any returns.
+    attention call the plan feeds, its mask and whether its backward runs (``calls``) and the values of
+    its symbolic heads and head dims (``dims``), before any returns.
 
     The plan op is a compiled graph's first CP op: a rank whose pack it rejected would otherwise
     leave the others waiting in the attention's collectives; the attention ops see only the plan,
@@ -83,7 +87,11 @@ def agree_on_plan(name: str, make, args: tuple, group_name: str, calls: tuple[st
         # then differ in the op alone
         shown = {k: v for k, v in bound.items() if k != "rank" and not _is_default(v, signature.parameters[k].default)}
         values = {f"{k} (the plan's)": digest(v) if isinstance(v, torch.Tensor) else v for k, v in shown.items()}
-        return {"plan op": name} | values | {"the calls it feeds (op, mask, backward, shapes, scale, kernel)": calls}
+        fed = {"the calls it feeds (op, mask, backward, shapes, scale, kernel)": calls}
+        # heads a graph takes as symbols (q, k, v its inputs, dynamic shapes): other heads on one rank would
+        # pair collectives of other sizes (gloo aborts) or exchange rows of another shape
+        symbolic = {"the calls' symbolic heads and head dims": dims} if dims else {}
+        return {"plan op": name} | values | fed | symbolic
 
     return agree_on(group, enabled, plan, record)
 
@@ -176,6 +184,7 @@ def _(
     layers=0,
     group_name="",
     calls=None,
+    dims=None,
 ):
     spec = op_spec(strategy, stripe_size, windows, capacity)
     check_fake_tokens(num_tokens, cp_size, spec)

@@ -419,6 +419,19 @@ def _describe_call(m: AttentionMatch, op: str, spec: StrategySpec) -> str:
     return f"{op}: {mask}{sinks}, {backward}{dtype}, scale {m.scale}, {transport}"
 
 
+def _symbolic_dims(m: AttentionMatch, symbols: dict) -> list[fx.Node]:
+    """The graph's inputs that hold call ``m``'s heads and head dims (q's and k's heads, q's and v's head
+    dims, as :func:`_describe_call` writes them) where they are symbols: q, k, v given as the graph's inputs
+    with dynamic shapes. The plan op compares their values (``dims``), which the call's text cannot hold.
+    ``symbols``: the graph's placeholder of each symbol. A dim that is an expression of symbols, not one,
+    is left out (it is computed after the inputs, not given: such heads come of constants of the model)."""
+    q, k, v = (x.meta.get("example_value") for x in (m.q, m.k, m.v))
+    if q is None or k is None or v is None:
+        return []
+    dims = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    return [symbols[d.node.expr] for d in dims if isinstance(d, torch.SymInt) and d.node.expr in symbols]
+
+
 def _fake_value(node: fx.Node) -> None:
     """Fill ``meta['example_value']`` of an inserted node, as Dynamo does for its own nodes."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
@@ -533,6 +546,12 @@ def rewrite_packed_attention(
 
     plans: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}
     calls: dict[tuple[fx.Node, fx.Node | None], list[str]] = {}  # per plan, what each call makes of it
+    dims: dict[tuple[fx.Node, fx.Node | None], list[fx.Node]] = {}  # per plan, its calls' symbolic heads
+    symbols = {
+        n.meta["example_value"].node.expr: n
+        for n in graph.find_nodes(op="placeholder")
+        if isinstance(n.meta.get("example_value"), torch.SymInt)
+    }
     ring_ranges: dict[tuple, list[fx.Node]] = {}
     window_keys: dict[tuple, list[fx.Node]] = {}
 
@@ -698,6 +717,7 @@ def rewrite_packed_attention(
                     (op_kwargs or {}) | m.op_extras or None,
                 )
             calls.setdefault(key, []).append(_describe_call(m, name, spec))
+            dims.setdefault(key, []).extend(_symbolic_dims(m, symbols))
             if split:
                 _defer_query_path(graph, m.q, pending)
         for user in [u for u in m.node.users if not u.users]:  # unpacked, unread: maybe past cp's outputs
@@ -717,7 +737,7 @@ def rewrite_packed_attention(
     # the partitioner save the op itself, and it cannot save a tuple (the compile fails).
     for key, (index, *_) in plans.items():
         plan = index.args[0]
-        plan.kwargs = {**plan.kwargs, "calls": calls[key]}
+        plan.kwargs = {**plan.kwargs, "calls": calls[key]} | ({"dims": dims[key]} if dims[key] else {})
     _erase_unread(graph, set(graph.nodes) - own, freed)
 
 

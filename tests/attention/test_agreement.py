@@ -212,6 +212,14 @@ def _compiled_ranks_disagree(rank: int, world: int) -> None:
     with torch.no_grad():  # on every rank: each raises its own error
         error = expect(refused, dict(value="no_load_balance"), cu, failed)
     assert "rejected its arguments" not in str(error.value)
+    # q, k, v given to the graph with other head counts per rank: with dynamic shapes the heads are
+    # symbols, not constants of the calls; their values are compared all the same (else the
+    # all-gathers and head all-to-alls pair different sizes: gloo aborts, the exchange runs wrong)
+    q = torch.randn(8, 4 if rank else 2, 4)
+    heads = r"disagree on the calls' symbolic heads and head dims \(rank 0: \(2, 2, 4, 4\); rank 1: \(4, 4, 4, 4\)\)"
+    for kv in ("all_gather", "exchange", "ring"):
+        expect(heads, dict(value="no_load_balance", kv=kv), cu)
+    expect(heads, dict(value="no_load_balance", kv="heads", head_parallel=2), cu)
 
 
 def _unshard_of_other_batches(rank: int, world: int) -> None:

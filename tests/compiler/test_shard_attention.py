@@ -84,7 +84,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1'], dims = [s34, s25, s0, s0]);  l_cu_seqlens_ = cp_tokens = s34 = s25 = s0 = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -136,7 +136,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1'], dims = [s34, s25, s0, s0]);  l_cu_seqlens_ = cp_tokens = s34 = s25 = s0 = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
@@ -167,8 +167,8 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(
             "\n".join(plans),
             """\
-%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
-%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, no_load_balance, 1), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1], dims: [%s34, %s25, %s0, %s0]}) -> torch.Size([Min(s85, 2*s40 - 2) + 1])
+%cp_plan : [num_users=6] = call_function[target=torch.ops.cpcompile.cp_plan.default](args = (%l_cu_seqlens_, None, %cp_tokens, 2, 1, striped, 4), kwargs = {group_name: 0, calls: [cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1], dims: [%s34, %s25, %s0, %s0]}) -> torch.Size([Min(s85, 2*s40 + ((s85//4)) - 2) + 1])""",
         )
 
     def test_layers_share_one_plan(self):
@@ -185,7 +185,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1'], dims = [primals_2, primals_5, primals_3, primals_3]);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]
@@ -361,7 +361,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1', 'cp_ring_attention: full, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 1, 'striped', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1', 'cp_ring_attention: full, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1'], dims = [s34, s25, s0, s0, s34, s25, s0, s0]);  l_cu_seqlens_ = cp_tokens = s34 = s25 = s0 = None
 
         gather_index: "i64[2*s85]" = cp_plan[0]
         cu_q: "i32[Min(s85, 2*s40 + s85 - 2) + 1]" = cp_plan[1]
@@ -397,7 +397,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s85)", primals_2: "Sym(s34)", primals_3: "Sym(s0)", primals_4: "f32[s85, s34, s0]", primals_5: "Sym(s25)", primals_6: "f32[s85, s25, s0]", primals_7: "f32[s85, s25, s0]", primals_8: "Sym(s40)", primals_9: "i32[s40]", primals_10: "Sym(s7)"):
         mul: "Sym(2*s85)" = primals_1 * 2
 
-        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1']);  primals_9 = mul = None
+        cp_plan = torch.ops.cpcompile.cp_plan.default(primals_9, None, mul, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_ring_attention: causal, backward, torch.float32, scale None, kernel None, kv ring, kv_chunks 1'], dims = [primals_2, primals_5, primals_3, primals_3]);  primals_9 = mul = None
         getitem: "i64[2*s85]" = cp_plan[0]
         getitem_1: "i32[Min(s85, 3*s40 - 3) + 1]" = cp_plan[1]
         getitem_2: "i32[Min(s85, 3*s40 - 3)]" = cp_plan[2]

@@ -164,7 +164,7 @@ class FlashAttnGraphs(base.FakeGroupTestCase):
         self.assertExpectedInline(
             self.backend_graph(fa2_model),
             """\
-cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale item_1, kernel None, kv auto, kv_chunks 1']);  l_cu_ = cp_tokens = None
+cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale item_1, kernel None, kv auto, kv_chunks 1'], dims = [s34, s25, s0, s0]);  l_cu_ = cp_tokens = s34 = s25 = s0 = None
 gather_index: "i64[2*s85]" = cp_plan[0]
 cu_q: "i32[Min(s85, 3*s42 - 3) + 1]" = cp_plan[1]
 k_start: "i32[Min(s85, 3*s42 - 3)]" = cp_plan[2]
@@ -181,7 +181,7 @@ return (getitem,)
         self.assertExpectedInline(
             self.backend_graph(fa3_model, kept=("cp_attention", "return")),
             """\
-cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1']);  l_cu_ = cp_tokens = None
+cp_plan = torch.ops.cpcompile.cp_plan.default(l_cu_, None, cp_tokens, 2, 1, 'dual_chunk_swap', 1, group_name = '0', calls = ['cp_attention: causal, backward, torch.float32, scale None, kernel None, kv auto, kv_chunks 1'], dims = [s34, s25, s0, s0]);  l_cu_ = cp_tokens = s34 = s25 = s0 = None
 cp_attention = torch.ops.cpcompile.cp_attention.default(l_q_, l_k_, l_v_, gather_index, cu_q, k_start, k_len_causal, '0', True, None, l_m_, mul_1, None, 'auto', 1, cu_seqlens = cu_seqlens, cu_seqlens_padded = cu_seqlens_padded);  l_q_ = l_k_ = l_v_ = gather_index = cu_q = k_start = k_len_causal = l_m_ = mul_1 = cu_seqlens = cu_seqlens_padded = None
 out: "f32[s85, s34, s0]" = cp_attention[0]
 lse: "f32[s34, s85]" = cp_attention[1];  cp_attention = None

@@ -37,7 +37,7 @@ class GraphModule(torch.nn.Module):
         local_tokens: "Sym(s85)" = torch.ops.aten.sym_size.int(l_q_, 0)
         cp_tokens: "Sym(2*s85)" = local_tokens * 2;  local_tokens = None
 
-        cp_head_plan = torch.ops.cpcompile.cp_head_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 'no_load_balance', 1, group_name = '0', calls = ['cp_head_attention: causal, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1', 'cp_head_attention: full, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1']);  l_cu_seqlens_ = cp_tokens = None
+        cp_head_plan = torch.ops.cpcompile.cp_head_plan.default(l_cu_seqlens_, None, cp_tokens, 2, 'no_load_balance', 1, group_name = '0', calls = ['cp_head_attention: causal, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1', 'cp_head_attention: full, backward, torch.float32, scale None, kernel None, kv heads, kv_chunks 1'], dims = [s34, s25, s0, s0, s34, s25, s0, s0]);  l_cu_seqlens_ = cp_tokens = s34 = s25 = s0 = None
 
         gather_index: "i64[2*s85]" = cp_head_plan[0]
         cu_q: "i32[Min(2*s85, 2*s40 - 2) + 1]" = cp_head_plan[1]

@@ -38,7 +38,9 @@ from cpcompile.spec import (
     resolve_strategy,
 )
 
-DEFAULT_PAD_VALUES = {"labels": -100}
+#: Padding rows' fill of the label tensors: the index losses ignore (-100, PyTorch's and transformers'),
+#: so that no padding row is counted; ``shift_labels`` is the name transformers' loss reads first.
+DEFAULT_PAD_VALUES = {"labels": -100, "shift_labels": -100}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +170,7 @@ def shard_batch(
     Args:
         tensors: name -> ``[T, ...]`` with ``T = cu_seqlens[-1]`` (input_ids, labels, ...).
         cu_seqlens: ``[B + 1]`` int32 cumulative real document lengths.
-        pad_values: fill value per name for padding rows (default 0; -100 for ``labels``).
+        pad_values: fill value per name for padding rows (default 0; -100 for ``labels`` and ``shift_labels``).
         device: where the step runs (default: where the inputs are).
         strategy: the layout (a strategy or spec; default the active one, ``dual_chunk_swap`` outside every
             :func:`cpcompile.strategy` block). Attention takes no default: run it inside

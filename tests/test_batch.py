@@ -24,7 +24,7 @@ def test_shard_batch_pads_then_selects(strategy):
     emb = torch.randn(15, 3)
     for rank in range(3):
         b = cpcompile.shard_batch(
-            {"input_ids": ids, "labels": ids, "emb": emb},
+            {"input_ids": ids, "labels": ids, "shift_labels": ids, "emb": emb},
             cu,
             cp_size=3,
             rank=rank,
@@ -35,7 +35,8 @@ def test_shard_batch_pads_then_selects(strategy):
         held = b.indices.tolist()
         assert torch.equal(b.cu_seqlens, cu) and b.strategy.value == strategy and (b.cp_size, b.rank) == (3, rank)
         assert torch.equal(b.tensors["input_ids"], _brute_force(ids, lengths, padded, 7, held))
-        assert torch.equal(b.tensors["labels"], _brute_force(ids, lengths, padded, -100, held))
+        for name in ("labels", "shift_labels"):  # padding rows ignored by the loss
+            assert torch.equal(b.tensors[name], _brute_force(ids, lengths, padded, -100, held))
         assert torch.equal(b.tensors["emb"], _brute_force(emb, lengths, padded, 0.0, held))
         assert torch.equal(
             b.indices, cpcompile.layouts.partition_indices(b.cu_seqlens_padded, cp_size=3, rank=rank, strategy=strategy)
@@ -287,7 +288,9 @@ def test_auto_decided_with_a_topology_inside_an_auto_block_is_refused():
         assert cpcompile.shard_batch(x, cu, cp_size=4, rank=0).spec.kv == "auto"
 
 
-@pytest.mark.parametrize("spec", [cpcompile.StrategySpec("balanced"), cpcompile.StrategySpec("balanced", windows=(4, -1))])
+@pytest.mark.parametrize(
+    "spec", [cpcompile.StrategySpec("balanced"), cpcompile.StrategySpec("balanced", windows=(4, -1))]
+)
 def test_the_step_finds_the_plan_the_batch_made_ahead(spec):
     """The ``cp_plan`` op's function, with the arguments a compiled call gives it (windows and capacity
     at their schema defaults where the spec has none), returns the plan ``shard_batch(..., device=...)``

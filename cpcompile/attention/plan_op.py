@@ -149,10 +149,7 @@ def step_plan_in_layers(
     """:func:`cpcompile.plan.pieces.step_plan`, and where ``layers`` > 0 (the plan feeds captured attention),
     :func:`check_layers`: a pack beyond the captured backward's layers fails here, on the host,
     before the step, not in the graph."""
-    # the extras only where set, as plan_extras gives them: the per_plan key of the plan the data loader
-    # made ahead (shard_batch(..., device=...)), which the step then finds instead of making it again
-    extras = (windows, capacity) if capacity else (windows,) if windows else ()
-    plan = step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, *extras)
+    plan = step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows, capacity)
     if layers:
         check_layers(plan.cu_q, plan.k_start, plan.k_len_causal, plan.k_len_full, layers, rank)
     return plan

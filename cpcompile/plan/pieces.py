@@ -221,9 +221,8 @@ def _offsets(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> dict[
 
 def plan_extras(spec: StrategySpec) -> tuple:
     """The arguments after ``stripe_size`` that :func:`step_plan` (and the ``cp_plan`` op) take for
-    ``spec``: its windows, then its capacity, each only where set: without them the ``cp_plan`` call is
-    the one of the schema's defaults, and :func:`step_plan`'s ``per_plan`` key its first seven arguments
-    wherever this function builds the call."""
+    ``spec``: its windows, then its capacity, each only where set, so that without them the ``cp_plan``
+    call in a graph is the one of the schema's defaults."""
     if spec.capacity is not None:
         return tuple(spec.windows), tuple(spec.capacity)
     return (tuple(spec.windows),) if spec.windows else ()
@@ -267,7 +266,6 @@ def every_rank_key_ranges(
     return row[live], pack.cu_seqlens_padded.long()[d], (pos + length)[live], real_len[d]
 
 
-@per_plan
 def step_plan(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None,
@@ -288,9 +286,19 @@ def step_plan(
     metadata derived from it later reads its sizes without a sync
     (:mod:`cpcompile.cache`). ``strategy``: a :class:`Strategy` value (``auto`` is
     resolved here, alike on every rank); ``windows``, ``capacity``: the spec's (``()``: none).
+
+    Every argument is passed on, defaults included, so that one plan has one ``per_plan`` key however
+    it is asked for (the data loader's ``shard_batch(..., device=...)`` ahead of the step, the
+    ``cp_plan`` op in it).
     """
-    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens}
-    kw |= {"windows": tuple(windows), "capacity": tuple(capacity)}
+    args = (cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size)
+    return _step_plan(*args, tuple(windows), tuple(capacity))
+
+
+@per_plan
+def _step_plan(cu_seqlens, cu_seqlens_padded, num_tokens, cp_size, rank, strategy, stripe_size, windows, capacity):
+    """:func:`step_plan`, cached on all its arguments."""
+    kw = {"cp_size": cp_size, "rank": rank, "num_tokens": num_tokens, "windows": windows, "capacity": capacity}
     return _made_on_host(plan_of, cu_seqlens, cu_seqlens_padded, strategy, stripe_size, **kw)
 
 
